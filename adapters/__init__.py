@@ -1,0 +1,1 @@
+"""Engine adapters, imported as ``kvxfer.adapters`` (``kvxfer.adapters.vllm``)."""

@@ -1,0 +1,99 @@
+"""kvxfer: move a prompt's KV cache from a prefill instance into a decode instance.
+
+``import kvxfer`` is light: it loads the pure core lazily and never imports nixl,
+torch, zmq, pyverbs or vllm. Those load where they are used.
+
+The embedding API in one glance::
+
+    from kvxfer import Agent, AgentConfig, KVLayout
+
+    with Agent(AgentConfig(engine_id="prefill-0", role=Role.PRODUCER)) as agent:
+        agent.register(layout)
+        agent.serve()
+        ...
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvxfer._version import PROTOCOL_VERSION, __version__
+from kvxfer.errors import *  # noqa: F403
+from kvxfer.errors import __all__ as _errors_all
+
+# Public name -> module that defines it; imported on first attribute access so that
+# `import kvxfer` stays cheap (numpy and msgspec load only when needed).
+_LAZY: dict[str, str] = {
+    # layout
+    "KVLayout": "kvxfer.layout",
+    "Region": "kvxfer.layout",
+    "Group": "kvxfer.layout",
+    "GroupKind": "kvxfer.layout",
+    "SplitAxis": "kvxfer.layout",
+    "MemKind": "kvxfer.layout",
+    "KVPart": "kvxfer.layout",
+    # descriptors
+    "DescriptorTable": "kvxfer.descriptors",
+    "Plan": "kvxfer.descriptors",
+    "PlanOptions": "kvxfer.descriptors",
+    "build_plan": "kvxfer.descriptors",
+    "chunk_size": "kvxfer.descriptors",
+    # compat
+    "Fingerprint": "kvxfer.compat",
+    "check_layout": "kvxfer.compat",
+    # config
+    "TransferConfig": "kvxfer.config",
+    "Role": "kvxfer.config",
+    "BufferDevice": "kvxfer.config",
+    "Direction": "kvxfer.config",
+    "parse_kv_transfer_config": "kvxfer.config",
+    # runtime
+    "Agent": "kvxfer.agent",
+    "AgentConfig": "kvxfer.agent",
+    "Ticket": "kvxfer.agent",
+    "Transfer": "kvxfer.transfer",
+    "TransferState": "kvxfer.transfer",
+    "TransferStats": "kvxfer.transfer",
+}
+
+__all__ = [  # noqa: PLE0604
+    "PROTOCOL_VERSION",
+    "__version__",
+    *_errors_all,
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
+    from kvxfer.agent import Agent, AgentConfig, Ticket
+    from kvxfer.compat import Fingerprint, check_layout
+    from kvxfer.config import (
+        BufferDevice,
+        Direction,
+        Role,
+        TransferConfig,
+        parse_kv_transfer_config,
+    )
+    from kvxfer.descriptors import (
+        DescriptorTable,
+        Plan,
+        PlanOptions,
+        build_plan,
+        chunk_size,
+    )
+    from kvxfer.layout import GroupKind, Group, KVLayout, KVPart, MemKind, Region, SplitAxis
+    from kvxfer.transfer import Transfer, TransferState, TransferStats

