@@ -1,0 +1,1 @@
+"""The `kvxfer` command's subcommands, one module each (imported on use)."""
