@@ -1,0 +1,194 @@
+"""The backend contract: the one boundary between kvxfer and a data plane.
+
+A backend moves bytes between registered memory of two processes. It speaks only
+kvxfer's own types (layouts, descriptor tables as numpy arrays, enums, bytes); nothing
+it returns is a NIXL, UCX or torch object. The :class:`~kvxfer.agent.Agent` owns every
+policy (leases, deadlines, retries, which blocks go); a backend owns only the mechanism.
+
+Lifecycle, as the agent drives it::
+
+    be = Backend(options)                # one per agent / worker process
+    exposed = be.register(layout)        # the layout peers will address
+    be.prepare_local(local_table)        # once: the local descriptor table
+    peer = be.add_peer(metadata, remote_table)   # once per (peer, incarnation)
+    h = be.post(XferOp.READ, peer, local_ids, remote_ids, notif)  # per request
+    be.status(h) -> XferStatus           # non-blocking, from the engine's step loop
+    be.release(h)
+    be.drain_notifications()             # (peer name, payload) pairs
+    be.remove_peer(peer); be.close()     # teardown in reverse order
+
+Implementations: ``ucx`` (NIXL over UCX), ``host_bounce`` (staging buffers, then
+``ucx``), ``nixl_rbln`` (NPU memory through nixl-rbln), and the fault-injecting ``fake``
+in :mod:`kvxfer.testing`. Every one passes :mod:`kvxfer.testing.conformance`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, NewType
+
+import msgspec
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from kvxfer.descriptors import DescriptorTable
+    from kvxfer.layout import KVLayout, MemKind
+
+__all__ = [
+    "BACKEND_API_VERSION",
+    "Backend",
+    "BackendOptions",
+    "Capabilities",
+    "PeerHandle",
+    "XferHandle",
+    "XferOp",
+    "XferStatus",
+]
+
+#: Bumped on incompatible changes of this contract; the registry refuses backends
+#: declaring another version.
+BACKEND_API_VERSION = 1
+
+PeerHandle = NewType("PeerHandle", str)
+"""Opaque name of a connected peer (unique per peer incarnation)."""
+
+XferHandle = NewType("XferHandle", int)
+"""Opaque id of one posted transfer."""
+
+
+class XferOp(enum.Enum):
+    """Direction of a one-sided transfer, seen from the initiator."""
+
+    READ = "read"  # pull: initiator reads the peer's memory into its own
+    WRITE = "write"  # push: initiator writes its memory into the peer's
+
+
+class XferStatus(enum.Enum):
+    """State of a posted transfer as the backend sees it."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend can do; the agent checks these instead of backend names."""
+
+    name: str
+    mem_kinds: frozenset[MemKind]
+    device_to_device: bool
+    """Moves device memory directly (chunk_mode / swa_window_mode / push_stream need it)."""
+    stages_through_host: bool = False
+    """Copies device blocks into host staging buffers around each transfer."""
+    merges_contiguous: bool = True
+    """Posting merges descriptors contiguous on both sides into one transfer unit."""
+
+
+class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options every backend accepts; backend-specific ones go in ``extra``."""
+
+    agent_name: str
+    """Name unique to this process incarnation; peers address it by this name."""
+    rails: tuple[str, ...] = ()
+    """RDMA devices (``mlx5_0:1`` style) to pin the data plane to; empty = transport default."""
+    stripe_width: int | None = None
+    """None: one rail per transfer; 0: every rail both peers share."""
+    progress_thread: bool = False
+    """NIXL's own progress thread; off by default because it spins a core while idle."""
+    extra: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Backend(ABC):
+    """Abstract data plane. Subclasses are registered in the ``kvxfer.backends`` group.
+
+    Thread-safety: the agent calls a backend from its own progress thread and from the
+    engine's thread; implementations serialise access to their transport themselves.
+    """
+
+    name: ClassVar[str]
+    api_version: ClassVar[int] = BACKEND_API_VERSION
+
+    @abstractmethod
+    def __init__(self, options: BackendOptions) -> None: ...
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend supports."""
+
+    @property
+    @abstractmethod
+    def agent_name(self) -> str:
+        """The name peers use for this endpoint (from :class:`BackendOptions`)."""
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """Connection blob a peer passes to :meth:`add_peer` (sent in the handshake)."""
+
+    @abstractmethod
+    def register(self, layout: KVLayout) -> KVLayout:
+        """Register the memory described by ``layout``.
+
+        Returns the layout peers will address: the same one for direct backends, the
+        host staging buffers' layout for ``host_bounce``.
+        """
+
+    @abstractmethod
+    def prepare_local(self, table: DescriptorTable) -> None:
+        """Prepare the local descriptor table once, so posts pass only indices."""
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
+        """Connect to a peer from its metadata and prepare its descriptor table."""
+
+    @abstractmethod
+    def remove_peer(self, peer: PeerHandle) -> None:
+        """Forget a peer; transfers still posted to it fail."""
+
+    @abstractmethod
+    def post(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        """Post one transfer of paired descriptors; ``notification`` reaches the peer
+        only after every byte landed. Raises :class:`~kvxfer.errors.BackendError` when
+        the transport refuses the request."""
+
+    @abstractmethod
+    def status(self, handle: XferHandle) -> XferStatus:
+        """Non-blocking state of a posted transfer (drives the transport's progress)."""
+
+    @abstractmethod
+    def release(self, handle: XferHandle) -> None:
+        """Release a transfer handle (done, failed or abandoned)."""
+
+    @abstractmethod
+    def notify(self, peer: PeerHandle, payload: bytes) -> None:
+        """Send a small message to a peer outside any transfer."""
+
+    @abstractmethod
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Return and forget the notifications received so far as (agent name, payload)."""
+
+    def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
+        """Make device blocks readable by peers (host staging copies them out)."""
+
+    def stage_in(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
+        """Move landed blocks into device memory (host staging copies them in)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every handle in dependency order; idempotent."""
+
+
+def check_mem_kind(caps: Capabilities, kind: MemKind) -> bool:
+    """Whether a backend can register memory of ``kind``."""
+    return kind in caps.mem_kinds

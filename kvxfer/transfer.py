@@ -1,0 +1,171 @@
+"""One posted transfer as the engine sees it: pollable, awaitable, never ambiguous.
+
+A :class:`Transfer` is what :meth:`Agent.pull <kvxfer.agent.Agent.pull>` and the push
+calls return. Its state only moves forward (PENDING → DONE | FAILED); DONE means every
+byte landed (the backend reported completion, and for host bounce the staging copy-in
+finished); FAILED carries the exact local blocks that are not valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import msgspec
+
+from kvxfer.errors import KvxferError, TransferError, TransferTimeout
+
+__all__ = ["FailureKind", "Transfer", "TransferState", "TransferStats"]
+
+
+class TransferState(enum.Enum):
+    """Lifecycle of a transfer; it only moves forward."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class FailureKind(enum.Enum):
+    """Why a transfer failed, for stats and for the engine's recovery policy."""
+
+    HANDSHAKE = "handshake"  # the peer could not be reached or refused us
+    POST = "post"  # the transport refused the request
+    TRANSPORT = "transport"  # the transport reported an error while moving bytes
+    TIMEOUT = "timeout"  # no completion before the deadline
+    PEER_GONE = "peer_gone"  # the peer died, restarted or released the blocks
+    ABORTED = "aborted"  # the engine or the peer aborted the request
+
+
+class TransferStats(msgspec.Struct, kw_only=True):
+    """Per-transfer measurements (seconds, bytes)."""
+
+    request_id: str
+    bytes: int = 0
+    descriptors: int = 0
+    plan_s: float = 0.0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
+    failure: FailureKind | None = None
+
+
+class Transfer:
+    """A transfer in flight.
+
+    Engines poll it from their step loop (:meth:`poll` never blocks), block on it
+    (:meth:`wait`) or ``await`` it.
+
+    Attributes:
+        request_id: The engine's request id this transfer serves.
+        local_blocks: The local block ids it writes, one tuple per KV group.
+        stats: Bytes, descriptors and timings; ``failure`` once failed.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        local_blocks: tuple[tuple[int, ...], ...],
+        *,
+        progress: Callable[[], None],
+        deadline: float,
+    ) -> None:
+        self.request_id = request_id
+        self.local_blocks = local_blocks
+        self.stats = TransferStats(request_id=request_id)
+        self.deadline = deadline
+        self._progress = progress
+        self._state = TransferState.PENDING
+        self._error: KvxferError | None = None
+        self._done = threading.Event()
+        self._started = time.perf_counter()
+        self.meta: dict[str, Any] = {}  # agent bookkeeping (handles, peer)
+
+    # -- read side ----------------------------------------------------------------
+    @property
+    def state(self) -> TransferState:
+        """Current state (does not drive progress; see :meth:`poll`)."""
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        """True once DONE or FAILED."""
+        return self._state is not TransferState.PENDING
+
+    @property
+    def error(self) -> KvxferError | None:
+        """Why it failed, or None."""
+        return self._error
+
+    @property
+    def invalid_blocks(self) -> tuple[int, ...]:
+        """Local blocks that did not land (every block of a failed transfer), sorted."""
+        if self._state is not TransferState.FAILED:
+            return ()
+        return tuple(sorted({b for group in self.local_blocks for b in group}))
+
+    def poll(self) -> TransferState:
+        """Drive progress once without blocking and return the state."""
+        if self._state is TransferState.PENDING:
+            self._progress()
+        return self._state
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer settles.
+
+        Raises:
+            TransferError: it failed (``invalid_blocks`` on the error).
+            TransferTimeout: ``timeout`` passed first (the transfer itself goes on).
+        """
+        limit = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is TransferState.PENDING:
+            remaining = None if limit is None else limit - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransferTimeout(
+                    f"transfer {self.request_id} still pending after {timeout}s",
+                    self.invalid_blocks,
+                )
+            self._done.wait(0.001 if remaining is None else min(0.001, remaining))
+        self._raise_if_failed()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        async def _wait() -> None:
+            while self.poll() is TransferState.PENDING:
+                await asyncio.sleep(0.001)
+            self._raise_if_failed()
+
+        return _wait().__await__()
+
+    def _raise_if_failed(self) -> None:
+        if self._state is TransferState.FAILED:
+            err = self._error
+            if isinstance(err, TransferError):
+                raise err
+            raise TransferError(
+                f"transfer {self.request_id} failed: {err}", self.invalid_blocks
+            ) from err
+
+    # -- agent side -----------------------------------------------------------------
+    def _settle(self, state: TransferState, error: KvxferError | None = None) -> bool:
+        """Move to DONE or FAILED once; returns False if already settled."""
+        if self._state is not TransferState.PENDING:
+            return False
+        self.stats.transfer_s = time.perf_counter() - self._started
+        if state is TransferState.FAILED:
+            if error is None:
+                error = TransferError(f"transfer {self.request_id} failed")
+            if not isinstance(error, TransferError):
+                wrapped = TransferError(f"transfer {self.request_id} failed: {error}")
+                wrapped.__cause__ = error
+                error = wrapped
+            error.invalid_blocks = tuple(sorted({b for g in self.local_blocks for b in g}))
+            self._error = error
+        self._state = state
+        self._done.set()
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Transfer {self.request_id} {self._state.value} {self.stats.bytes}B>"
