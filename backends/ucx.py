@@ -164,7 +164,7 @@ class UcxBackend(Backend):
             if self._registered is not None:
                 raise RegistrationError("this backend already registered a layout")
             for (kind, device), spans in _region_extents(layout).items():
-                descs = [(start, end - start, device) for start, end in spans]
+                descs = [(start, end - start, device, "") for start, end in spans]
                 try:
                     reg = self._nixl.register_memory(descs, _NIXL_MEM[kind], [self._plugin])
                 except Exception as exc:
