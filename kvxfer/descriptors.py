@@ -1,0 +1,548 @@
+"""Descriptor tables and transfer plans (R-DESC).
+
+A :class:`DescriptorTable` lists every descriptor ``(addr, length, device)`` of a
+registered cache in a fixed order, so a descriptor is named by its row number (id):
+
+* section *whole*: one descriptor per (region, block), ``id = region * num_blocks +
+  block``;
+* section *chunk* (``chunk_mode`` with chunks smaller than a descriptor): each whole
+  descriptor cut into ``K = tokens_per_desc / chunk`` chunks, ``id = chunk_offset +
+  (region * num_blocks + block) * K + k``;
+* section *window* (``swa_window_mode``, sliding groups whose window granule is smaller
+  than a descriptor and is not already a chunk): per region of such a group, blocks cut
+  into ``K`` units, ``id = window_offset[region] + block * K + k``.
+
+Both instances build the *remote* table from the remote layout received in the
+handshake (with the local options), so tables never travel on the wire.
+:func:`build_plan` turns a request's local and remote block ids into two id arrays
+that pair by position; :meth:`Plan.runs` gathers addresses and merges runs that are
+contiguous on both sides. Everything per descriptor is numpy; Python loops run per
+group or per section only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
+from kvxfer.layout import GroupKind, KVLayout
+
+__all__ = [
+    "TOKEN_MAJOR_LAYOUTS",
+    "BlockIds",
+    "DescriptorTable",
+    "Plan",
+    "PlanOptions",
+    "Runs",
+    "build_plan",
+    "chunk_size",
+]
+
+IntArray = npt.NDArray[np.int64]
+UIntArray = npt.NDArray[np.uint64]
+BoolArray = npt.NDArray[np.bool_]
+
+#: One group's block ids, or one entry per group.
+BlockIds = Sequence[int] | IntArray | Sequence[Sequence[int] | IntArray]
+
+#: In-block orders where a token's bytes are contiguous (chunks and granules need it).
+TOKEN_MAJOR_LAYOUTS = frozenset({"NHD"})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class PlanOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How requests are cut into descriptors.
+
+    Attributes:
+        chunk_mode: send only the chunks of the request's last block that hold tokens.
+        chunk_tokens: lower bound of the chunk size in tokens; ``None`` means one
+            prefill step. Below one prefill step is rejected.
+        prefill_step_tokens: tokens of one prefill step (``max_num_batched_tokens``).
+        swa_window_mode: send only the window granules of sliding-window groups.
+        coalesce: merge runs contiguous on both sides (the default of :meth:`Plan.runs`).
+    """
+
+    chunk_mode: bool = False
+    chunk_tokens: int | None = None
+    prefill_step_tokens: int | None = None
+    swa_window_mode: bool = False
+    coalesce: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_mode", "swa_window_mode", "coalesce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "must be a bool")
+        for name in ("chunk_tokens", "prefill_step_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ConfigError(name, value, "must be a positive int or unset")
+        step = self.prefill_step_tokens
+        if self.chunk_tokens is not None and step is not None and self.chunk_tokens < step:
+            raise ConfigError(
+                "chunk_tokens",
+                self.chunk_tokens,
+                f"below one prefill step ({step} tokens): a step must close at most one chunk",
+            )
+        if self.chunk_mode and self.chunk_bound is None:
+            raise ConfigError(
+                "chunk_tokens", None, "chunk_mode needs chunk_tokens or prefill_step_tokens"
+            )
+
+    @property
+    def chunk_bound(self) -> int | None:
+        """The chunk size lower bound: ``chunk_tokens``, else one prefill step."""
+        return self.chunk_tokens if self.chunk_tokens is not None else self.prefill_step_tokens
+
+
+def chunk_size(range_tokens: int, chunk_tokens: int) -> int:
+    """The smallest ``s >= chunk_tokens`` dividing ``range_tokens``.
+
+    ``range_tokens`` is the token range one descriptor covers; a bound at or above it
+    gives the whole range (no chunking). Example: range 16 → bound 5 gives 8, 16 gives
+    16, 20 gives 16.
+
+    Raises:
+        ConfigError: ``chunk_tokens`` is not a positive int.
+        PlanError: ``range_tokens`` is not a positive int.
+    """
+    if not _is_int(range_tokens) or range_tokens < 1:
+        raise PlanError(f"range_tokens={range_tokens!r}: must be a positive int")
+    if not _is_int(chunk_tokens) or chunk_tokens < 1:
+        raise ConfigError("chunk_tokens", chunk_tokens, "must be a positive int")
+    if chunk_tokens >= range_tokens:
+        return range_tokens
+    best = range_tokens
+    for d in range(1, math.isqrt(range_tokens) + 1):
+        if range_tokens % d == 0:
+            for s in (d, range_tokens // d):
+                if chunk_tokens <= s < best:
+                    best = s
+    return best
+
+
+class _Section(enum.IntEnum):
+    WHOLE = 0
+    CHUNK = 1
+    WINDOW = 2
+
+
+class _GroupCut(NamedTuple):
+    """How one group's descriptors are cut for plans."""
+
+    regions: IntArray  # region indices of the group, ascending
+    unit: int  # tokens per unit for last-block / window selection
+    section: _Section  # the table section holding units of that size
+    window: int  # sliding window in tokens when window selection applies, else 0
+
+
+def _group_cuts(layout: KVLayout, options: PlanOptions) -> tuple[int, tuple[_GroupCut, ...]]:
+    """Chunk size and the per-group cut; raises ConfigError for impossible modes."""
+    tokens = layout.tokens_per_desc
+    bound = options.chunk_bound
+    chunk = chunk_size(tokens, bound) if options.chunk_mode and bound is not None else tokens
+    group_of = np.array([r.group for r in layout.regions], dtype=np.int64)
+    cuts = []
+    for g, group in enumerate(layout.groups):
+        unit, window = chunk, 0
+        if options.swa_window_mode and group.kind is GroupKind.SLIDING:
+            window = group.window
+            if layout.block_size % window:
+                raise ConfigError(
+                    "swa_window_mode",
+                    True,
+                    f"group {g}: block_size {layout.block_size} is not a multiple of the "
+                    f"sliding window {window}",
+                )
+            if tokens % window and window % tokens:
+                raise ConfigError(
+                    "swa_window_mode",
+                    True,
+                    f"group {g}: window {window} and the {tokens}-token range of one "
+                    "descriptor do not divide one another",
+                )
+            # A unit must lie inside one granule and (chunk_mode) inside one chunk.
+            unit = math.gcd(min(window, tokens), chunk)
+        if unit == tokens:
+            section = _Section.WHOLE
+        elif unit == chunk:
+            section = _Section.CHUNK
+        else:
+            section = _Section.WINDOW
+        if section is not _Section.WHOLE and layout.kv_layout not in TOKEN_MAJOR_LAYOUTS:
+            key = "chunk_mode" if unit == chunk else "swa_window_mode"
+            raise ConfigError(key, True, f"needs a token-major kv_layout, not {layout.kv_layout!r}")
+        cuts.append(_GroupCut(np.flatnonzero(group_of == g), unit, section, window))
+    return chunk, tuple(cuts)
+
+
+def _readonly(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.setflags(write=False)
+    return a
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DescriptorTable:
+    """Every descriptor of one registered cache, in a fixed order (see module doc).
+
+    Build with :meth:`build`. ``addr`` and ``length`` are uint64, ``device`` int64;
+    the arrays are read-only.
+    """
+
+    layout: KVLayout
+    options: PlanOptions
+    addr: UIntArray
+    length: UIntArray
+    device: IntArray
+    chunk_tokens: int  # chunk size (tokens_per_desc when chunks are off)
+    chunk_offset: int  # first id of the chunk section (len(table) when absent)
+    window_offset: IntArray  # first id of each region in the window section, or -1
+    _cuts: tuple[_GroupCut, ...]
+    _shard_start: IntArray  # first token of each region's descriptor within a block
+    _key: tuple[Any, ...]  # what two tables must share to be paired
+
+    @classmethod
+    def build(cls, layout: KVLayout, options: PlanOptions | None = None) -> DescriptorTable:
+        """Lay out all descriptors of ``layout`` for ``options``.
+
+        Raises:
+            ConfigError: the options cannot cut this layout (window not dividing the
+                block size, a non-token-major ``kv_layout`` with chunks or granules).
+        """
+        options = options if options is not None else PlanOptions()
+        chunk, cuts = _group_cuts(layout, options)
+        tokens = layout.tokens_per_desc
+        nb = layout.num_blocks
+        regions = layout.regions
+        base = np.array([r.base for r in regions], dtype=np.uint64)
+        stride = np.array([r.stride for r in regions], dtype=np.uint64)
+        block_len = np.array([r.block_len for r in regions], dtype=np.uint64)
+        dev = np.array([r.device_id for r in regions], dtype=np.int64)
+        # (regions, blocks) start addresses; every section offsets from these.
+        starts = base[:, None] + np.arange(nb, dtype=np.uint64)[None, :] * stride[:, None]
+        addrs = [starts.ravel()]
+        lengths = [np.repeat(block_len, nb)]
+        devices = [np.repeat(dev, nb)]
+        size = len(regions) * nb
+
+        def cut(rows: IntArray, unit: int) -> None:
+            k = tokens // unit
+            unit_bytes = block_len[rows] // np.uint64(tokens) * np.uint64(unit)
+            steps = np.arange(k, dtype=np.uint64)[None, None, :] * unit_bytes[:, None, None]
+            addrs.append((starts[rows][:, :, None] + steps).ravel())
+            lengths.append(np.repeat(unit_bytes, nb * k))
+            devices.append(np.repeat(dev[rows], nb * k))
+
+        chunk_offset = size
+        if chunk < tokens:
+            cut(np.arange(len(regions), dtype=np.int64), chunk)
+            size += len(regions) * nb * (tokens // chunk)
+        window_offset = np.full(len(regions), -1, dtype=np.int64)
+        for c in cuts:
+            if c.section is _Section.WINDOW:
+                per_region = nb * (tokens // c.unit)
+                window_offset[c.regions] = size + np.arange(len(c.regions)) * per_region
+                cut(c.regions, c.unit)
+                size += len(c.regions) * per_region
+        shard = np.array([r.shard for r in regions], dtype=np.int64)
+        spans = layout.token_spans
+        key = (
+            layout.block_size,
+            layout.split_axis,
+            layout.num_shards,
+            layout.groups,
+            tuple((r.block_len, r.shard, r.group) for r in regions),
+            options,
+        )
+        return cls(
+            layout=layout,
+            options=options,
+            addr=_readonly(np.concatenate(addrs)),
+            length=_readonly(np.concatenate(lengths)),
+            device=_readonly(np.concatenate(devices)),
+            chunk_tokens=chunk,
+            chunk_offset=chunk_offset,
+            window_offset=_readonly(window_offset),
+            _cuts=cuts,
+            _shard_start=_readonly(shard * tokens if spans > 1 else np.zeros_like(shard)),
+            _key=key,
+        )
+
+    def __len__(self) -> int:
+        return len(self.addr)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per region of this table's layout."""
+        return self.layout.num_blocks
+
+
+class _Pick(NamedTuple):
+    """One group's selection, independent of which side's block ids it is applied to."""
+
+    cut: _GroupCut
+    whole: int  # the first `whole` listed blocks go as whole descriptors
+    tail: IntArray  # listed positions whose blocks go as units
+    mask: BoolArray | None  # (regions, whole + len(tail) * K) kept entries; None = all
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Runs:
+    """Transfer units: plan descriptors with both-side-contiguous runs merged."""
+
+    local_addr: UIntArray
+    remote_addr: UIntArray
+    length: UIntArray
+    local_device: IntArray
+    remote_device: IntArray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes moved."""
+        return int(self.length.sum())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """The descriptors one request moves, paired by position.
+
+    Attributes:
+        local_ids: ids into the local table.
+        remote_ids: ids into the remote table; ``remote_ids[i]`` pairs with
+            ``local_ids[i]`` and has the same length.
+        nbytes: bytes moved.
+        num_tokens: the request's token count.
+        local_blocks: per group, the local block ids that receive bytes (for
+            invalid-block reporting), in request order.
+    """
+
+    local_ids: IntArray
+    remote_ids: IntArray
+    nbytes: int
+    num_tokens: int
+    local_blocks: tuple[IntArray, ...]
+    _key: tuple[Any, ...]
+
+    @property
+    def num_descriptors(self) -> int:
+        """Number of (local, remote) descriptor pairs."""
+        return len(self.local_ids)
+
+    def runs(
+        self,
+        local_table: DescriptorTable,
+        remote_table: DescriptorTable,
+        *,
+        merge: bool | None = None,
+    ) -> Runs:
+        """Addresses of this plan, merging runs contiguous on both sides (R-DESC-6).
+
+        Args:
+            local_table: the table ``local_ids`` index.
+            remote_table: the table ``remote_ids`` index.
+            merge: merge contiguous runs; ``None`` follows ``options.coalesce``.
+
+        Raises:
+            PlanError: the tables are not the ones (in shape) the plan was built for.
+        """
+        if local_table._key != self._key or remote_table._key != self._key:
+            raise PlanError("runs(): tables differ in shape from those the plan was built on")
+        if merge is None:
+            merge = local_table.options.coalesce
+        la = local_table.addr[self.local_ids]
+        ra = remote_table.addr[self.remote_ids]
+        length = local_table.length[self.local_ids]
+        ld = local_table.device[self.local_ids]
+        rd = remote_table.device[self.remote_ids]
+        if not merge or len(la) < 2:
+            return Runs(la, ra, length, ld, rd)
+        joins = (
+            (la[1:] == la[:-1] + length[:-1])
+            & (ra[1:] == ra[:-1] + length[:-1])
+            & (ld[1:] == ld[:-1])
+            & (rd[1:] == rd[:-1])
+        )
+        starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
+        return Runs(la[starts], ra[starts], np.add.reduceat(length, starts), ld[starts], rd[starts])
+
+
+def _as_groups(blocks: BlockIds, num_groups: int, side: str) -> list[IntArray]:
+    """Normalize one array (single group) or one array per group to int64 copies."""
+    items: list[Any]
+    if isinstance(blocks, np.ndarray):
+        items = [blocks] if blocks.ndim == 1 else list(blocks)
+    else:
+        seq = list(blocks)
+        # Peek at one element only: checking every id in Python would cost a loop per
+        # block, and numpy rejects mixed input below anyway.
+        flat = not seq or isinstance(seq[0], (int, np.integer))
+        items = [seq] if flat and num_groups == 1 else seq
+    if len(items) != num_groups:
+        raise PlanError(f"{side} blocks: {len(items)} group(s) given, the layout has {num_groups}")
+    out = []
+    for g, item in enumerate(items):
+        try:
+            arr = np.array(item, dtype=np.int64) if not isinstance(item, np.ndarray) else item
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"{side} blocks of group {g}: not a list of block ids") from exc
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise PlanError(f"{side} blocks of group {g}: need a 1-d integer array")
+        out.append(arr.astype(np.int64, copy=True))
+    return out
+
+
+def _check_range(blocks: IntArray, num_blocks: int, side: str, group: int) -> None:
+    if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+        pos = int(np.flatnonzero((blocks < 0) | (blocks >= num_blocks))[0])
+        raise PlanError(
+            f"{side} block id {int(blocks[pos])} (group {group}, position {pos}) "
+            f"out of range [0, {num_blocks})"
+        )
+
+
+def _pick(
+    cut: _GroupCut, table: DescriptorTable, listed: int, num_tokens: int, chunk_mode: bool
+) -> _Pick:
+    """Select one group's descriptors for ``listed`` blocks ending the request."""
+    empty = np.zeros(0, dtype=np.int64)
+    if listed == 0:
+        return _Pick(cut, 0, empty, None)
+    layout = table.layout
+    bs, tokens = layout.block_size, layout.tokens_per_desc
+    last = -(-num_tokens // bs) - 1  # request index of the last block
+    first = last + 1 - listed  # request index of the first listed block
+    if not cut.window and not chunk_mode:
+        return _Pick(cut, listed, empty, None)  # R-DESC-2: the last block goes whole
+    if cut.window:
+        w = cut.window
+        g_lo, g_hi = max(num_tokens - w, 0) // w, (num_tokens - 1) // w
+        tail = np.arange(max(g_lo * w // bs - first, 0), listed, dtype=np.int64)
+        whole = 0
+    else:
+        tail = np.array([listed - 1], dtype=np.int64)
+        whole = listed - 1
+    k = tokens // cut.unit
+    # Global token of each unit's first token: (regions, tail blocks, units).
+    desc_start = (first + tail)[None, :] * bs + table._shard_start[cut.regions][:, None]
+    offset = np.arange(k, dtype=np.int64) * cut.unit
+    keep = np.ones((len(cut.regions), len(tail), k), dtype=np.bool_)
+    if cut.window:
+        granule = (desc_start[:, :, None] + offset[None, None, :]) // cut.window
+        keep &= (granule >= g_lo) & (granule <= g_hi)
+    if chunk_mode:
+        # Of the last block only chunks holding a token go, each one whole.
+        chunk_start = desc_start[:, :, None] + (offset // table.chunk_tokens * table.chunk_tokens)
+        keep &= ((first + tail) != last)[None, :, None] | (chunk_start < num_tokens)
+    tail_keep = keep.reshape(len(cut.regions), -1)
+    if tail_keep.all():
+        return _Pick(cut, whole, tail, None)
+    mask = np.ones((len(cut.regions), whole + tail_keep.shape[1]), dtype=np.bool_)
+    mask[:, whole:] = tail_keep
+    return _Pick(cut, whole, tail, mask)
+
+
+def _ids(table: DescriptorTable, blocks: IntArray, pick: _Pick) -> IntArray:
+    """Map a table-independent selection onto one side's table ids."""
+    cut = pick.cut
+    rows = cut.regions * table.num_blocks
+    parts: list[IntArray] = []
+    if pick.whole:
+        parts.append(rows[:, None] + blocks[None, : pick.whole])
+    if len(pick.tail):
+        tail_blocks = blocks[pick.tail]
+        k = table.layout.tokens_per_desc // cut.unit
+        units = np.arange(k, dtype=np.int64)[None, None, :]
+        if cut.section is _Section.WHOLE:
+            t = rows[:, None] + tail_blocks[None, :]
+        elif cut.section is _Section.CHUNK:
+            first = table.chunk_offset + (rows[:, None] + tail_blocks[None, :]) * k
+            t = (first[:, :, None] + units).reshape(len(rows), -1)
+        else:
+            first = table.window_offset[cut.regions][:, None] + tail_blocks[None, :] * k
+            t = (first[:, :, None] + units).reshape(len(rows), -1)
+        parts.append(t)
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    ids = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    return ids[pick.mask] if pick.mask is not None else ids.ravel()
+
+
+def build_plan(
+    local: DescriptorTable,
+    remote: DescriptorTable,
+    local_blocks: BlockIds,
+    remote_blocks: BlockIds,
+    num_tokens: int,
+) -> Plan:
+    """Pair the descriptors that move a request's KV from ``remote`` to ``local``.
+
+    The listed blocks are the request's *last* blocks, in order (all of them, or a
+    suffix when leading blocks are already cached); ``num_tokens`` is the request's
+    token count, which places the last token in the last listed block. Descriptors are
+    ordered group by group, region by region, block by block.
+
+    Args:
+        local: the local table.
+        remote: the remote table, built from the peer's layout with the same options.
+        local_blocks: one int array (single-group layouts) or one per group.
+        remote_blocks: the same shape as ``local_blocks``.
+        num_tokens: tokens of the request.
+
+    Raises:
+        LayoutMismatch: the tables' layouts differ in shape.
+        PlanError: group counts or lengths differ, more blocks than the tokens fill,
+            or a block id outside ``[0, num_blocks)``.
+    """
+    if local._key != remote._key:
+        diff = local.layout.first_difference(remote.layout)
+        if diff is not None:
+            raise LayoutMismatch(*diff)
+        raise PlanError("local and remote tables were built with different PlanOptions")
+    if not _is_int(num_tokens) or num_tokens < 0:
+        raise PlanError(f"num_tokens={num_tokens!r}: must be a non-negative int")
+    num_groups = len(local.layout.groups)
+    mine = _as_groups(local_blocks, num_groups, "local")
+    theirs = _as_groups(remote_blocks, num_groups, "remote")
+    needed = -(-num_tokens // local.layout.block_size)
+    chunk_mode = local.options.chunk_mode
+    local_ids: list[IntArray] = []
+    remote_ids: list[IntArray] = []
+    touched: list[IntArray] = []
+    for g, (lb, rb) in enumerate(zip(mine, theirs)):
+        if len(lb) != len(rb):
+            raise PlanError(
+                f"group {g}: {len(lb)} local blocks but {len(rb)} remote blocks; they must match"
+            )
+        if len(lb) > needed:
+            raise PlanError(
+                f"group {g}: {len(lb)} blocks given but {num_tokens} tokens fill only {needed}"
+            )
+        _check_range(lb, local.num_blocks, "local", g)
+        _check_range(rb, remote.num_blocks, "remote", g)
+        pick = _pick(local._cuts[g], local, len(lb), num_tokens, chunk_mode)
+        local_ids.append(_ids(local, lb, pick))
+        remote_ids.append(_ids(remote, rb, pick))
+        touched.append(lb if pick.whole or not len(pick.tail) else lb[pick.tail[0] :])
+    lids = local_ids[0] if num_groups == 1 else np.concatenate(local_ids)
+    rids = remote_ids[0] if num_groups == 1 else np.concatenate(remote_ids)
+    return Plan(
+        local_ids=lids,
+        remote_ids=rids,
+        nbytes=int(local.length[lids].sum()),
+        num_tokens=num_tokens,
+        local_blocks=tuple(touched),
+        _key=local._key,
+    )
