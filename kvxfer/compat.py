@@ -1,0 +1,82 @@
+"""Compatibility between two instances: the fingerprint hash and the layout check.
+
+Two instances may exchange KV only when they run the same model (and revision), dtype,
+KV cache dtype and attention backend, speak the same kvxfer protocol, move bytes in the
+same direction (a pull instance never pairs with a push one) and, with speculative
+decoding, use the same draft model. :class:`Fingerprint` folds these into one digest
+that travels in every side-channel frame.
+
+The KV layout is deliberately *not* in the digest: the handshake compares it field by
+field (:func:`check_layout`) so that a mismatch names the first differing field
+instead of showing two opaque hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from kvxfer._version import PROTOCOL_VERSION
+from kvxfer.config import Direction
+from kvxfer.errors import LayoutMismatch
+from kvxfer.layout import KVLayout
+
+__all__ = ["Fingerprint", "check_layout"]
+
+
+class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
+    """What two instances must agree on before any KV moves.
+
+    Pass resolved, canonical names (``"bfloat16"``, not ``"auto"``; the KV cache dtype
+    after resolving ``"auto"`` to the model dtype): the digest compares strings, not
+    meanings.
+
+    Attributes:
+        model: Model name or path as both instances know it.
+        revision: Model revision (commit, tag); empty when not pinned.
+        dtype: Model weights dtype.
+        kv_cache_dtype: KV cache element dtype.
+        attention_backend: Attention backend name.
+        protocol_version: kvxfer side-channel protocol version.
+        direction: Pull or push; the two never pair.
+        draft_model: Speculative-decoding draft model; empty without one.
+    """
+
+    model: str
+    revision: str = ""
+    dtype: str
+    kv_cache_dtype: str
+    attention_backend: str
+    protocol_version: int = PROTOCOL_VERSION
+    direction: Direction
+    draft_model: str = ""
+
+    def canonical(self) -> bytes:
+        """Return the canonical encoding the digest is taken over.
+
+        JSON with keys sorted, enums as their values: independent of field declaration
+        order, process, host and Python version.
+        """
+        return msgspec.json.encode(self, order="sorted")
+
+    def digest(self) -> str:
+        """Return the compatibility hash: SHA-256 hex of :meth:`canonical`."""
+        return hashlib.sha256(self.canonical()).hexdigest()
+
+
+def check_layout(local: KVLayout, remote: KVLayout) -> None:
+    """Raise if two KV layouts cannot exchange blocks.
+
+    ``block_size`` is checked first and on its own: it is the one difference operators
+    hit most (the seed requires equal block sizes), and it must be refused whatever the
+    layout comparison does. Addresses, strides and block counts may differ.
+
+    Raises:
+        LayoutMismatch: Naming the first differing field and both values.
+    """
+    if local.block_size != remote.block_size:
+        raise LayoutMismatch("block_size", local.block_size, remote.block_size)
+    difference = local.first_difference(remote)
+    if difference is not None:
+        raise LayoutMismatch(*difference)

@@ -1,0 +1,354 @@
+"""Typed connector configuration parsed from vLLM's ``kv_transfer_config`` shape.
+
+:func:`parse_kv_transfer_config` turns the dict an operator passes with
+``--kv-transfer-config`` into a frozen :class:`TransferConfig`. Every rule breach is a
+:class:`~kvxfer.errors.ConfigError` naming the key (dotted for nested keys, e.g.
+``kv_connector_extra_config.stripe_width``), the value and the rule. Types are strict:
+a bool is not an int, an int is not a bool, a string is not a number.
+
+Keys kvxfer does not own are never rejected: ``kv_connector_extra_config`` is shared
+with the upstream NIXL connector and the top level carries vLLM's own keys
+(``kv_connector_module_path``, ``kv_port``, ...). They are kept, untouched, in
+:attr:`TransferConfig.passthrough` and :attr:`TransferConfig.extra_passthrough`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from kvxfer.descriptors import PlanOptions
+from kvxfer.errors import ConfigError
+
+__all__ = [
+    "CONNECTORS",
+    "MAX_ENGINE_ID_LEN",
+    "BufferDevice",
+    "Direction",
+    "Role",
+    "TransferConfig",
+    "parse_kv_transfer_config",
+]
+
+_log = logging.getLogger("kvxfer.config")
+
+
+class Role(enum.Enum):
+    """What an instance does with KV: produce it (prefill), consume it (decode), or both."""
+
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+
+class BufferDevice(enum.Enum):
+    """Where registered KV memory lives: device-to-device or host bounce."""
+
+    RBLN = "rbln"
+    CPU = "cpu"
+
+
+class Direction(enum.Enum):
+    """Who moves the bytes: the consumer READs (pull) or the producer WRITEs (push)."""
+
+    PULL = "pull"
+    PUSH = "push"
+
+
+#: Connector class names accepted in ``kv_connector`` and the direction each implies.
+#: ``RblnNixlConnector`` stays as an alias of the pull connector for existing deployments.
+CONNECTORS: Final[Mapping[str, Direction]] = {
+    "RblnNixlPullConnector": Direction.PULL,
+    "RblnNixlConnector": Direction.PULL,
+    "RblnNixlPushConnector": Direction.PUSH,
+}
+
+#: Engine ids travel in every handshake frame; the wire schema bounds them to this.
+MAX_ENGINE_ID_LEN: Final = 256
+
+_EXTRA = "kv_connector_extra_config"
+# Top-level keys this module reads; everything else at the top level is vLLM's.
+_OWN_TOP: Final = frozenset({"kv_connector", "kv_role", "kv_buffer_device", "engine_id", _EXTRA})
+_OWN_EXTRA: Final = (
+    "swa_window_mode",
+    "chunk_mode",
+    "chunk_tokens",
+    "push_stream",
+    "stripe_width",
+    "link_down_exit_s",
+    "enforce_handshake_compat",
+)
+_D2D_ONLY = (
+    "device-to-device only: host bounce (kv_buffer_device 'cpu') registers one full "
+    "buffer per layer, so descriptors cannot be cut"
+)
+
+
+class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The connector configuration, validated.
+
+    Attributes:
+        connector: The ``kv_connector`` name as given.
+        direction: Pull or push, implied by the connector name.
+        role: ``kv_role``.
+        buffer_device: ``kv_buffer_device``: RBLN (device-to-device) or CPU (host bounce).
+        engine_id: This instance's engine id, or None to let the engine pick one.
+        swa_window_mode: Send only the window granules of sliding-window groups.
+        chunk_mode: Cut blocks into chunks; of the last block only chunks with tokens go.
+        chunk_tokens: Lower bound of the chunk size in tokens; None means one prefill step.
+        push_stream: Push each block as prefill closes it (push, device-to-device only).
+        stripe_width: None uses the backend default of one rail per transfer; 0 opens
+            connections on every rail both instances share.
+        link_down_exit_s: Exit after losing every local link for this long; 0 never exits.
+        enforce_handshake_compat: Check the compatibility hash in the handshake.
+        passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.
+        extra_passthrough: ``kv_connector_extra_config`` keys kvxfer does not own
+            (the upstream NIXL connector's), untouched.
+    """
+
+    connector: str = "RblnNixlPullConnector"
+    direction: Direction = Direction.PULL
+    role: Role
+    buffer_device: BufferDevice = BufferDevice.RBLN
+    engine_id: str | None = None
+    swa_window_mode: bool = False
+    chunk_mode: bool = False
+    chunk_tokens: int | None = None
+    push_stream: bool = False
+    stripe_width: int | None = None
+    link_down_exit_s: float = 0.0
+    enforce_handshake_compat: bool = True
+    passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
+    extra_passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def device_to_device(self) -> bool:
+        """True when KV moves between device memories (``kv_buffer_device: rbln``)."""
+        return self.buffer_device is BufferDevice.RBLN
+
+    @property
+    def all_rails(self) -> bool:
+        """True when ``stripe_width: 0`` asks for every rail both instances share."""
+        return self.stripe_width == 0
+
+    def plan_options(self, prefill_step_tokens: int | None) -> PlanOptions:
+        """Return the descriptor plan options, checked against the prefill step.
+
+        Args:
+            prefill_step_tokens: Tokens one prefill step can close (vLLM's
+                ``max_num_batched_tokens``). Required when ``chunk_mode`` is on.
+
+        Raises:
+            ConfigError: ``chunk_tokens`` is below one prefill step (a step must close
+                at most one chunk), or the step size is missing or not a positive int.
+        """
+        step_key = "max_num_batched_tokens"
+        if prefill_step_tokens is None:
+            if self.chunk_mode:
+                raise ConfigError(step_key, None, "chunk_mode needs the prefill step size")
+        elif not _is_int(prefill_step_tokens) or prefill_step_tokens <= 0:
+            raise ConfigError(step_key, prefill_step_tokens, "must be an int > 0")
+        if (
+            self.chunk_tokens is not None
+            and prefill_step_tokens is not None
+            and self.chunk_tokens < prefill_step_tokens
+        ):
+            raise ConfigError(
+                f"{_EXTRA}.chunk_tokens",
+                self.chunk_tokens,
+                f"must be at least one prefill step (max_num_batched_tokens="
+                f"{prefill_step_tokens}): a step must close at most one chunk",
+            )
+        return PlanOptions(
+            chunk_mode=self.chunk_mode,
+            chunk_tokens=self.chunk_tokens,
+            prefill_step_tokens=prefill_step_tokens,
+            swa_window_mode=self.swa_window_mode,
+        )
+
+
+def parse_kv_transfer_config(config: Mapping[str, Any] | str | bytes) -> TransferConfig:
+    """Validate a ``kv_transfer_config`` and return the typed configuration.
+
+    Args:
+        config: The mapping (vLLM's ``kv_transfer_config`` as a dict) or its JSON text,
+            as passed to ``--kv-transfer-config``.
+
+    Returns:
+        The frozen configuration; unknown keys are kept in the passthrough mappings.
+
+    Raises:
+        ConfigError: A key is missing, has the wrong type, or breaks a rule. The error
+            names the key, the value and the rule.
+    """
+    if isinstance(config, str | bytes):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise ConfigError("kv_transfer_config", config, f"is not valid JSON: {exc}") from exc
+    if not isinstance(config, Mapping):
+        raise ConfigError("kv_transfer_config", config, "must be a mapping (JSON object)")
+
+    connector = config.get("kv_connector")
+    if not isinstance(connector, str) or connector not in CONNECTORS:
+        accepted = ", ".join(CONNECTORS)
+        raise ConfigError("kv_connector", connector, f"must be one of: {accepted}")
+    direction = CONNECTORS[connector]
+
+    role_value = config.get("kv_role")
+    if role_value is None:
+        raise ConfigError("kv_role", None, _one_of(Role, "is required"))
+    role = _enum(Role, "kv_role", role_value)
+
+    buffer_device = _buffer_device(config.get("kv_buffer_device"))
+
+    engine_id = config.get("engine_id")
+    if engine_id is not None and (
+        not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN
+    ):
+        raise ConfigError(
+            "engine_id",
+            engine_id,
+            f"must be null or a non-empty string of at most {MAX_ENGINE_ID_LEN} characters",
+        )
+
+    extra = config.get(_EXTRA)
+    if extra is None:
+        extra = {}
+    elif not isinstance(extra, Mapping):
+        raise ConfigError(_EXTRA, extra, "must be a mapping (JSON object)")
+    extra_passthrough = {k: v for k, v in extra.items() if k not in _OWN_EXTRA}
+    _warn_near_misses(extra_passthrough)
+
+    options = _extra_options(extra, direction=direction, role=role, buffer=buffer_device)
+    return TransferConfig(
+        connector=connector,
+        direction=direction,
+        role=role,
+        buffer_device=buffer_device,
+        engine_id=engine_id,
+        passthrough={k: v for k, v in config.items() if k not in _OWN_TOP},
+        extra_passthrough=extra_passthrough,
+        **options,
+    )
+
+
+def _extra_options(
+    extra: Mapping[str, Any], *, direction: Direction, role: Role, buffer: BufferDevice
+) -> dict[str, Any]:
+    """Check kvxfer's own ``kv_connector_extra_config`` keys, alone and together."""
+    out: dict[str, Any] = {}
+    for key in ("swa_window_mode", "chunk_mode", "push_stream", "enforce_handshake_compat"):
+        if key in extra:
+            out[key] = _bool(key, extra[key])
+
+    if extra.get("chunk_tokens") is not None:
+        value = extra["chunk_tokens"]
+        if not _is_int(value) or value <= 0:
+            raise ConfigError(f"{_EXTRA}.chunk_tokens", value, "must be an int > 0 or null")
+        if not out.get("chunk_mode", False):
+            # Silently ignoring it would let an operator believe chunking is on.
+            raise ConfigError(f"{_EXTRA}.chunk_tokens", value, "only applies with chunk_mode true")
+        out["chunk_tokens"] = value
+
+    if extra.get("stripe_width") is not None:
+        value = extra["stripe_width"]
+        if not _is_int(value) or value != 0:
+            raise ConfigError(
+                f"{_EXTRA}.stripe_width",
+                value,
+                "must be unset (the backend's default: one rail per transfer) or 0 "
+                "(every rail both instances share); other widths are not supported",
+            )
+        out["stripe_width"] = 0
+
+    if "link_down_exit_s" in extra:
+        value = extra["link_down_exit_s"]
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{_EXTRA}.link_down_exit_s", value, "must be a finite number >= 0")
+        if value > 0 and role is not Role.PRODUCER:
+            raise ConfigError(
+                f"{_EXTRA}.link_down_exit_s",
+                value,
+                f"only valid with kv_role {Role.PRODUCER.value!r} (kv_role is "
+                f"{role.value!r}): decode instances are replaced from outside while "
+                "keeping their in-flight requests, so they must not exit on their own",
+            )
+        out["link_down_exit_s"] = float(value)
+
+    if buffer is BufferDevice.CPU:
+        for key in ("chunk_mode", "swa_window_mode", "push_stream"):
+            if out.get(key, False):
+                raise ConfigError(f"{_EXTRA}.{key}", True, _D2D_ONLY)
+    if out.get("push_stream", False) and direction is not Direction.PUSH:
+        raise ConfigError(
+            f"{_EXTRA}.push_stream",
+            True,
+            "push direction only: use kv_connector 'RblnNixlPushConnector'",
+        )
+    return out
+
+
+def _buffer_device(value: Any) -> BufferDevice:
+    if value is None:
+        return BufferDevice.RBLN
+    if value == "cuda":
+        # vLLM's own KVTransferConfig defaults to "cuda"; say so instead of a bare "no".
+        raise ConfigError(
+            "kv_buffer_device",
+            value,
+            "'cuda' is vLLM's default, not an RBLN buffer: set kv_buffer_device "
+            "explicitly to 'rbln' (device-to-device) or 'cpu' (host bounce)",
+        )
+    return _enum(BufferDevice, "kv_buffer_device", value)
+
+
+def _warn_near_misses(unknown: Mapping[str, Any]) -> None:
+    # Unknown keys may be upstream's, so they pass; a near miss of ours is likely a typo.
+    for key in unknown:
+        if isinstance(key, str):
+            close = difflib.get_close_matches(key, _OWN_EXTRA, n=1, cutoff=0.85)
+            if close:
+                _log.warning(
+                    "%s.%s is not a kvxfer key and is passed through; did you mean %r?",
+                    _EXTRA,
+                    key,
+                    close[0],
+                )
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _enum(cls: type[_E], key: str, value: Any) -> _E:
+    if isinstance(value, str):
+        for member in cls:
+            if member.value == value:
+                return member
+    raise ConfigError(key, value, _one_of(cls, "must be"))
+
+
+def _one_of(cls: type[enum.Enum], prefix: str) -> str:
+    return f"{prefix} one of: " + ", ".join(repr(m.value) for m in cls)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{_EXTRA}.{key}", value, "must be a bool (true or false)")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    # bool subclasses int, but `true` for a count is a mistake, not a 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
