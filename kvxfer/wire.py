@@ -282,7 +282,7 @@ class _Envelope(msgspec.Struct, frozen=True, array_like=True):
 _encoder = msgspec.msgpack.Encoder()
 _head_decoder = msgspec.msgpack.Decoder(_Head)
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
-_body_decoder = msgspec.msgpack.Decoder(Message)  # type: ignore[arg-type]
+_body_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 
 def encode(
