@@ -137,7 +137,13 @@ class UcxBackend(Backend):
         self._registered: KVLayout | None = None
         # atexit holds only a weak reference: an agent dropped early is closed by GC.
         ref = weakref.ref(self)
-        atexit.register(lambda: (b := ref()) is not None and b.close())
+
+        def _close_at_exit() -> None:
+            backend = ref()
+            if backend is not None:
+                backend.close()
+
+        atexit.register(_close_at_exit)
 
     # -- identity ---------------------------------------------------------------
     @property

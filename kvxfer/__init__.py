@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvxfer._version import PROTOCOL_VERSION, __version__
-from kvxfer.errors import *  # noqa: F403
+from kvxfer.errors import *
 from kvxfer.errors import __all__ as _errors_all
 
 # Public name -> module that defines it; imported on first attribute access so that
@@ -57,7 +57,7 @@ _LAZY: dict[str, str] = {
     "TransferStats": "kvxfer.transfer",
 }
 
-__all__ = [  # noqa: PLE0604
+__all__ = [
     "PROTOCOL_VERSION",
     "__version__",
     *_errors_all,
@@ -95,5 +95,5 @@ if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
         build_plan,
         chunk_size,
     )
-    from kvxfer.layout import GroupKind, Group, KVLayout, KVPart, MemKind, Region, SplitAxis
+    from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
     from kvxfer.transfer import Transfer, TransferState, TransferStats

@@ -123,7 +123,9 @@ class SideChannelServer:
             payload = frames[-1]
             if len(payload) > self._max_bytes:
                 log.warning(
-                    "side channel: rejected a %d-byte frame (limit %d)", len(payload), self._max_bytes
+                    "side channel: rejected a %d-byte frame (limit %d)",
+                    len(payload),
+                    self._max_bytes,
                 )
                 self._reply(frames, self._oversize(len(payload)))
                 continue

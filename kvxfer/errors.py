@@ -172,7 +172,9 @@ class RailError(KvxferError):
     """No usable data-plane NIC, or every local link is down."""
 
 
-def missing_dependency(module: str, extra: str, exc: BaseException | None = None) -> MissingDependency:
+def missing_dependency(
+    module: str, extra: str, exc: BaseException | None = None
+) -> MissingDependency:
     """Build the error raised when an optional dependency cannot be imported."""
     detail = f" ({exc})" if exc is not None else ""
     return MissingDependency(

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region
 
-__all__ = ["HostKVCache", "ModelShape", "QWEN3_0_6B"]
+__all__ = ["QWEN3_0_6B", "HostKVCache", "ModelShape"]
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,7 +60,9 @@ class HostKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.block_bytes = block_size * shape.token_bytes()
-        self.parts = [(layer, part) for layer in range(shape.layers) for part in (KVPart.K, KVPart.V)]
+        self.parts = [
+            (layer, part) for layer in range(shape.layers) for part in (KVPart.K, KVPart.V)
+        ]
         # uint16 words: bf16-sized elements without needing a bf16 dtype.
         words = self.block_bytes // 2
         self.regions: list[npt.NDArray[np.uint16]] = [
@@ -81,9 +83,12 @@ class HostKVCache:
         seed = self.fill_seed or 0
         words = self.block_bytes // 2
         col = np.arange(words, dtype=np.uint32)
-        row = (np.asarray(blocks, dtype=np.uint32) * np.uint32(40503)
-               + np.uint32(region * 7919 + seed * 104729))
-        return ((row[:, None] + col[None, :] * np.uint32(2654435761)) >> np.uint32(7)).astype(np.uint16)
+        row = np.asarray(blocks, dtype=np.uint32) * np.uint32(40503) + np.uint32(
+            region * 7919 + seed * 104729
+        )
+        return ((row[:, None] + col[None, :] * np.uint32(2654435761)) >> np.uint32(7)).astype(
+            np.uint16
+        )
 
     def layout(self) -> KVLayout:
         """The layout of this cache (addresses of the live arrays; no copies)."""
@@ -104,7 +109,9 @@ class HostKVCache:
             )
             for arr, (layer, part) in zip(self.regions, self.parts)
         )
-        return KVLayout(block_size=self.block_size, regions=regions, groups=groups, dtype="bfloat16")
+        return KVLayout(
+            block_size=self.block_size, regions=regions, groups=groups, dtype="bfloat16"
+        )
 
     def mismatches(
         self,

@@ -1,0 +1,152 @@
+"""Handshaken peers, cached one per side-channel address (R-HS-4).
+
+Concurrent requests to the same peer share one handshake: the first caller performs
+it under the address's lock, the others wait for its result. A cached peer is reused
+only while it is the same incarnation: a ticket naming another incarnation, or a
+transfer that failed against the peer, forces a fresh handshake, so a restarted
+producer is never served from a stale cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from kvxfer.backend import PeerHandle
+from kvxfer.descriptors import DescriptorTable
+from kvxfer.errors import KvxferError, PeerError
+from kvxfer.handshake import Initiator, PeerInfo
+from kvxfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvxfer.agent import Agent
+
+__all__ = ["Peer", "PeerCache"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class Peer:
+    """A handshaken remote instance.
+
+    Attributes:
+        host, port: Its side-channel address.
+        engine_id, incarnation: Who it is (a restart changes the incarnation).
+        layout: The layout its memory is addressed by; ``table`` its descriptor table.
+        handle: The backend's name for the connection.
+    """
+
+    def __init__(
+        self, host: str, port: int, info: PeerInfo, table: DescriptorTable, handle: PeerHandle
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.info = info
+        self.engine_id = info.engine_id
+        self.incarnation = info.incarnation
+        self.layout: KVLayout = info.layout
+        self.table = table
+        self.handle = handle
+        self.suspect = False
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.engine_id}@{self.host}:{self.port} inc={self.incarnation:016x}>"
+
+
+class PeerCache:
+    """Peers by side-channel address, with one handshake per peer incarnation."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._addr_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._announced: set[str] = set()
+
+    def get(
+        self, host: str, port: int, expected_engine_id: str | None, incarnation: int | None
+    ) -> Peer:
+        """The peer at ``host:port``, handshaking if not cached or stale.
+
+        Raises:
+            HandshakeError, CompatError, LayoutMismatch, PeerError: the handshake failed.
+        """
+        key = (host, int(port))
+        with self._lock:
+            addr_lock = self._addr_locks.setdefault(key, threading.Lock())
+        with addr_lock:
+            peer = self._peers.get(key)
+            if peer is not None and self._fresh(peer, expected_engine_id, incarnation):
+                return peer
+            new = self._handshake(host, int(port), expected_engine_id)
+            if incarnation is not None and new.incarnation != incarnation:
+                # The ticket was issued by an earlier life of this producer: its blocks
+                # are gone with it. Keep the new peer cached for later tickets.
+                self._install(key, new)
+                raise PeerError(
+                    f"producer {new.engine_id} at {host}:{port} restarted (incarnation "
+                    f"{incarnation:016x} -> {new.incarnation:016x}); the ticket's blocks are gone"
+                )
+            self._install(key, new)
+            return new
+
+    @staticmethod
+    def _fresh(peer: Peer, expected: str | None, incarnation: int | None) -> bool:
+        if peer.suspect:
+            return False
+        if expected is not None and peer.engine_id != expected:
+            return False
+        return incarnation is None or peer.incarnation == incarnation
+
+    def _install(self, key: tuple[str, int], peer: Peer) -> None:
+        old = self._peers.get(key)
+        self._peers[key] = peer
+        if old is not None and old.handle != peer.handle:
+            self._agent.backend.remove_peer(old.handle)
+
+    def _handshake(self, host: str, port: int, expected: str | None) -> Peer:
+        agent = self._agent
+        initiator = Initiator(
+            hello=agent._hello(expected),
+            compat_hash=agent.compat_hash,
+            expected_engine_id=expected,
+            enforce_compat=agent.config.enforce_handshake_compat,
+            local_layout=agent.exposed_layout,
+            auth_secret=agent.config.auth_secret,
+            address=f"{host}:{port}",
+            max_bytes=agent.config.max_message_bytes * 4,
+        )
+        reply = agent._client.request(host, port, initiator.hello())
+        info = initiator.receive(reply)
+        table = DescriptorTable.build(info.layout, agent.config.plan)
+        try:
+            handle = agent.backend.add_peer(info.agent_metadata, table)
+        except KvxferError:
+            raise
+        agent.stats_counters.handshakes += 1
+        if info.engine_id not in self._announced:
+            self._announced.add(info.engine_id)
+            log.info(
+                "%sgot %d remote descriptor(s) for engine %s at %s:%d (%s)",
+                agent._log_prefix,
+                len(table.addr),
+                info.engine_id,
+                host,
+                port,
+                info.layout.summary(),
+            )
+        return Peer(host, port, info, table, handle)
+
+    def mark_suspect(self, peer: Peer) -> None:
+        """Re-handshake before the next use (a transfer against it failed)."""
+        peer.suspect = True
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            try:
+                self._agent.backend.remove_peer(peer.handle)
+            except KvxferError as exc:
+                log.debug("removing %r: %s", peer, exc)
