@@ -128,6 +128,79 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
     passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
     extra_passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The rules live here, not in the parser, so a directly built config obeys them too.
+        if CONNECTORS.get(self.connector) is not self.direction:
+            raise ConfigError(
+                "kv_connector", self.connector, f"does not name a {self.direction} connector"
+            )
+        if not isinstance(self.role, Role):
+            raise ConfigError("kv_role", self.role, _one_of(Role, "must be a Role:"))
+        if not isinstance(self.buffer_device, BufferDevice):
+            raise ConfigError(
+                "kv_buffer_device",
+                self.buffer_device,
+                _one_of(BufferDevice, "must be a BufferDevice:"),
+            )
+        engine_id = self.engine_id
+        if engine_id is not None and (
+            not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN
+        ):
+            raise ConfigError(
+                "engine_id",
+                engine_id,
+                f"must be null or a non-empty string of at most {MAX_ENGINE_ID_LEN} characters",
+            )
+        for key in ("swa_window_mode", "chunk_mode", "push_stream", "enforce_handshake_compat"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{_EXTRA}.{key}", getattr(self, key), "must be a bool")
+        self._check_counts()
+        self._check_combinations()
+        if _is_int(self.link_down_exit_s):  # JSON `5` means 5.0 s; keep the field a float
+            msgspec.structs.force_setattr(self, "link_down_exit_s", float(self.link_down_exit_s))
+
+    def _check_counts(self) -> None:
+        tokens = self.chunk_tokens
+        if tokens is not None:
+            if not _is_int(tokens) or tokens <= 0:
+                raise ConfigError(f"{_EXTRA}.chunk_tokens", tokens, "must be an int > 0 or null")
+            if not self.chunk_mode:
+                # Silently ignoring it would let an operator believe chunking is on.
+                raise ConfigError(
+                    f"{_EXTRA}.chunk_tokens", tokens, "only applies with chunk_mode true"
+                )
+        width = self.stripe_width
+        if width is not None and (not _is_int(width) or width != 0):
+            raise ConfigError(
+                f"{_EXTRA}.stripe_width",
+                width,
+                "must be unset (the backend's default: one rail per transfer) or 0 "
+                "(every rail both instances share); other widths are not supported",
+            )
+        exit_s = self.link_down_exit_s
+        if not _is_number(exit_s) or not math.isfinite(exit_s) or exit_s < 0:
+            raise ConfigError(f"{_EXTRA}.link_down_exit_s", exit_s, "must be a finite number >= 0")
+
+    def _check_combinations(self) -> None:
+        if self.link_down_exit_s > 0 and self.role is not Role.PRODUCER:
+            raise ConfigError(
+                f"{_EXTRA}.link_down_exit_s",
+                self.link_down_exit_s,
+                f"only valid with kv_role {Role.PRODUCER.value!r} (kv_role is "
+                f"{self.role.value!r}): decode instances are replaced from outside while "
+                "keeping their in-flight requests, so they must not exit on their own",
+            )
+        if self.buffer_device is BufferDevice.CPU:
+            for key in ("chunk_mode", "swa_window_mode", "push_stream"):
+                if getattr(self, key):
+                    raise ConfigError(f"{_EXTRA}.{key}", True, _D2D_ONLY)
+        if self.push_stream and self.direction is not Direction.PUSH:
+            raise ConfigError(
+                f"{_EXTRA}.push_stream",
+                True,
+                "push direction only: use kv_connector 'RblnNixlPushConnector'",
+            )
+
     @property
     def device_to_device(self) -> bool:
         """True when KV moves between device memories (``kv_buffer_device: rbln``)."""
@@ -210,15 +283,6 @@ def parse_kv_transfer_config(config: Mapping[str, Any] | str | bytes) -> Transfe
     buffer_device = _buffer_device(config.get("kv_buffer_device"))
 
     engine_id = config.get("engine_id")
-    if engine_id is not None and (
-        not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN
-    ):
-        raise ConfigError(
-            "engine_id",
-            engine_id,
-            f"must be null or a non-empty string of at most {MAX_ENGINE_ID_LEN} characters",
-        )
-
     extra = config.get(_EXTRA)
     if extra is None:
         extra = {}
@@ -227,7 +291,8 @@ def parse_kv_transfer_config(config: Mapping[str, Any] | str | bytes) -> Transfe
     extra_passthrough = {k: v for k, v in extra.items() if k not in _OWN_EXTRA}
     _warn_near_misses(extra_passthrough)
 
-    options = _extra_options(extra, direction=direction, role=role, buffer=buffer_device)
+    # Absent keys keep the defaults; present ones go in as given and are checked there.
+    options = {key: extra[key] for key in _OWN_EXTRA if key in extra}
     return TransferConfig(
         connector=connector,
         direction=direction,
@@ -238,62 +303,6 @@ def parse_kv_transfer_config(config: Mapping[str, Any] | str | bytes) -> Transfe
         extra_passthrough=extra_passthrough,
         **options,
     )
-
-
-def _extra_options(
-    extra: Mapping[str, Any], *, direction: Direction, role: Role, buffer: BufferDevice
-) -> dict[str, Any]:
-    """Check kvxfer's own ``kv_connector_extra_config`` keys, alone and together."""
-    out: dict[str, Any] = {}
-    for key in ("swa_window_mode", "chunk_mode", "push_stream", "enforce_handshake_compat"):
-        if key in extra:
-            out[key] = _bool(key, extra[key])
-
-    if extra.get("chunk_tokens") is not None:
-        value = extra["chunk_tokens"]
-        if not _is_int(value) or value <= 0:
-            raise ConfigError(f"{_EXTRA}.chunk_tokens", value, "must be an int > 0 or null")
-        if not out.get("chunk_mode", False):
-            # Silently ignoring it would let an operator believe chunking is on.
-            raise ConfigError(f"{_EXTRA}.chunk_tokens", value, "only applies with chunk_mode true")
-        out["chunk_tokens"] = value
-
-    if extra.get("stripe_width") is not None:
-        value = extra["stripe_width"]
-        if not _is_int(value) or value != 0:
-            raise ConfigError(
-                f"{_EXTRA}.stripe_width",
-                value,
-                "must be unset (the backend's default: one rail per transfer) or 0 "
-                "(every rail both instances share); other widths are not supported",
-            )
-        out["stripe_width"] = 0
-
-    if "link_down_exit_s" in extra:
-        value = extra["link_down_exit_s"]
-        if not _is_number(value) or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{_EXTRA}.link_down_exit_s", value, "must be a finite number >= 0")
-        if value > 0 and role is not Role.PRODUCER:
-            raise ConfigError(
-                f"{_EXTRA}.link_down_exit_s",
-                value,
-                f"only valid with kv_role {Role.PRODUCER.value!r} (kv_role is "
-                f"{role.value!r}): decode instances are replaced from outside while "
-                "keeping their in-flight requests, so they must not exit on their own",
-            )
-        out["link_down_exit_s"] = float(value)
-
-    if buffer is BufferDevice.CPU:
-        for key in ("chunk_mode", "swa_window_mode", "push_stream"):
-            if out.get(key, False):
-                raise ConfigError(f"{_EXTRA}.{key}", True, _D2D_ONLY)
-    if out.get("push_stream", False) and direction is not Direction.PUSH:
-        raise ConfigError(
-            f"{_EXTRA}.push_stream",
-            True,
-            "push direction only: use kv_connector 'RblnNixlPushConnector'",
-        )
-    return out
 
 
 def _buffer_device(value: Any) -> BufferDevice:
@@ -337,12 +346,6 @@ def _enum(cls: type[_E], key: str, value: Any) -> _E:
 
 def _one_of(cls: type[enum.Enum], prefix: str) -> str:
     return f"{prefix} one of: " + ", ".join(repr(m.value) for m in cls)
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{_EXTRA}.{key}", value, "must be a bool (true or false)")
-    return value
 
 
 def _is_int(value: Any) -> bool:

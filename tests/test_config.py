@@ -307,3 +307,31 @@ def test_config_is_frozen() -> None:
     c = parse_kv_transfer_config(cfg())
     with pytest.raises(AttributeError):
         c.chunk_mode = True  # type: ignore[misc]
+
+
+# -- direct construction obeys the same rules -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"push_stream": True}, f"{X}.push_stream"),
+        ({"connector": "RblnNixlPushConnector"}, "kv_connector"),
+        ({"connector": "NixlConnector"}, "kv_connector"),
+        ({"role": "kv_both"}, "kv_role"),
+        ({"buffer_device": "cpu"}, "kv_buffer_device"),
+        ({"chunk_mode": 1}, f"{X}.chunk_mode"),
+        ({"stripe_width": 2}, f"{X}.stripe_width"),
+        ({"link_down_exit_s": 3.0}, f"{X}.link_down_exit_s"),  # role is kv_both
+        ({"buffer_device": BufferDevice.CPU, "swa_window_mode": True}, f"{X}.swa_window_mode"),
+    ],
+)
+def test_direct_construction_is_validated(fields: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TransferConfig(**{"role": Role.BOTH, **fields})
+    assert info.value.key == key
+
+
+def test_direct_construction_normalizes_seconds() -> None:
+    c = TransferConfig(role=Role.PRODUCER, link_down_exit_s=5)
+    assert c.link_down_exit_s == 5.0 and isinstance(c.link_down_exit_s, float)
