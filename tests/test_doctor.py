@@ -1,0 +1,183 @@
+"""``kvxfer doctor`` (R-CLI-1): on this machine, and on a fake RDMA host in a netns."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from railfakes import STANDARD_NICS, NetNs, build_sysfs, netns_context
+
+from kvxfer.tools.doctor import main
+
+HAS_RDMA = Path("/sys/class/infiniband").is_dir()
+HAS_NIXL = importlib.util.find_spec("nixl") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def checks_of(report: dict[str, Any]) -> dict[str, dict[str, str]]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_doctor_json_on_this_machine_reports_no_rdma() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "doctor", "--json", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)  # stdout is exactly one JSON object
+    assert report["ready"] is False
+    checks = checks_of(report)
+    assert list(checks)[:5] == [
+        "accelerator NUMA node",
+        "RDMA link state",
+        "default route",
+        "IPv4 addresses",
+        "NIC NUMA nodes",
+    ]
+    assert {"NIXL plugins", "nixl-rbln", "side-channel port", "rails"} <= set(checks)
+    if not HAS_RDMA:
+        assert report["summary"].startswith("NOT READY: this host has no RDMA NIC")
+        assert "no RDMA subsystem" in report["summary"]
+        assert checks["RDMA link state"]["status"] == "fail"
+        assert checks["rails"]["detail"] == "none: no RDMA NIC on this host"
+        assert report["nics"] == [] and report["rails"] == []
+        assert report["ucx_net_devices"] is None
+
+
+def test_doctor_text_on_this_machine_says_so_plainly(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--port", str(free_port())])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert out.startswith("kvxfer doctor: NOT READY")
+    if not HAS_RDMA:
+        assert "this host has no RDMA NIC" in out.splitlines()[0]
+        assert "rails: none" in out
+    if shutil.which("rbln-smi") is None:
+        assert "rbln-smi not found" in out
+
+
+# ------------------------------------------------------------ a fake RDMA host
+
+
+@pytest.fixture
+def ns() -> Iterator[NetNs]:
+    with netns_context() as made:
+        yield made.standard()
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    return build_sysfs(tmp_path / "sys", STANDARD_NICS)
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    rc = main(["--json", *argv])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed: doctor cannot be ready")
+def test_doctor_ready_on_a_host_with_a_qualifying_nic(
+    sysfs: Path, ns: NetNs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--sysfs-root", str(sysfs), "--netns", ns.name, "--port", str(free_port())]
+    rc, report = run_json(capsys, *common, "--numa-node", "0")
+    assert rc == 0, report["summary"]
+    assert report["ready"] is True
+    assert report["summary"] == "READY: 1 rail(s) on numa=0"
+    assert [r["device"] for r in report["rails"]] == ["mlx5_1"]
+    assert report["ucx_net_devices"] == "mlx5_1:1"
+    verdicts = {n["nic"]: (n["rail"], n["reasons"]) for n in report["nics"]}
+    assert verdicts["mlx5_1:1"] == (True, [])
+    assert verdicts["mlx5_0:1"] == (False, ["netdev r0 carries the default route"])
+    assert verdicts["mlx5_4:1"] == (False, ["netdev r4 has no IPv4 address"])
+    checks = checks_of(report)
+    assert checks["default route"]["detail"] == "via r0 (never a rail)"
+    assert checks["RDMA link state"]["detail"].startswith("4 ACTIVE: mlx5_0:1 ACTIVE (r0)")
+    assert "r1 10.90.1.1/24" in checks["IPv4 addresses"]["detail"]
+    assert checks["NIC NUMA nodes"]["status"] == "ok"
+
+    # The same host, text mode: the table carries the verdicts.
+    assert main([*common, "--numa-node", "0"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("mlx5_1:1"))
+    assert row.split()[1:5] == ["ACTIVE", "ethernet", "r1", "10.90.1.1/24"]
+    assert row.rstrip().endswith("RAIL")
+    assert "reject: on numa=1, accelerator on numa=0" in out
+    assert "UCX_NET_DEVICES=mlx5_1:1" in out
+
+    # Moving the default route moves the rail.
+    ns.ip("route", "replace", "default", "via", "10.90.1.254", "dev", "r1", "onlink")
+    rc, report = run_json(capsys, *common, "--numa-node", "0")
+    assert rc == 0 and report["ucx_net_devices"] == "mlx5_0:1"
+
+
+@pytest.mark.netns
+def test_doctor_not_ready_when_no_nic_on_the_numa_node(
+    sysfs: Path, ns: NetNs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, report = run_json(
+        capsys,
+        *("--sysfs-root", str(sysfs), "--netns", ns.name, "--port", str(free_port())),
+        *("--numa-node", "3"),
+    )
+    assert rc == 1
+    checks = checks_of(report)
+    assert checks["rails"]["status"] == "fail"
+    assert checks["rails"]["detail"] == "no usable data-plane RoCE NIC on numa=3"
+    assert checks["NIC NUMA nodes"]["detail"].endswith("0 on numa=3")
+    assert all(not n["rail"] for n in report["nics"])
+
+
+@pytest.mark.netns
+def test_doctor_not_ready_when_side_channel_port_is_taken(
+    sysfs: Path, ns: NetNs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as holder:
+        holder.bind(("localhost", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        rc, report = run_json(
+            capsys,
+            *("--sysfs-root", str(sysfs), "--netns", ns.name, "--numa-node", "0"),
+            *("--port", str(port)),
+        )
+    assert rc == 1
+    check = checks_of(report)["side-channel port"]
+    assert check["status"] == "fail"
+    assert f"localhost:{port} cannot be bound" in check["detail"]
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in check["detail"]
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(shutil.which("rbln-smi") is not None, reason="rbln-smi present")
+def test_doctor_without_accelerator_numa_judges_the_other_rules(
+    sysfs: Path, ns: NetNs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, report = run_json(
+        capsys, "--sysfs-root", str(sysfs), "--netns", ns.name, "--port", str(free_port())
+    )
+    assert rc == 1
+    assert report["numa_node"] is None and report["rails"] == []
+    checks = checks_of(report)
+    assert checks["accelerator NUMA node"]["status"] == "fail"
+    assert checks["rails"]["detail"] == "none: the accelerator's NUMA node is unknown"
+    reasons = {n["nic"]: n["reasons"] for n in report["nics"]}
+    assert reasons["mlx5_1:1"] == [] and reasons["mlx5_2:1"] == []  # NUMA not judged
+    assert reasons["mlx5_3:1"] == ["port is DOWN, not ACTIVE"]
