@@ -389,6 +389,11 @@ def _as_groups(blocks: BlockIds, num_groups: int, side: str) -> list[IntArray]:
         # Peek at one element only: checking every id in Python would cost a loop per
         # block, and numpy rejects mixed input below anyway.
         flat = not seq or isinstance(seq[0], (int, np.integer))
+        if flat and seq and num_groups > 1:
+            raise PlanError(
+                f"{side} blocks: one flat list given, the layout has {num_groups} groups; "
+                "pass one list per group"
+            )
         items = [seq] if flat and num_groups == 1 else seq
     if len(items) != num_groups:
         raise PlanError(f"{side} blocks: {len(items)} group(s) given, the layout has {num_groups}")
