@@ -205,13 +205,18 @@ class Responder:
         """Answer one received frame; never raises."""
         reply_to = b""
         try:
-            if isinstance(data, bytes | bytearray) and len(data) > self.max_bytes:
-                return self.too_large(len(data))
+            if isinstance(data, bytes | bytearray | memoryview):
+                size = data.nbytes if isinstance(data, memoryview) else len(data)
+                if size > self.max_bytes:
+                    return self.too_large(size)
             frame = wire.decode(data, max_bytes=self.max_bytes)
             if frame.auth is not None:
                 reply_to = frame.auth.nonce
             reply = self._dispatch(frame)
-            self.accepted += 1
+            if isinstance(reply, wire.Reject):  # the hook refused
+                self.rejected[reply.code] += 1
+            else:
+                self.accepted += 1
             return self._encode(reply, reply_to)
         except ProtocolVersionError as exc:
             return self._refuse(RejectCode.VERSION, str(exc), reply_to)
@@ -350,9 +355,6 @@ class Responder:
             raise _Refusal(
                 RejectCode.MALFORMED, f"this listener does not take {type(message).__name__}"
             )
-        if isinstance(reply, wire.Reject):
-            self.rejected[reply.code] += 1
-            self.accepted -= 1  # respond() counts every returned reply as accepted
         return reply
 
     # -- replies ---------------------------------------------------------------------

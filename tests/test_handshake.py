@@ -393,6 +393,11 @@ def test_hook_handles_push_register_and_release() -> None:
     other = wire.encode(wire.Release(request_id="r"), "other")
     assert rejection(r.respond(other)).code is RejectCode.COMPAT
     assert len(seen) == 5
+    # A Reject the hook returns counts as a rejection too.
+    refuse = responder(on_message=lambda m: wire.Reject(code=RejectCode.INVALID, reason="no"))
+    assert rejection(refuse.respond(wire.encode(push_register(), HASH))).reason == "no"
+    assert refuse.accepted == 0 and refuse.rejected == {RejectCode.INVALID: 1}
+    assert r.accepted == 1 and sum(r.rejected.values()) == 5
 
 
 def test_without_a_hook_push_register_is_refused() -> None:
@@ -408,6 +413,14 @@ def test_too_large() -> None:
     reject = rejection(r.respond(big))
     assert reject.code is RejectCode.TOO_LARGE and "256-byte limit" in reject.reason
     assert rejection(r.too_large(10_000)).code is RejectCode.TOO_LARGE
+
+
+def test_non_bytes_input_is_malformed() -> None:
+    r = responder()
+    for data in (None, "text", 42, memoryview(b"x" * 10)):
+        assert rejection(r.respond(data)).code is RejectCode.MALFORMED  # type: ignore[arg-type]
+    big = memoryview(wire.encode(hello(), HASH))
+    assert rejection(responder(max_bytes=8).respond(big)).code is RejectCode.TOO_LARGE  # type: ignore[arg-type]
 
 
 def test_reply_before_hello_is_an_error() -> None:
