@@ -1,0 +1,57 @@
+"""kvxfer's vLLM adapter: KV connectors for vLLM's ``KVConnectorBase_V1``.
+
+Import it as ``kvxfer.adapters.vllm`` (never as the top-level ``adapters`` folder).
+The connector classes load lazily: importing this package (as vLLM's plugin loader
+does in every process, including the API server) pulls in neither vLLM nor torch.
+
+Two ways to select a connector::
+
+    # through the vllm.general_plugins entry point (kvxfer installed):
+    --kv-transfer-config '{"kv_connector": "RblnNixlPullConnector", ...}'
+
+    # without the plugin (e.g. VLLM_PLUGINS set to something else):
+    --kv-transfer-config '{"kv_connector": "RblnNixlPullConnector",
+                           "kv_connector_module_path": "kvxfer.adapters.vllm", ...}'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: The connector names vLLM can be given, mapped to the module defining them.
+#: ``RblnNixlConnector`` is the pull connector under its historical name.
+CONNECTOR_MODULE = "kvxfer.adapters.vllm.connector"
+CONNECTOR_NAMES: tuple[str, ...] = (
+    "RblnNixlPullConnector",
+    "RblnNixlPushConnector",
+    "RblnNixlConnector",
+)
+
+__all__ = [
+    "CONNECTOR_MODULE",
+    "CONNECTOR_NAMES",
+    "RblnNixlConnector",
+    "RblnNixlPullConnector",
+    "RblnNixlPushConnector",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in CONNECTOR_NAMES:
+        value = getattr(importlib.import_module(CONNECTOR_MODULE), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover - names for type checkers
+    from kvxfer.adapters.vllm.connector import (
+        RblnNixlConnector,
+        RblnNixlPullConnector,
+        RblnNixlPushConnector,
+    )

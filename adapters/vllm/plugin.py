@@ -1,0 +1,62 @@
+"""The ``vllm.general_plugins`` entry point: registers kvxfer's connector names.
+
+vLLM calls :func:`register` once per process (API server, engine core, workers),
+and may call it again; ``KVConnectorFactory.register_connector`` raises on a name it
+already knows, so registration checks first and treats "already registered" as
+success. Nothing here may raise: vLLM calls plugin functions without a guard, and an
+exception would abort the server's start-up. Registration is lazy on vLLM's side
+too: the connector module is imported only when a config names one of the classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvxfer.adapters.vllm import CONNECTOR_MODULE, CONNECTOR_NAMES
+
+__all__ = ["register"]
+
+log = logging.getLogger("kvxfer.adapters.vllm")
+
+
+def _factory() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory
+
+
+def _known(factory: Any, name: str) -> bool:
+    registry = getattr(factory, "_registry", None)
+    return isinstance(registry, dict) and name in registry
+
+
+def register() -> list[str]:
+    """Register the connector names with vLLM's factory; idempotent, never raises.
+
+    Returns:
+        The names this call added (empty when all were already registered or vLLM's
+        factory could not be imported).
+    """
+    try:
+        factory = _factory()
+    except Exception as exc:  # vLLM missing or changed: log, leave vLLM running
+        log.warning("kvxfer: vLLM's KVConnectorFactory is unavailable (%s); not registering", exc)
+        return []
+    added: list[str] = []
+    for name in CONNECTOR_NAMES:
+        if _known(factory, name):
+            continue
+        try:
+            factory.register_connector(name, CONNECTOR_MODULE, name)
+        except ValueError:
+            # Registered meanwhile (another copy of this plugin, or a user's own
+            # registration under the same name): theirs stays, which is fine.
+            continue
+        except Exception as exc:
+            log.warning("kvxfer: could not register connector %s: %s", name, exc)
+            continue
+        added.append(name)
+    if added:
+        log.debug("kvxfer: registered vLLM connectors %s", ", ".join(added))
+    return added
