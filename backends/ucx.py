@@ -201,7 +201,8 @@ class UcxBackend(Backend):
     def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
         with self._lock:
             try:
-                name = PeerHandle(self._nixl.add_remote_agent(metadata))
+                raw = self._nixl.add_remote_agent(metadata)
+                name = PeerHandle(raw.decode() if isinstance(raw, bytes) else str(raw))
             except Exception as exc:
                 raise PeerError(f"NIXL rejected the peer's metadata: {exc}") from exc
             old = self._peers.pop(name, None)
@@ -254,6 +255,8 @@ class UcxBackend(Backend):
                 )
                 state = self._nixl.transfer(xfer)
             except Exception as exc:
+                if "DISCONNECT" in str(exc):
+                    raise PeerError(f"peer {peer} disconnected during a {op.value}: {exc}") from exc
                 raise BackendError(f"{self._plugin} refused a {op.value} to {peer}: {exc}") from exc
             if state == "ERR":
                 xfer.release()

@@ -686,7 +686,8 @@ class Agent:
             handle = self.backend.post(op, peer.handle, plan.local_ids, plan.remote_ids, notif)
         except KvxferError as exc:
             self._peers.mark_suspect(peer)
-            self._fail(transfer, FailureKind.POST, exc)
+            kind = FailureKind.PEER_GONE if isinstance(exc, PeerError) else FailureKind.POST
+            self._fail(transfer, kind, exc)
             return
         transfer.stats.post_s = time.perf_counter() - t1
         transfer.meta["handle"] = handle

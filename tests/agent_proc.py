@@ -1,0 +1,234 @@
+"""A kvxfer Agent in a real child process, driven over a pipe (for multi-process tests).
+
+The child owns a model-shaped :class:`~kvxfer.testing.kvcache.HostKVCache`, an Agent on
+a real backend and a real side channel. The parent sends ``(command, args)`` and gets
+``("ok", value)`` or ``("error", "Type: message")`` back.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+
+class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the child builds."""
+
+    engine_id: str
+    role: str = "kv_both"
+    direction: str = "pull"
+    backend: str = "ucx"
+    block_size: int = 16
+    num_blocks: int = 64
+    layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 32
+    fill_seed: int | None = None
+    port: int = 0
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 10.0
+    model: str = "test/model"
+    auth_secret: str | None = None
+    chunk_mode: bool = False
+    chunk_tokens: int | None = None
+    prefill_step_tokens: int | None = None
+    swa_window_mode: bool = False
+    sliding_window: int = 0
+    push_stream: bool = False
+    handshake_timeout_s: float = 2.0
+
+
+def _serve(conn: Connection, spec: ProcSpec) -> None:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from kvxfer.agent import Agent, AgentConfig, Ticket
+    from kvxfer.compat import Fingerprint
+    from kvxfer.config import Direction, Role
+    from kvxfer.descriptors import PlanOptions
+    from kvxfer.testing.kvcache import HostKVCache, ModelShape
+
+    shape = ModelShape(
+        name="test",
+        layers=spec.layers,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        sliding_window=spec.sliding_window,
+    )
+    cache = HostKVCache(shape, spec.block_size, spec.num_blocks, fill_seed=spec.fill_seed)
+    direction = Direction(spec.direction)
+    agent = Agent(
+        AgentConfig(
+            engine_id=spec.engine_id,
+            fingerprint=Fingerprint(
+                model=spec.model,
+                dtype="bfloat16",
+                kv_cache_dtype="auto",
+                attention_backend="test",
+                direction=direction,
+            ),
+            role=Role(spec.role),
+            direction=direction,
+            backend=spec.backend,
+            side_channel_port=spec.port,
+            lease_s=spec.lease_s,
+            transfer_timeout_s=spec.transfer_timeout_s,
+            handshake_timeout_s=spec.handshake_timeout_s,
+            handshake_retries=1,
+            auth_secret=spec.auth_secret,
+            push_stream=spec.push_stream,
+            plan=PlanOptions(
+                chunk_mode=spec.chunk_mode,
+                chunk_tokens=spec.chunk_tokens,
+                prefill_step_tokens=spec.prefill_step_tokens,
+                swa_window_mode=spec.swa_window_mode,
+            ),
+        )
+    )
+    agent.register(cache.layout())
+    host, port = agent.serve()
+    conn.send(("ok", {"host": host, "port": port, "incarnation": agent.incarnation}))
+    transfers: dict[str, Any] = {}
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "exit":
+                agent.close()
+                conn.send(("ok", None))
+                break
+            if cmd == "crash":
+                os._exit(9)
+            if cmd == "hold":
+                rid, blocks, tokens = args
+                value: Any = msgspec.to_builtins(agent.hold(rid, blocks, tokens))
+            elif cmd == "stream":
+                rid, blocks, tokens = args
+                agent.stream(rid, blocks, tokens)
+                value = None
+            elif cmd == "release":
+                value = agent.release(args)
+            elif cmd == "freed":
+                value = agent.freed()
+            elif cmd == "holding":
+                value = agent.holding()
+            elif cmd in ("pull", "expect_push"):
+                ticket_raw, local, tokens = args
+                ticket = msgspec.convert(ticket_raw, Ticket)
+                method = agent.pull if cmd == "pull" else agent.expect_push
+                transfers[ticket.request_id] = method(ticket, local, num_tokens=tokens)
+                value = None
+            elif cmd == "wait":
+                rid, timeout = args
+                t = transfers[rid]
+                t0 = time.monotonic()
+                try:
+                    t.wait(timeout)
+                except Exception as exc:
+                    value = {
+                        "ok": False,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "invalid_blocks": list(t.invalid_blocks),
+                        "failure": t.stats.failure.value if t.stats.failure else None,
+                        "waited_s": time.monotonic() - t0,
+                    }
+                else:
+                    value = {"ok": True, "bytes": t.stats.bytes, "descriptors": t.stats.descriptors}
+            elif cmd == "check":
+                local, remote, seed = args
+                value = cache.mismatches(local, remote, seed)
+            elif cmd == "check_tokens":
+                # bytes of the first `tokens` tokens of the listed blocks, per region
+                local, remote, seed, tokens = args
+                value = _token_mismatches(cache, local, remote, seed, tokens)
+            elif cmd == "abort":
+                agent.abort(msgspec.convert(args, Ticket))
+                value = None
+            elif cmd == "stats":
+                value = msgspec.to_builtins(agent.stats())
+            elif cmd == "zero":
+                for r in cache.regions:
+                    r.fill(0)
+                value = None
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", value))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _token_mismatches(
+    cache: Any, local: list[int], remote: list[int], seed: int, tokens: int
+) -> int:
+    import numpy as np
+
+    saved, cache.fill_seed = cache.fill_seed, seed
+    try:
+        per_token = cache.block_bytes // 2 // cache.block_size  # uint16 words per token
+        bad = 0
+        for i in range(len(cache.regions)):
+            expected = cache.pattern(i, np.asarray(remote))
+            got = cache.regions[i][np.asarray(local)]
+            for j in range(len(local)):
+                n = min(cache.block_size, max(0, tokens - j * cache.block_size)) * per_token
+                bad += int(np.count_nonzero(expected[j, :n] != got[j, :n]))
+        return bad
+    finally:
+        cache.fill_seed = saved
+
+
+class AgentProc:
+    """Parent-side handle of a child running an Agent."""
+
+    def __init__(self, spec: ProcSpec, *, start_timeout: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, spec), daemon=True)
+        self.proc.start()
+        child.close()
+        info = self._reply(start_timeout)
+        self.host: str = info["host"]
+        self.port: int = info["port"]
+        self.incarnation: int = info["incarnation"]
+
+    def _reply(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"agent process {self.spec.engine_id} did not answer in {timeout}s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def send(self, cmd: str, *args: Any) -> None:
+        """Send a command without waiting for its reply (see :meth:`reply`)."""
+        self.conn.send((cmd, args[0] if len(args) == 1 else args))
+
+    def reply(self, timeout: float = 60.0) -> Any:
+        """The reply to the last :meth:`send`."""
+        return self._reply(timeout)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        self.send(cmd, *args)
+        return self._reply(timeout)
+
+    def crash(self) -> None:
+        self.conn.send(("crash", None))
+        self.proc.join(10)
+
+    def close(self) -> int | None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", None, timeout=20)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
+                pass
+            self.proc.join(20)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        return self.proc.exitcode
