@@ -7,6 +7,7 @@ a real backend and a real side channel. The parent sends ``(command, args)`` and
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -223,10 +224,8 @@ class AgentProc:
 
     def close(self) -> int | None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, EOFError, TimeoutError, RuntimeError):
                 self.call("exit", None, timeout=20)
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
             self.proc.join(20)
             if self.proc.is_alive():
                 self.proc.kill()

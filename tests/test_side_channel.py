@@ -132,9 +132,11 @@ def test_initiator_side_errors_are_specific(server: tuple[Agent, HostKVCache]) -
             a.connect("127.0.0.1", port, "prefill-someone-else")
         assert "prefill-someone-else" in str(info2.value)
     other_shape = HostKVCache(ModelShape(name="t", layers=2, kv_heads=4, head_dim=32), 16, 8)
-    with _agent("d3", Role.CONSUMER, other_shape) as a:
-        with pytest.raises((LayoutMismatch, HandshakeRejected)):
-            a.connect("127.0.0.1", port, "prefill-h")
+    with (
+        _agent("d3", Role.CONSUMER, other_shape) as a,
+        pytest.raises((LayoutMismatch, HandshakeRejected)),
+    ):
+        a.connect("127.0.0.1", port, "prefill-h")
     _good_handshake(server)
 
 
