@@ -209,6 +209,7 @@ class DescriptorTable:
     window_offset: IntArray  # first id of each region in the window section, or -1
     _cuts: tuple[_GroupCut, ...]
     _shard_start: IntArray  # first token of each region's descriptor within a block
+    single_device: int | None  # the device of every descriptor, if they share one
     _key: tuple[Any, ...]  # what two tables must share to be paired
 
     @classmethod
@@ -275,6 +276,7 @@ class DescriptorTable:
             window_offset=_readonly(window_offset),
             _cuts=cuts,
             _shard_start=_readonly(shard * tokens if spans > 1 else np.zeros_like(shard)),
+            single_device=int(dev[0]) if (dev == dev[0]).all() else None,
             _key=key,
         )
 
@@ -365,18 +367,37 @@ class Plan:
         la = local_table.addr[self.local_ids]
         ra = remote_table.addr[self.remote_ids]
         length = local_table.length[self.local_ids]
-        ld = local_table.device[self.local_ids]
-        rd = remote_table.device[self.remote_ids]
         if not merge or len(la) < 2:
+            ld, rd = _devices(local_table, self.local_ids), _devices(remote_table, self.remote_ids)
             return Runs(la, ra, length, ld, rd)
-        joins = (
-            (la[1:] == la[:-1] + length[:-1])
-            & (ra[1:] == ra[:-1] + length[:-1])
-            & (ld[1:] == ld[:-1])
-            & (rd[1:] == rd[:-1])
+        joins = (la[1:] == la[:-1] + length[:-1]) & (ra[1:] == ra[:-1] + length[:-1])
+        # Most caches sit on one device per side; only mixed ones pay for device gathers.
+        if local_table.single_device is None:
+            ld = local_table.device[self.local_ids]
+            joins &= ld[1:] == ld[:-1]
+        if remote_table.single_device is None:
+            rd = remote_table.device[self.remote_ids]
+            joins &= rd[1:] == rd[:-1]
+        if not joins.any():  # scattered blocks: nothing to merge
+            ld, rd = _devices(local_table, self.local_ids), _devices(remote_table, self.remote_ids)
+            return Runs(la, ra, length, ld, rd)
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+        # Run lengths as differences of a running sum (cheaper than ufunc.reduceat).
+        total = np.concatenate(([0], np.cumsum(length, dtype=np.uint64)))
+        ends = np.append(starts[1:], len(length))
+        return Runs(
+            la[starts],
+            ra[starts],
+            total[ends] - total[starts],
+            _devices(local_table, self.local_ids[starts]),
+            _devices(remote_table, self.remote_ids[starts]),
         )
-        starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-        return Runs(la[starts], ra[starts], np.add.reduceat(length, starts), ld[starts], rd[starts])
+
+
+def _devices(table: DescriptorTable, ids: IntArray) -> IntArray:
+    if table.single_device is not None:
+        return np.full(len(ids), table.single_device, dtype=np.int64)
+    return table.device[ids]
 
 
 def _as_groups(blocks: BlockIds, num_groups: int, side: str) -> list[IntArray]:
