@@ -110,8 +110,10 @@ class UcxBackend(Backend):
         self._options = options
         if options.rails:
             # UCX reads its device list at context creation: pin the data plane to the
-            # selected rails before the agent exists.
-            os.environ["UCX_NET_DEVICES"] = ",".join(options.rails)
+            # selected rails (and stripe or not, R-RAIL-3) before the agent exists.
+            from kvxfer.rails import ucx_environment
+
+            os.environ.update(ucx_environment(options.rails, options.stripe_width))
         # NIXL's listener thread is not used (metadata travels in our handshake), and
         # its progress thread spins a core while idle; the agent polls instead.
         conf = nixl_agent_config(

@@ -18,6 +18,7 @@ from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo
 from kvxfer.layout import KVLayout
+from kvxfer.rails import rails_for_transfer, shared_rails
 
 if TYPE_CHECKING:
     from kvxfer.agent import Agent
@@ -49,6 +50,7 @@ class Peer:
         self.table = table
         self.handle = handle
         self.suspect = False
+        self.rails: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"<Peer {self.engine_id}@{self.host}:{self.port} inc={self.incarnation:016x}>"
@@ -119,6 +121,7 @@ class PeerCache:
         )
         reply = agent._client.request(host, port, initiator.hello())
         info = initiator.receive(reply)
+        rails = self._rails(info, f"{host}:{port}")
         table = DescriptorTable.build(info.layout, agent.config.plan)
         try:
             handle = agent.backend.add_peer(info.agent_metadata, table)
@@ -136,7 +139,23 @@ class PeerCache:
                 port,
                 info.layout.summary(),
             )
-        return Peer(host, port, info, table, handle)
+        peer = Peer(host, port, info, table, handle)
+        peer.rails = rails
+        return peer
+
+    def _rails(self, info: PeerInfo, address: str) -> tuple[str, ...]:
+        """The rails a transfer to this peer uses (R-RAIL-3); () when either side has none."""
+        local = self._agent.config.rails
+        if not local or not info.rails:
+            return ()
+        shared = shared_rails(local, info.rails)
+        if not shared:
+            raise PeerError(
+                f"peer {info.engine_id} at {address} shares no rail with us "
+                f"(local {list(local)}, remote {list(info.rails)}); "
+                "both need a NIC on the same fabric"
+            )
+        return tuple(rails_for_transfer(shared, self._agent.config.stripe_width))
 
     def mark_suspect(self, peer: Peer) -> None:
         """Re-handshake before the next use (a transfer against it failed)."""
