@@ -1,0 +1,103 @@
+"""The package surface: light import, one error root, exported names, layout of folders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kvxfer
+from kvxfer import errors
+
+HEAVY = ("nixl", "torch", "zmq", "pyverbs", "vllm", "nixl_rbln")
+
+
+def test_import_kvxfer_is_light() -> None:
+    code = (
+        "import sys, kvxfer, kvxfer.layout, kvxfer.descriptors, kvxfer.compat, kvxfer.wire, "
+        "kvxfer.handshake, kvxfer.config, kvxfer.agent, kvxfer.cli; "
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"import kvxfer pulled in {out.stdout.strip()}"
+
+
+def test_every_public_name_resolves() -> None:
+    for name in kvxfer.__all__:
+        assert getattr(kvxfer, name) is not None, name
+    with pytest.raises(AttributeError):
+        kvxfer.NoSuchThing  # noqa: B018
+
+
+def test_one_error_root() -> None:
+    classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
+    assert all(issubclass(c, errors.KvxferError) for c in classes)
+    assert issubclass(errors.ConfigError, ValueError)
+    assert issubclass(errors.HandshakeTimeout, TimeoutError)
+    assert issubclass(errors.PeerError, ConnectionError)
+    assert issubclass(errors.MissingDependency, ImportError)
+    err = errors.ConfigError("kv_role", "x", "must be one of a, b")
+    assert "kv_role" in str(err) and "'x'" in str(err) and "must be" in str(err)
+
+
+def test_backends_and_adapters_join_the_namespace() -> None:
+    import kvxfer.adapters
+    import kvxfer.backends
+
+    assert kvxfer.backends.__name__ == "kvxfer.backends"
+    assert kvxfer.adapters.__name__ == "kvxfer.adapters"
+    assert "backends" not in sys.modules, "the top-level folder was imported as a second copy"
+
+
+def test_registry_finds_builtin_backends() -> None:
+    from kvxfer.registry import available_backends, get_backend
+
+    names = available_backends()
+    for name in ("ucx", "host_bounce", "nixl_rbln", "fake"):
+        assert name in names
+    assert get_backend("ucx").name == "ucx"
+    with pytest.raises(errors.BackendNotFound) as info:
+        get_backend("no-such-backend")
+    assert "ucx" in str(info.value)
+
+
+def test_missing_dependency_names_the_extra() -> None:
+    err = errors.missing_dependency("nixl", "nixl")
+    assert "pip install 'kvxfer[nixl]'" in str(err)
+    assert isinstance(err, ImportError)
+
+
+def test_cli_help_lists_every_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    for cmd in ("demo", "bench", "probe", "doctor", "proxy"):
+        assert cmd in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "nope"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown command" in bad.stderr
+
+
+def test_registry_duplicates_and_missing_modules() -> None:
+    from kvxfer.backend import BACKEND_API_VERSION
+    from kvxfer.registry import get_backend, register_backend
+    from kvxfer.testing.fake_backend import FakeBackend
+
+    with pytest.raises(errors.DuplicateBackend):
+        register_backend("ucx", FakeBackend)
+    register_backend("needs-missing-dep", "kvxfer_no_such_module:Backend", clobber=True)
+    with pytest.raises(errors.MissingDependency) as info:
+        get_backend("needs-missing-dep")
+    assert "pip install" in str(info.value)
+    register_backend("not-a-backend", "kvxfer.errors:KvxferError", clobber=True)
+    with pytest.raises(errors.BackendError, match="not a kvxfer Backend"):
+        get_backend("not-a-backend")
+
+    class OldApi(FakeBackend):
+        api_version = BACKEND_API_VERSION + 1
+
+    register_backend("old-api", OldApi, clobber=True)
+    with pytest.raises(errors.BackendError, match="API version"):
+        get_backend("old-api")
