@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from railfakes import STANDARD_NICS, NetNs, build_sysfs, netns_context
 
 from kvxfer.tools.doctor import main
+from tests.railfakes import STANDARD_NICS, NetNs, build_sysfs, netns_context
 
 HAS_RDMA = Path("/sys/class/infiniband").is_dir()
 HAS_NIXL = importlib.util.find_spec("nixl") is not None

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from railfakes import FakeNic, build_sysfs, set_port_state
 
 from kvxfer.errors import ConfigError
 from kvxfer.linkmon import LINK_DOWN_EXIT_STATUS, LinkMonitor, sysfs_link_probe
 from kvxfer.rails import Rail
+from tests.railfakes import FakeNic, build_sysfs, set_port_state
 
 
 class Clock:

@@ -14,17 +14,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from railfakes import (
-    STANDARD_NICS,
-    FakeNic,
-    FakePyverbs,
-    NetNs,
-    VerbsPortSpec,
-    build_sysfs,
-    netns_context,
-    set_numa,
-    set_port_state,
-)
 
 from kvxfer.errors import ConfigError, RailError
 from kvxfer.rails import (
@@ -43,6 +32,17 @@ from kvxfer.rails import (
     shared_rails,
     ucx_env,
     ucx_environment,
+)
+from tests.railfakes import (
+    STANDARD_NICS,
+    FakeNic,
+    FakePyverbs,
+    NetNs,
+    VerbsPortSpec,
+    build_sysfs,
+    netns_context,
+    set_numa,
+    set_port_state,
 )
 
 
