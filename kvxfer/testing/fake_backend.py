@@ -1,0 +1,482 @@
+"""``fake`` backend: a real in-process data plane with fault injection (R-BE-5).
+
+Not a mock: :class:`FakeBackend` implements the whole :class:`~kvxfer.backend.Backend`
+contract on real memory. Every instance joins one process-wide *fabric* (a dict keyed by
+agent name); a transfer copies bytes between the registered memory of two instances with
+``ctypes.memmove``, moving exactly the descriptors it was given, after checking that every
+address lies in memory its owner registered. Like NIXL without a progress thread, a
+transfer advances only when its initiator polls :meth:`~FakeBackend.status`; the
+notification reaches the target only after every byte landed.
+
+Faults are set per instance through :class:`Faults` (read when a transfer is posted,
+except ``gone``, which acts at once)::
+
+    be.faults = Faults(fail_post=True)          # post raises BackendError
+    be.faults = Faults(never_complete=True)     # status stays PENDING forever
+    be.faults = Faults(fail_midway=0.5)         # half the bytes land, then FAILED
+    peer.faults = Faults(gone=True)             # the peer left the fabric (process died)
+    be.faults = Faults(duplicate_notifications=True, late_notifications=3)
+
+Notification faults apply to the notifications an instance *sends* (transfer
+notifications and :meth:`~FakeBackend.notify`). Capabilities are configurable so the
+agent's mode rules can be exercised: ``FakeBackend(options, device_to_device=False)``,
+or ``options.extra["device_to_device"] = "false"`` when built through the registry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.backend import (
+    Backend,
+    BackendOptions,
+    Capabilities,
+    PeerHandle,
+    XferHandle,
+    XferOp,
+    XferStatus,
+)
+from kvxfer.errors import BackendError, PeerError, RegistrationError
+from kvxfer.layout import MemKind
+
+if TYPE_CHECKING:
+    from kvxfer.descriptors import DescriptorTable
+    from kvxfer.layout import KVLayout
+
+__all__ = ["FakeBackend", "Faults", "fabric_members"]
+
+IntArray = npt.NDArray[np.int64]
+UIntArray = npt.NDArray[np.uint64]
+
+# One fabric per process: agent name -> endpoint. One lock guards the fabric, every
+# endpoint's state and every copy, so concurrent agents never observe half a transfer
+# bookkeeping (bytes themselves may be read by the engine at any time, as on hardware).
+_FABRIC: dict[str, FakeBackend] = {}
+_LOCK = threading.RLock()
+
+
+def fabric_members() -> list[str]:
+    """Agent names currently present on this process's fake fabric."""
+    with _LOCK:
+        return sorted(name for name, be in _FABRIC.items() if not be.faults.gone)
+
+
+class Faults(msgspec.Struct, kw_only=True):
+    """Faults one :class:`FakeBackend` injects.
+
+    Attributes:
+        fail_post: :meth:`~FakeBackend.post` raises :class:`~kvxfer.errors.BackendError`.
+        never_complete: posted transfers stay PENDING forever (no byte moves).
+        fail_midway: fraction (0 ≤ f < 1) of a transfer's bytes that land, in descriptor
+            order, before it turns FAILED; ``None`` = no such fault.
+        gone: this endpoint left the fabric, as if its process died: peers' transfers
+            to it fail, posting or notifying it raises :class:`~kvxfer.errors.PeerError`.
+            Acts immediately; clearing it brings the endpoint back.
+        duplicate_notifications: every notification sent is delivered twice.
+        late_notifications: notifications sent become visible only after the receiver
+            drained this many more times.
+        drop_notifications: notifications sent are lost.
+        complete_after_polls: a transfer stays PENDING for this many status polls
+            before its bytes move (0: the first poll completes it).
+    """
+
+    fail_post: bool = False
+    never_complete: bool = False
+    fail_midway: float | None = None
+    gone: bool = False
+    duplicate_notifications: bool = False
+    late_notifications: int = 0
+    drop_notifications: bool = False
+    complete_after_polls: int = 0
+
+
+class _Metadata(msgspec.Struct, frozen=True):
+    agent: str
+    pid: int
+
+
+@dataclasses.dataclass
+class _Peer:
+    name: str
+    table: DescriptorTable
+
+
+@dataclasses.dataclass
+class _Xfer:
+    op: XferOp
+    peer: str
+    local_ids: IntArray
+    remote_ids: IntArray
+    notification: bytes
+    faults: Faults
+    polls: int = 0
+    state: XferStatus = XferStatus.PENDING
+    bytes_moved: int = 0
+
+
+@dataclasses.dataclass
+class _Inbound:
+    sender: str
+    payload: bytes
+    hidden_for: int  # drains left before it becomes visible
+
+
+def _flag(options: BackendOptions, key: str, default: bool) -> bool:
+    value = options.extra.get(key)
+    if value is None:
+        return default
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise BackendError(f"fake backend: extra[{key!r}]={value!r} is not a boolean")
+
+
+def _intervals(layout: KVLayout) -> tuple[UIntArray, UIntArray]:
+    """Sorted, merged ``[start, end)`` byte ranges covered by a layout's regions."""
+    starts = np.array([r.base for r in layout.regions], dtype=np.uint64)
+    ends = np.array([r.end for r in layout.regions], dtype=np.uint64)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    idx = np.flatnonzero(new)
+    last = np.append(idx[1:] - 1, len(s) - 1)
+    return s[idx], reach[last]
+
+
+def _outside(addr: UIntArray, length: UIntArray, spans: tuple[UIntArray, UIntArray]) -> IntArray:
+    """Indices of descriptors not lying entirely inside one registered span."""
+    starts, ends = spans
+    pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    inside = pos >= 0
+    safe = np.where(inside, pos, 0)
+    inside &= addr + length <= ends[safe]
+    return np.flatnonzero(~inside)
+
+
+class FakeBackend(Backend):
+    """In-process backend on a shared fabric; see the module docstring.
+
+    Args:
+        options: The common backend options (``agent_name`` must be unique in the
+            process; ``extra["device_to_device"]`` / ``extra["stages_through_host"]``
+            set capabilities when the keyword arguments are not given).
+        device_to_device: Report a device-to-device backend (default True).
+        stages_through_host: Report host staging (default False); stage calls are
+            recorded in :attr:`staged` either way.
+        faults: Initial faults (default none).
+
+    Attributes:
+        faults: The faults in force; assign a new :class:`Faults` at any time.
+        staged: ``("out" | "in", block ids per group)`` for every stage call, in order.
+    """
+
+    name: ClassVar[str] = "fake"
+
+    def __init__(
+        self,
+        options: BackendOptions,
+        *,
+        device_to_device: bool | None = None,
+        stages_through_host: bool | None = None,
+        faults: Faults | None = None,
+    ) -> None:
+        self._options = options
+        self._caps = Capabilities(
+            name=self.name,
+            mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}),
+            device_to_device=(
+                _flag(options, "device_to_device", True)
+                if device_to_device is None
+                else device_to_device
+            ),
+            stages_through_host=(
+                _flag(options, "stages_through_host", False)
+                if stages_through_host is None
+                else stages_through_host
+            ),
+            merges_contiguous=True,
+        )
+        self.faults = faults if faults is not None else Faults()
+        self.staged: list[tuple[str, tuple[IntArray, ...]]] = []
+        self._layout: KVLayout | None = None
+        self._spans: tuple[UIntArray, UIntArray] | None = None
+        self._table: DescriptorTable | None = None
+        self._peers: dict[PeerHandle, _Peer] = {}
+        self._xfers: dict[XferHandle, _Xfer] = {}
+        self._inbox: list[_Inbound] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+        with _LOCK:
+            if options.agent_name in _FABRIC:
+                raise BackendError(
+                    f"fake fabric: agent name {options.agent_name!r} is already in use"
+                )
+            _FABRIC[options.agent_name] = self
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def agent_name(self) -> str:
+        return self._options.agent_name
+
+    def metadata(self) -> bytes:
+        return msgspec.msgpack.encode(_Metadata(agent=self.agent_name, pid=os.getpid()))
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def transferred_bytes(self, handle: XferHandle) -> int:
+        """Bytes a posted transfer has moved so far (0 once released or unknown)."""
+        with _LOCK:
+            xfer = self._xfers.get(handle)
+            return xfer.bytes_moved if xfer is not None else 0
+
+    # -- memory ---------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"fake backend {self.agent_name!r} is closed")
+
+    def register(self, layout: KVLayout) -> KVLayout:
+        with _LOCK:
+            self._require_open()
+            if self._layout is not None:
+                raise RegistrationError("this backend already registered a layout")
+            self._layout, self._spans = layout, _intervals(layout)
+            return layout
+
+    def prepare_local(self, table: DescriptorTable) -> None:
+        with _LOCK:
+            self._require_open()
+            if self._spans is None:
+                raise RegistrationError("prepare_local before register")
+            self._check_inside(table, self._spans, "local")
+            self._table = table
+
+    @staticmethod
+    def _check_inside(
+        table: DescriptorTable, spans: tuple[UIntArray, UIntArray], side: str
+    ) -> None:
+        bad = _outside(table.addr, table.length, spans)
+        if len(bad):
+            i = int(bad[0])
+            raise BackendError(
+                f"{side} descriptor {i} [{int(table.addr[i]):#x}, +{int(table.length[i])}) "
+                f"lies outside registered memory ({len(bad)} such descriptor(s))"
+            )
+
+    # -- peers ----------------------------------------------------------------------
+    def _live(self, name: str) -> FakeBackend | None:
+        be = _FABRIC.get(name)
+        return None if be is None or be.faults.gone or be._closed else be
+
+    def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
+        try:
+            meta = msgspec.msgpack.decode(metadata, type=_Metadata)
+        except msgspec.DecodeError as exc:
+            raise PeerError(f"fake fabric: unreadable peer metadata ({exc})") from exc
+        with _LOCK:
+            self._require_open()
+            if meta.pid != os.getpid():
+                raise PeerError(
+                    f"fake fabric: peer {meta.agent!r} lives in process {meta.pid}; "
+                    "the fake backend only connects endpoints of one process"
+                )
+            peer = self._live(meta.agent)
+            if peer is None:
+                raise PeerError(f"fake fabric: no agent named {meta.agent!r}")
+            if peer._spans is None:
+                raise PeerError(f"fake fabric: peer {meta.agent!r} has registered no memory")
+            self._check_inside(table, peer._spans, f"peer {meta.agent!r}")
+            handle = PeerHandle(meta.agent)
+            self._peers[handle] = _Peer(name=meta.agent, table=table)
+            return handle
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        with _LOCK:
+            if self._peers.pop(peer, None) is None:
+                return
+            for xfer in self._xfers.values():
+                if xfer.peer == peer and xfer.state is XferStatus.PENDING:
+                    xfer.state = XferStatus.FAILED
+
+    # -- transfers ------------------------------------------------------------------
+    def post(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        with _LOCK:
+            self._require_open()
+            if self._table is None:
+                raise RegistrationError("post before prepare_local")
+            known = self._peers.get(peer)
+            if known is None or self._live(peer) is None:
+                raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
+            if not isinstance(op, XferOp):
+                raise BackendError(f"not a transfer op: {op!r}")
+            lids = self._ids_of(local_ids, len(self._table), "local")
+            rids = self._ids_of(remote_ids, len(known.table), "remote")
+            if len(lids) != len(rids):
+                raise BackendError(
+                    f"{len(lids)} local but {len(rids)} remote descriptor ids; "
+                    "they pair by position"
+                )
+            llen, rlen = self._table.length[lids], known.table.length[rids]
+            if not np.array_equal(llen, rlen):
+                i = int(np.flatnonzero(llen != rlen)[0])
+                raise BackendError(
+                    f"descriptor pair {i}: local length {int(llen[i])} != remote length "
+                    f"{int(rlen[i])}"
+                )
+            if self.faults.fail_post:
+                raise BackendError("fake fabric: post refused (injected fault)")
+            handle = XferHandle(next(self._ids))
+            self._xfers[handle] = _Xfer(
+                op=op,
+                peer=peer,
+                local_ids=lids,
+                remote_ids=rids,
+                notification=bytes(notification),
+                faults=msgspec.structs.replace(self.faults),
+            )
+            return handle
+
+    @staticmethod
+    def _ids_of(ids: npt.NDArray[np.int64], size: int, side: str) -> IntArray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise BackendError(f"{side} descriptor ids must be a 1-d integer array")
+        arr = arr.astype(np.int64, copy=True)
+        if arr.size and (arr.min() < 0 or arr.max() >= size):
+            bad = int(arr[(arr < 0) | (arr >= size)][0])
+            raise BackendError(f"{side} descriptor id {bad} out of range [0, {size})")
+        return arr
+
+    def status(self, handle: XferHandle) -> XferStatus:
+        with _LOCK:
+            xfer = self._xfers.get(handle)
+            if xfer is None:
+                return XferStatus.FAILED
+            if xfer.state is not XferStatus.PENDING:
+                return xfer.state
+            peer = self._live(xfer.peer)
+            known = self._peers.get(PeerHandle(xfer.peer))
+            if self._closed or peer is None or known is None or self._table is None:
+                xfer.state = XferStatus.FAILED
+                return xfer.state
+            if xfer.faults.never_complete:
+                return xfer.state
+            xfer.polls += 1
+            if xfer.polls <= xfer.faults.complete_after_polls:
+                return xfer.state
+            state = self._move(xfer, self._table, known.table)
+            if state is XferStatus.DONE and xfer.notification:
+                self._deliver(peer, xfer.notification, xfer.faults)
+            return state
+
+    def _move(self, xfer: _Xfer, local: DescriptorTable, remote: DescriptorTable) -> XferStatus:
+        la, ra = local.addr[xfer.local_ids], remote.addr[xfer.remote_ids]
+        length = local.length[xfer.local_ids]
+        src, dst = (ra, la) if xfer.op is XferOp.READ else (la, ra)
+        if len(length) > 1:
+            # Merge runs contiguous on both sides: one memmove per run, as a NIC would.
+            joins = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+            starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
+            src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
+        total = int(length.sum())
+        budget = total
+        if xfer.faults.fail_midway is not None:
+            budget = int(total * min(max(xfer.faults.fail_midway, 0.0), 1.0))
+            budget = min(budget, total - 1) if total else 0
+        moved = 0
+        for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
+            take = min(n, budget - moved)
+            if take <= 0:
+                break
+            ctypes.memmove(d, s, take)
+            moved += take
+        xfer.bytes_moved = moved
+        xfer.state = XferStatus.DONE if moved == total else XferStatus.FAILED
+        return xfer.state
+
+    def release(self, handle: XferHandle) -> None:
+        with _LOCK:
+            self._xfers.pop(handle, None)
+
+    # -- notifications --------------------------------------------------------------
+    def _deliver(self, receiver: FakeBackend, payload: bytes, faults: Faults) -> None:
+        if faults.drop_notifications:
+            return
+        copies = 2 if faults.duplicate_notifications else 1
+        for _ in range(copies):
+            receiver._inbox.append(
+                _Inbound(self.agent_name, bytes(payload), max(faults.late_notifications, 0))
+            )
+
+    def notify(self, peer: PeerHandle, payload: bytes) -> None:
+        with _LOCK:
+            self._require_open()
+            receiver = self._live(peer) if peer in self._peers else None
+            if receiver is None:
+                raise PeerError(
+                    f"fake fabric: cannot notify unknown, removed or gone peer {peer!r}"
+                )
+            self._deliver(receiver, payload, self.faults)
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        with _LOCK:
+            if self._closed:
+                return []
+            ready = [(n.sender, n.payload) for n in self._inbox if n.hidden_for <= 0]
+            later = [n for n in self._inbox if n.hidden_for > 0]
+            for n in later:
+                n.hidden_for -= 1
+            self._inbox = later
+            return ready
+
+    # -- staging (recorded; the fake moves device memory directly) ------------------
+    def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
+        with _LOCK:
+            self.staged.append(("out", tuple(np.asarray(b, dtype=np.int64) for b in block_ids)))
+
+    def stage_in(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
+        with _LOCK:
+            self.staged.append(("in", tuple(np.asarray(b, dtype=np.int64) for b in block_ids)))
+
+    # -- teardown -------------------------------------------------------------------
+    def close(self) -> None:
+        with _LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            for xfer in self._xfers.values():
+                if xfer.state is XferStatus.PENDING:
+                    xfer.state = XferStatus.FAILED
+            self._xfers.clear()
+            self._peers.clear()
+            self._inbox.clear()
+            self._table = None
+            self._spans = None
+            if _FABRIC.get(self.agent_name) is self:
+                del _FABRIC[self.agent_name]
