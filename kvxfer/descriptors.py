@@ -16,24 +16,36 @@ Both instances build the *remote* table from the remote layout received in the
 handshake (with the local options), so tables never travel on the wire.
 :func:`build_plan` turns a request's local and remote block ids into two id arrays
 that pair by position; :meth:`Plan.runs` gathers addresses and merges runs that are
-contiguous on both sides. Everything per descriptor is numpy; Python loops run per
-group or per section only.
+contiguous on both sides. Which units a request moves (whole blocks, last-block
+chunks, window granules) is decided in :mod:`kvxfer._selection`. Everything per
+descriptor is numpy; Python loops run per group or per section only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer._selection import (
+    TOKEN_MAJOR_LAYOUTS,
+    BlockIds,
+    GroupCut,
+    IntArray,
+    Pick,
+    Section,
+    as_groups,
+    check_range,
+    group_cuts,
+    pick,
+    unit_ids,
+)
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
-from kvxfer.layout import GroupKind, KVLayout
+from kvxfer.layout import KVLayout
 
 __all__ = [
     "TOKEN_MAJOR_LAYOUTS",
@@ -46,15 +58,7 @@ __all__ = [
     "chunk_size",
 ]
 
-IntArray = npt.NDArray[np.int64]
 UIntArray = npt.NDArray[np.uint64]
-BoolArray = npt.NDArray[np.bool_]
-
-#: One group's block ids, or one entry per group.
-BlockIds = Sequence[int] | IntArray | Sequence[Sequence[int] | IntArray]
-
-#: In-block orders where a token's bytes are contiguous (chunks and granules need it).
-TOKEN_MAJOR_LAYOUTS = frozenset({"NHD"})
 
 
 def _is_int(value: Any) -> bool:
@@ -131,61 +135,6 @@ def chunk_size(range_tokens: int, chunk_tokens: int) -> int:
     return best
 
 
-class _Section(enum.IntEnum):
-    WHOLE = 0
-    CHUNK = 1
-    WINDOW = 2
-
-
-class _GroupCut(NamedTuple):
-    """How one group's descriptors are cut for plans."""
-
-    regions: IntArray  # region indices of the group, ascending
-    unit: int  # tokens per unit for last-block / window selection
-    section: _Section  # the table section holding units of that size
-    window: int  # sliding window in tokens when window selection applies, else 0
-
-
-def _group_cuts(layout: KVLayout, options: PlanOptions) -> tuple[int, tuple[_GroupCut, ...]]:
-    """Chunk size and the per-group cut; raises ConfigError for impossible modes."""
-    tokens = layout.tokens_per_desc
-    bound = options.chunk_bound
-    chunk = chunk_size(tokens, bound) if options.chunk_mode and bound is not None else tokens
-    group_of = np.array([r.group for r in layout.regions], dtype=np.int64)
-    cuts = []
-    for g, group in enumerate(layout.groups):
-        unit, window = chunk, 0
-        if options.swa_window_mode and group.kind is GroupKind.SLIDING:
-            window = group.window
-            if layout.block_size % window:
-                raise ConfigError(
-                    "swa_window_mode",
-                    True,
-                    f"group {g}: block_size {layout.block_size} is not a multiple of the "
-                    f"sliding window {window}",
-                )
-            if tokens % window and window % tokens:
-                raise ConfigError(
-                    "swa_window_mode",
-                    True,
-                    f"group {g}: window {window} and the {tokens}-token range of one "
-                    "descriptor do not divide one another",
-                )
-            # A unit must lie inside one granule and (chunk_mode) inside one chunk.
-            unit = math.gcd(min(window, tokens), chunk)
-        if unit == tokens:
-            section = _Section.WHOLE
-        elif unit == chunk:
-            section = _Section.CHUNK
-        else:
-            section = _Section.WINDOW
-        if section is not _Section.WHOLE and layout.kv_layout not in TOKEN_MAJOR_LAYOUTS:
-            key = "chunk_mode" if unit == chunk else "swa_window_mode"
-            raise ConfigError(key, True, f"needs a token-major kv_layout, not {layout.kv_layout!r}")
-        cuts.append(_GroupCut(np.flatnonzero(group_of == g), unit, section, window))
-    return chunk, tuple(cuts)
-
-
 def _readonly(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
     a.setflags(write=False)
     return a
@@ -207,7 +156,7 @@ class DescriptorTable:
     chunk_tokens: int  # chunk size (tokens_per_desc when chunks are off)
     chunk_offset: int  # first id of the chunk section (len(table) when absent)
     window_offset: IntArray  # first id of each region in the window section, or -1
-    _cuts: tuple[_GroupCut, ...]
+    _cuts: tuple[GroupCut, ...]
     _shard_start: IntArray  # first token of each region's descriptor within a block
     single_device: int | None  # the device of every descriptor, if they share one
     _key: tuple[Any, ...]  # what two tables must share to be paired
@@ -221,8 +170,10 @@ class DescriptorTable:
                 block size, a non-token-major ``kv_layout`` with chunks or granules).
         """
         options = options if options is not None else PlanOptions()
-        chunk, cuts = _group_cuts(layout, options)
         tokens = layout.tokens_per_desc
+        bound = options.chunk_bound
+        chunk = chunk_size(tokens, bound) if options.chunk_mode and bound is not None else tokens
+        cuts = group_cuts(layout, chunk, options.swa_window_mode)
         nb = layout.num_blocks
         regions = layout.regions
         base = np.array([r.base for r in regions], dtype=np.uint64)
@@ -250,7 +201,7 @@ class DescriptorTable:
             size += len(regions) * nb * (tokens // chunk)
         window_offset = np.full(len(regions), -1, dtype=np.int64)
         for c in cuts:
-            if c.section is _Section.WINDOW:
+            if c.section is Section.WINDOW:
                 per_region = nb * (tokens // c.unit)
                 window_offset[c.regions] = size + np.arange(len(c.regions)) * per_region
                 cut(c.regions, c.unit)
@@ -288,14 +239,15 @@ class DescriptorTable:
         """Blocks per region of this table's layout."""
         return self.layout.num_blocks
 
-
-class _Pick(NamedTuple):
-    """One group's selection, independent of which side's block ids it is applied to."""
-
-    cut: _GroupCut
-    whole: int  # the first `whole` listed blocks go as whole descriptors
-    tail: IntArray  # listed positions whose blocks go as units
-    mask: BoolArray | None  # (regions, whole + len(tail) * K) kept entries; None = all
+    def _unit_ids(self, sel: Pick, blocks: IntArray) -> IntArray:
+        return unit_ids(
+            sel,
+            blocks,
+            self.layout.num_blocks,
+            self.layout.tokens_per_desc,
+            self.chunk_offset,
+            self.window_offset,
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -400,112 +352,6 @@ def _devices(table: DescriptorTable, ids: IntArray) -> IntArray:
     return table.device[ids]
 
 
-def _as_groups(blocks: BlockIds, num_groups: int, side: str) -> list[IntArray]:
-    """Normalize one array (single group) or one array per group to int64 copies."""
-    items: list[Any]
-    if isinstance(blocks, np.ndarray):
-        items = [blocks] if blocks.ndim == 1 else list(blocks)
-    else:
-        seq = list(blocks)
-        # Peek at one element only: checking every id in Python would cost a loop per
-        # block, and numpy rejects mixed input below anyway.
-        flat = not seq or isinstance(seq[0], (int, np.integer))
-        if flat and seq and num_groups > 1:
-            raise PlanError(
-                f"{side} blocks: one flat list given, the layout has {num_groups} groups; "
-                "pass one list per group"
-            )
-        items = [seq] if flat and num_groups == 1 else seq
-    if len(items) != num_groups:
-        raise PlanError(f"{side} blocks: {len(items)} group(s) given, the layout has {num_groups}")
-    out = []
-    for g, item in enumerate(items):
-        try:
-            arr = np.array(item, dtype=np.int64) if not isinstance(item, np.ndarray) else item
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"{side} blocks of group {g}: not a list of block ids") from exc
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise PlanError(f"{side} blocks of group {g}: need a 1-d integer array")
-        out.append(arr.astype(np.int64, copy=True))
-    return out
-
-
-def _check_range(blocks: IntArray, num_blocks: int, side: str, group: int) -> None:
-    if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
-        pos = int(np.flatnonzero((blocks < 0) | (blocks >= num_blocks))[0])
-        raise PlanError(
-            f"{side} block id {int(blocks[pos])} (group {group}, position {pos}) "
-            f"out of range [0, {num_blocks})"
-        )
-
-
-def _pick(
-    cut: _GroupCut, table: DescriptorTable, listed: int, num_tokens: int, chunk_mode: bool
-) -> _Pick:
-    """Select one group's descriptors for ``listed`` blocks ending the request."""
-    empty = np.zeros(0, dtype=np.int64)
-    if listed == 0:
-        return _Pick(cut, 0, empty, None)
-    layout = table.layout
-    bs, tokens = layout.block_size, layout.tokens_per_desc
-    last = -(-num_tokens // bs) - 1  # request index of the last block
-    first = last + 1 - listed  # request index of the first listed block
-    if not cut.window and not chunk_mode:
-        return _Pick(cut, listed, empty, None)  # R-DESC-2: the last block goes whole
-    if cut.window:
-        w = cut.window
-        g_lo, g_hi = max(num_tokens - w, 0) // w, (num_tokens - 1) // w
-        tail = np.arange(max(g_lo * w // bs - first, 0), listed, dtype=np.int64)
-        whole = 0
-    else:
-        tail = np.array([listed - 1], dtype=np.int64)
-        whole = listed - 1
-    k = tokens // cut.unit
-    # Global token of each unit's first token: (regions, tail blocks, units).
-    desc_start = (first + tail)[None, :] * bs + table._shard_start[cut.regions][:, None]
-    offset = np.arange(k, dtype=np.int64) * cut.unit
-    keep = np.ones((len(cut.regions), len(tail), k), dtype=np.bool_)
-    if cut.window:
-        granule = (desc_start[:, :, None] + offset[None, None, :]) // cut.window
-        keep &= (granule >= g_lo) & (granule <= g_hi)
-    if chunk_mode:
-        # Of the last block only chunks holding a token go, each one whole.
-        chunk_start = desc_start[:, :, None] + (offset // table.chunk_tokens * table.chunk_tokens)
-        keep &= ((first + tail) != last)[None, :, None] | (chunk_start < num_tokens)
-    tail_keep = keep.reshape(len(cut.regions), -1)
-    if tail_keep.all():
-        return _Pick(cut, whole, tail, None)
-    mask = np.ones((len(cut.regions), whole + tail_keep.shape[1]), dtype=np.bool_)
-    mask[:, whole:] = tail_keep
-    return _Pick(cut, whole, tail, mask)
-
-
-def _ids(table: DescriptorTable, blocks: IntArray, pick: _Pick) -> IntArray:
-    """Map a table-independent selection onto one side's table ids."""
-    cut = pick.cut
-    rows = cut.regions * table.num_blocks
-    parts: list[IntArray] = []
-    if pick.whole:
-        parts.append(rows[:, None] + blocks[None, : pick.whole])
-    if len(pick.tail):
-        tail_blocks = blocks[pick.tail]
-        k = table.layout.tokens_per_desc // cut.unit
-        units = np.arange(k, dtype=np.int64)[None, None, :]
-        if cut.section is _Section.WHOLE:
-            t = rows[:, None] + tail_blocks[None, :]
-        elif cut.section is _Section.CHUNK:
-            first = table.chunk_offset + (rows[:, None] + tail_blocks[None, :]) * k
-            t = (first[:, :, None] + units).reshape(len(rows), -1)
-        else:
-            first = table.window_offset[cut.regions][:, None] + tail_blocks[None, :] * k
-            t = (first[:, :, None] + units).reshape(len(rows), -1)
-        parts.append(t)
-    if not parts:
-        return np.zeros(0, dtype=np.int64)
-    ids = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    return ids[pick.mask] if pick.mask is not None else ids.ravel()
-
-
 def build_plan(
     local: DescriptorTable,
     remote: DescriptorTable,
@@ -540,8 +386,8 @@ def build_plan(
     if not _is_int(num_tokens) or num_tokens < 0:
         raise PlanError(f"num_tokens={num_tokens!r}: must be a non-negative int")
     num_groups = len(local.layout.groups)
-    mine = _as_groups(local_blocks, num_groups, "local")
-    theirs = _as_groups(remote_blocks, num_groups, "remote")
+    mine = as_groups(local_blocks, num_groups, "local")
+    theirs = as_groups(remote_blocks, num_groups, "remote")
     needed = -(-num_tokens // local.layout.block_size)
     chunk_mode = local.options.chunk_mode
     local_ids: list[IntArray] = []
@@ -556,12 +402,20 @@ def build_plan(
             raise PlanError(
                 f"group {g}: {len(lb)} blocks given but {num_tokens} tokens fill only {needed}"
             )
-        _check_range(lb, local.num_blocks, "local", g)
-        _check_range(rb, remote.num_blocks, "remote", g)
-        pick = _pick(local._cuts[g], local, len(lb), num_tokens, chunk_mode)
-        local_ids.append(_ids(local, lb, pick))
-        remote_ids.append(_ids(remote, rb, pick))
-        touched.append(lb if pick.whole or not len(pick.tail) else lb[pick.tail[0] :])
+        check_range(lb, local.num_blocks, "local", g)
+        check_range(rb, remote.num_blocks, "remote", g)
+        sel = pick(
+            local._cuts[g],
+            local.layout,
+            local._shard_start,
+            local.chunk_tokens,
+            len(lb),
+            num_tokens,
+            chunk_mode,
+        )
+        local_ids.append(local._unit_ids(sel, lb))
+        remote_ids.append(remote._unit_ids(sel, rb))
+        touched.append(sel.touched(lb))
     lids = local_ids[0] if num_groups == 1 else np.concatenate(local_ids)
     rids = remote_ids[0] if num_groups == 1 else np.concatenate(remote_ids)
     return Plan(
