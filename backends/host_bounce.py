@@ -1,0 +1,299 @@
+"""``host_bounce`` backend: device blocks bounce through registered host memory (R-BE-3).
+
+``kv_buffer_device: "cpu"``. :meth:`HostBounceBackend.register` allocates one host
+staging region per engine region, with the engine's block geometry (``num_blocks``
+blocks of ``block_len`` bytes, contiguous), registers the *staging* memory with an
+inner transport and returns the staging layout: that is what peers address. Around
+each transfer the agent calls :meth:`~HostBounceBackend.stage_out` on the sender
+(engine blocks → staging) and :meth:`~HostBounceBackend.stage_in` on the receiver
+(staging → engine blocks); each is one vectorized index copy per region. Everything
+else is the inner transport's.
+
+The inner transport is, by default, :func:`kvxfer.backends.nixl_rbln.host_transport`:
+nixl-rbln's backend when available, otherwise UCX after the log line
+``RBLN NIXL: nixl-rbln not available``. ``options.extra["transport"] = "ucx"`` pins UCX
+without trying nixl-rbln; a constructed backend can be passed as ``transport=``.
+
+Engine memory is reached through its address when it is host memory. Device memory
+needs a copy op (the engine's own block copy, as vLLM passes one to its connectors):
+see :data:`CopyOp` and :func:`torch_copy_op`. Host bounce registers one full buffer per
+region, so chunk_mode, swa_window_mode and push_stream are not available with it
+(``device_to_device`` is False; the agent and the config parser reject them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.backend import (
+    Backend,
+    BackendOptions,
+    Capabilities,
+    PeerHandle,
+    XferHandle,
+    XferOp,
+    XferStatus,
+)
+from kvxfer.errors import BackendError, PlanError, RegistrationError, missing_dependency
+from kvxfer.layout import MemKind
+
+if TYPE_CHECKING:
+    from kvxfer.descriptors import DescriptorTable
+    from kvxfer.layout import KVLayout, Region
+
+__all__ = ["CopyDirection", "CopyOp", "HostBounceBackend", "host_block_view", "torch_copy_op"]
+
+IntArray = npt.NDArray[np.int64]
+ByteArray = npt.NDArray[np.uint8]
+
+
+class CopyDirection(enum.Enum):
+    """Which way a staging copy goes."""
+
+    OUT = "d2h"  # engine blocks -> staging (sender, before peers read)
+    IN = "h2d"  # staging -> engine blocks (receiver, after blocks landed)
+
+
+CopyOp = Callable[[CopyDirection, int, IntArray, ByteArray], None]
+"""``op(direction, region, block_ids, staging)`` copies ``block_ids`` of engine region
+``region`` out to, or in from, ``staging`` — that region's staging buffer as a
+``(num_blocks, block_len)`` uint8 array; block *b* of the engine pairs with row *b*."""
+
+
+def host_block_view(region: Region) -> ByteArray:
+    """A writable ``(num_blocks, block_len)`` uint8 view of a host region, by address."""
+    size = (region.num_blocks - 1) * region.stride + region.block_len
+    flat = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(region.base))
+    return np.lib.stride_tricks.as_strided(
+        flat, shape=(region.num_blocks, region.block_len), strides=(region.stride, 1)
+    )
+
+
+def torch_copy_op(tensors: Sequence[Any]) -> CopyOp:
+    """A :data:`CopyOp` over the tensors a layout was built from (``KVLayout.from_tensors``).
+
+    ``tensors[i]`` is region *i* (dim 0 = blocks, each block contiguous), on any device.
+
+    Raises:
+        MissingDependency: torch is not installed.
+    """
+    try:
+        import torch
+    except ImportError as exc:
+        raise missing_dependency("torch", "torch", exc) from exc
+    # Byte views of each region, one row per block; no copies.
+    rows = [t.reshape(t.shape[0], -1).view(torch.uint8) for t in tensors]
+
+    def copy(
+        direction: CopyDirection, region: int, block_ids: IntArray, staging: ByteArray
+    ) -> None:
+        engine = rows[region]
+        idx = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+        host = torch.from_numpy(staging)
+        if direction is CopyDirection.OUT:
+            host.index_copy_(0, idx, engine.index_select(0, idx.to(engine.device)).cpu())
+        else:
+            engine.index_copy_(
+                0, idx.to(engine.device), host.index_select(0, idx).to(engine.device)
+            )
+
+    return copy
+
+
+def _default_transport(options: BackendOptions) -> Backend:
+    choice = options.extra.get("transport", "auto")
+    if choice == "ucx":
+        from kvxfer.backends.ucx import UcxBackend
+
+        return UcxBackend(options)
+    if choice == "auto":
+        from kvxfer.backends.nixl_rbln import host_transport
+
+        return host_transport(options)
+    raise BackendError(f"host_bounce: extra['transport']={choice!r}: use 'auto' or 'ucx'")
+
+
+class HostBounceBackend(Backend):
+    """Host staging buffers moved by an inner transport; see the module docstring.
+
+    Args:
+        options: Common backend options (also given to the default transport).
+        transport: The host-to-host backend to use (default: see the module docstring).
+            It is owned, and closed, by this backend.
+        copy_op: The engine's block copy; default: numpy index copies through the
+            regions' addresses (host memory only).
+    """
+
+    name: ClassVar[str] = "host_bounce"
+
+    def __init__(
+        self,
+        options: BackendOptions,
+        *,
+        transport: Backend | None = None,
+        copy_op: CopyOp | None = None,
+    ) -> None:
+        self._options = options
+        self._transport = transport if transport is not None else _default_transport(options)
+        self._copy_op = copy_op
+        self._lock = threading.Lock()
+        self._engine: KVLayout | None = None
+        self._staging_mem: ByteArray | None = None
+        self._staging: list[ByteArray] = []
+        self._engine_views: list[ByteArray] | None = None
+        self._closed = False
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            name=self.name,
+            mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}),
+            device_to_device=False,
+            stages_through_host=True,
+            merges_contiguous=self._transport.capabilities.merges_contiguous,
+        )
+
+    @property
+    def agent_name(self) -> str:
+        return self._options.agent_name
+
+    @property
+    def transport(self) -> Backend:
+        """The inner host-to-host backend."""
+        return self._transport
+
+    def metadata(self) -> bytes:
+        return self._transport.metadata()
+
+    # -- memory ---------------------------------------------------------------------
+    def register(self, layout: KVLayout) -> KVLayout:
+        with self._lock:
+            if self._closed:
+                raise RegistrationError("host_bounce backend is closed")
+            if self._engine is not None:
+                raise RegistrationError("this backend already registered a layout")
+            views = None
+            if self._copy_op is None:
+                device = [i for i, r in enumerate(layout.regions) if r.mem is not MemKind.DRAM]
+                if device:
+                    raise RegistrationError(
+                        f"host bounce of device memory (region {device[0]}) needs the engine's "
+                        "block copy op: HostBounceBackend(options, copy_op=...)"
+                    )
+                views = [host_block_view(r) for r in layout.regions]
+            sizes = [r.num_blocks * r.block_len for r in layout.regions]
+            # One allocation for every staging region: one registered range for the NIC.
+            mem = np.zeros(sum(sizes), dtype=np.uint8)
+            offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+            staging = [
+                mem[off : off + size].reshape(r.num_blocks, r.block_len)
+                for off, size, r in zip(offsets, sizes, layout.regions)
+            ]
+            base = int(mem.ctypes.data)
+            exposed = msgspec.structs.replace(
+                layout,
+                regions=tuple(
+                    msgspec.structs.replace(
+                        r, base=base + off, stride=r.block_len, mem=MemKind.DRAM, device_id=0
+                    )
+                    for off, r in zip(offsets, layout.regions)
+                ),
+            )
+            self._transport.register(exposed)
+            self._engine, self._staging_mem, self._staging = layout, mem, staging
+            self._engine_views = views
+            return exposed
+
+    def prepare_local(self, table: DescriptorTable) -> None:
+        self._transport.prepare_local(table)
+
+    # -- staging --------------------------------------------------------------------
+    def _copy(self, direction: CopyDirection, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
+        with self._lock:
+            if self._engine is None or self._closed:
+                raise RegistrationError(f"stage {direction.value} before register or after close")
+            layout = self._engine
+            if len(block_ids) != len(layout.groups):
+                raise PlanError(
+                    f"stage {direction.value}: {len(block_ids)} block list(s) for "
+                    f"{len(layout.groups)} group(s)"
+                )
+            ids = [np.asarray(b, dtype=np.int64) for b in block_ids]
+            for g, b in enumerate(ids):
+                if b.ndim != 1 or (b.size and (b.min() < 0 or b.max() >= layout.num_blocks)):
+                    raise PlanError(
+                        f"stage {direction.value}: group {g} block ids out of range "
+                        f"[0, {layout.num_blocks})"
+                    )
+            for i, r in enumerate(layout.regions):
+                blocks = ids[r.group]
+                if not blocks.size:
+                    continue
+                staging = self._staging[i]
+                if self._copy_op is not None:
+                    self._copy_op(direction, i, blocks, staging)
+                elif self._engine_views is not None:
+                    engine = self._engine_views[i]
+                    if direction is CopyDirection.OUT:
+                        staging[blocks] = engine[blocks]
+                    else:
+                        engine[blocks] = staging[blocks]
+
+    def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
+        """Copy engine blocks (one id array per group) into staging for peers to read."""
+        self._copy(CopyDirection.OUT, block_ids)
+
+    def stage_in(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
+        """Copy landed staging blocks (one id array per group) into the engine's blocks."""
+        self._copy(CopyDirection.IN, block_ids)
+
+    # -- delegated ------------------------------------------------------------------
+    def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
+        return self._transport.add_peer(metadata, table)
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        self._transport.remove_peer(peer)
+
+    def post(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        return self._transport.post(op, peer, local_ids, remote_ids, notification)
+
+    def status(self, handle: XferHandle) -> XferStatus:
+        return self._transport.status(handle)
+
+    def release(self, handle: XferHandle) -> None:
+        self._transport.release(handle)
+
+    def notify(self, peer: PeerHandle, payload: bytes) -> None:
+        self._transport.notify(peer, payload)
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        return self._transport.drain_notifications()
+
+    # -- teardown -------------------------------------------------------------------
+    def close(self) -> None:
+        # The transport deregisters the staging memory first; only then may it be freed.
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._transport.close()
+        with self._lock:
+            self._engine_views = None
+            self._staging = []
+            self._staging_mem = None

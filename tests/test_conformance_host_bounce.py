@@ -1,0 +1,205 @@
+"""host_bounce: the conformance suite against a peer in another process, plus its own rules."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxfer.backend import BackendOptions, XferOp, XferStatus
+from kvxfer.backends.host_bounce import CopyOp, HostBounceBackend, host_block_view, torch_copy_op
+from kvxfer.backends.nixl_rbln import ADAPTER_ENV, NOT_AVAILABLE
+from kvxfer.backends.ucx import UcxBackend
+from kvxfer.descriptors import DescriptorTable, build_plan
+from kvxfer.errors import BackendError, PlanError, RegistrationError
+from kvxfer.layout import KVLayout, MemKind, split_kv
+from kvxfer.testing._harness import CacheShape, PatternCache
+from kvxfer.testing.conformance import BackendConformance, BackendSpec
+from kvxfer.testing.fake_backend import FakeBackend
+
+_names = itertools.count()
+
+
+class TestHostBounce(BackendConformance):
+    spec = BackendSpec(name="host_bounce")
+
+
+def _options() -> BackendOptions:
+    return BackendOptions(agent_name=f"hb-{os.getpid()}-{next(_names)}")
+
+
+def _over_fake(copy_op: CopyOp | None = None) -> HostBounceBackend:
+    options = _options()
+    return HostBounceBackend(options, transport=FakeBackend(options), copy_op=copy_op)
+
+
+@pytest.fixture
+def no_nixl_rbln(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ADAPTER_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "nixl_rbln", None)  # import nixl_rbln -> ImportError
+
+
+def test_capabilities_and_staging_layout() -> None:
+    cache = PatternCache(CacheShape(num_blocks=6))
+    be = _over_fake()
+    try:
+        caps = be.capabilities
+        assert (caps.device_to_device, caps.stages_through_host) == (False, True)
+        exposed = be.register(cache.layout)
+        assert exposed.first_difference(cache.layout) is None
+        regions = exposed.regions
+        for engine, staging in zip(cache.layout.regions, regions):
+            assert (staging.num_blocks, staging.block_len) == (engine.num_blocks, engine.block_len)
+            assert staging.stride == staging.block_len and staging.mem is MemKind.DRAM
+        # One allocation, regions back to back: one registered range.
+        for a, b in itertools.pairwise(regions):
+            assert b.base == a.end
+        with pytest.raises(RegistrationError):
+            be.register(cache.layout)
+    finally:
+        be.close()
+        be.close()
+
+
+def test_stage_rejects_bad_block_lists() -> None:
+    cache = PatternCache(CacheShape(num_blocks=6))
+    be = _over_fake()
+    try:
+        with pytest.raises(RegistrationError):
+            be.stage_out([np.array([0]), np.array([0])])
+        be.register(cache.layout)
+        with pytest.raises(PlanError, match="group"):
+            be.stage_out([np.array([0])])  # the layout has two groups
+        with pytest.raises(PlanError, match="out of range"):
+            be.stage_in([np.array([6]), np.array([0])])
+        with pytest.raises(PlanError, match="out of range"):
+            be.stage_out([np.array([-1]), np.array([0])])
+    finally:
+        be.close()
+    with pytest.raises(RegistrationError):
+        be.stage_out([np.array([0]), np.array([0])])
+
+
+def test_device_memory_needs_a_copy_op() -> None:
+    cache = PatternCache(CacheShape(num_blocks=4, mem=MemKind.VRAM))
+    be = _over_fake()
+    try:
+        with pytest.raises(RegistrationError, match="copy op"):
+            be.register(cache.layout)
+    finally:
+        be.close()
+
+
+def test_stage_copies_only_listed_blocks_of_strided_regions() -> None:
+    cache = PatternCache(CacheShape(num_blocks=6))
+    cache.fill(3)
+    be = _over_fake()
+    try:
+        exposed = be.register(cache.layout)
+        be.stage_out([np.array([4, 1]), np.array([1])])
+        views = [host_block_view(r) for r in exposed.regions]
+        for i, r in enumerate(cache.layout.regions):
+            listed = [4, 1] if r.group == 0 else [1]
+            assert np.array_equal(views[i][listed], cache.views[i][listed])
+            others = [b for b in range(6) if b not in listed]
+            assert not views[i][others].any()
+            views[i][:] = 0xAB
+        be.stage_in([np.array([2]), np.array([])])
+        for i, r in enumerate(cache.layout.regions):
+            expect = cache.pattern(3, i, range(6))
+            if r.group == 0:
+                expect[2] = 0xAB
+            assert np.array_equal(cache.views[i], expect)
+    finally:
+        be.close()
+
+
+def test_torch_tensors_bounce_through_staging() -> None:
+    torch = pytest.importorskip("torch")
+
+    def endpoint(seed: int) -> tuple[HostBounceBackend, list[Any], DescriptorTable]:
+        gen = torch.Generator().manual_seed(seed)
+        # vLLM-style (num_blocks, 2, block_size, heads, head_dim) bf16 caches: K and V
+        # of one block sit side by side, so each region is strided.
+        caches = [torch.randn(10, 2, 4, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        if seed == 0:
+            for c in caches:
+                c.zero_()
+        views = [v for c in caches for v in split_kv(c, kv_dim=1)]
+        layout = KVLayout.from_kv_caches(caches, block_size=4, kv_dim=1)
+        be = _over_fake(torch_copy_op(views))
+        table = DescriptorTable.build(be.register(layout))
+        be.prepare_local(table)
+        return be, views, table
+
+    producer, pviews, ptable = endpoint(1)
+    consumer, cviews, ctable = endpoint(0)
+    try:
+        remote, local = [7, 2, 3], [0, 5, 6]
+        producer.stage_out([np.array(remote)])
+        peer = consumer.add_peer(producer.metadata(), ptable)
+        plan = build_plan(ctable, ptable, local, remote, 11)
+        h = consumer.post(XferOp.READ, peer, plan.local_ids, plan.remote_ids)
+        assert consumer.status(h) is XferStatus.DONE
+        consumer.stage_in([np.array(local)])
+        for cv, pv in zip(cviews, pviews):
+            c, p = cv.view(torch.int16), pv.view(torch.int16)
+            assert torch.equal(c[local], p[remote])
+            rest = [b for b in range(10) if b not in local]
+            assert not c[rest].any()
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_default_transport_falls_back_to_ucx_with_the_log_line(
+    no_nixl_rbln: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kvxfer.backends.nixl_rbln"):
+        be = HostBounceBackend(_options())
+    try:
+        assert isinstance(be.transport, UcxBackend)
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvxfer.backends.nixl_rbln"]
+        assert lines == [NOT_AVAILABLE]
+        assert NOT_AVAILABLE == "RBLN NIXL: nixl-rbln not available"
+    finally:
+        be.close()
+
+
+def test_transport_ucx_is_pinned_quietly(
+    no_nixl_rbln: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = BackendOptions(agent_name=_options().agent_name, extra={"transport": "ucx"})
+    with caplog.at_level(logging.DEBUG):
+        be = HostBounceBackend(options)
+    try:
+        assert isinstance(be.transport, UcxBackend)
+        assert NOT_AVAILABLE not in caplog.messages
+    finally:
+        be.close()
+    with pytest.raises(BackendError, match="transport"):
+        HostBounceBackend(BackendOptions(agent_name="x", extra={"transport": "rdma"}))
+
+
+@pytest.fixture
+def emulated_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(ADAPTER_ENV, "emulated")
+    yield
+
+
+def test_with_an_rbln_adapter_host_bounce_rides_it(emulated_env: None) -> None:
+    be = HostBounceBackend(_options())
+    try:
+        from kvxfer.backends.nixl_rbln import NixlRblnBackend
+
+        assert isinstance(be.transport, NixlRblnBackend)
+        assert be.transport.adapter.emulated
+        assert be.capabilities.device_to_device is False  # host bounce all the same
+    finally:
+        be.close()
