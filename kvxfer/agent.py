@@ -31,6 +31,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -296,6 +297,7 @@ class Agent:
         self._closed = False
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pusher: ThreadPoolExecutor | None = None
 
     # -- registration ---------------------------------------------------------------
     def register(self, layout: KVLayout, *, defer: bool = False) -> None:
@@ -622,6 +624,8 @@ class Agent:
             for t in list(self._transfers.values()):
                 self._fail(t, FailureKind.ABORTED, TransferError("agent closed"))
         self._wake.set()
+        if self._pusher is not None:
+            self._pusher.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._server is not None:
@@ -879,10 +883,13 @@ class Agent:
         self._write(lease, lease.pushed_blocks, total, final=True)
 
     def _write(self, lease: _Lease, start: int, stop: int, *, final: bool) -> None:
-        """Post one WRITE of blocks ``[start, stop)`` of a lease (R-XFER-2/3).
+        """Queue one WRITE of blocks ``[start, stop)`` of a lease (R-XFER-2/3).
 
-        Each write's notification carries its part number; the final one carries the
-        number of parts, so the consumer settles only when none is missing.
+        Called under the agent lock; the handshake with the consumer (which can take a
+        timeout when it is gone) runs on the push worker, never under the lock. One
+        worker keeps a request's writes in order. Each write's notice names the blocks
+        it covers, and the last one says it is final, so the consumer settles only
+        when no block is missing.
         """
         target = lease.target
         assert target is not None and self.exposed_layout is not None
@@ -895,15 +902,29 @@ class Agent:
         transfer = self._new_transfer(lease.request_id, local)
         lease.writes.append(transfer)
         transfer.meta["lease"] = lease.request_id
+        # Tokens inside the written slice: whole blocks, except the request's tail.
+        tokens = lease.num_tokens - start * block_size if final else (stop - start) * block_size
+        if self._pusher is None:
+            self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-push")
+        self._pusher.submit(
+            self._post_write, transfer, target, local, remote, max(tokens, 0), final
+        )
+
+    def _post_write(
+        self,
+        transfer: Transfer,
+        target: wire.PushRegister,
+        local: tuple[tuple[int, ...], ...],
+        remote: tuple[tuple[int, ...], ...],
+        tokens: int,
+        final: bool,
+    ) -> None:
         try:
             peer = self._peers.get(target.host, target.port, target.engine_id, target.incarnation)
         except KvxferError as exc:
             self._fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         transfer.meta["push_peer"] = peer
-        # Tokens inside the written slice: whole blocks, except the request's tail.
-        tokens = lease.num_tokens - start * block_size if final else (stop - start) * block_size
-
         notice = self._encode(
             wire.Notice(
                 kind=wire.NoticeKind.PUSHED,
@@ -914,7 +935,19 @@ class Agent:
                 final=final,
             )
         )
-        self._post(transfer, XferOp.WRITE, peer, local, remote, max(tokens, 0), notice)
+        with self._lock:
+            if transfer.done:  # failed meanwhile (agent closing, lease gone)
+                return
+            if not any(local):
+                # Everything was streamed already: only the final notice is left to send.
+                try:
+                    self.backend.notify(peer.handle, notice)
+                except KvxferError as exc:
+                    self._fail(transfer, FailureKind.PEER_GONE, exc)
+                    return
+                self._succeed(transfer)
+                return
+            self._post(transfer, XferOp.WRITE, peer, local, remote, tokens, notice)
 
     def _settle_lease_write(self, transfer: Transfer, ok: bool) -> None:
         """A push write finished: free the lease when every write is done, or on failure."""
