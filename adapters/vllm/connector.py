@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvxfer.adapters.vllm.plugin import attach_to_vllm_logging
 from kvxfer.adapters.vllm.scheduler import SchedulerSide, StepPlan
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.config import BufferDevice, Direction, TransferConfig, parse_kv_transfer_config
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
+attach_to_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
 
 # vLLM's KVTransferConfig fields kvxfer's parser sees (the rest is vLLM's business).
 _CONFIG_FIELDS = (

@@ -10,12 +10,13 @@ too: the connector module is imported only when a config names one of the classe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 from kvxfer.adapters.vllm import CONNECTOR_MODULE, CONNECTOR_NAMES
 
-__all__ = ["register"]
+__all__ = ["attach_to_vllm_logging", "register"]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 
@@ -31,6 +32,26 @@ def _known(factory: Any, name: str) -> bool:
     return isinstance(registry, dict) and name in registry
 
 
+def attach_to_vllm_logging() -> None:
+    """Send kvxfer's log records through vLLM's handlers (same format and stream).
+
+    vLLM configures only its own ``vllm`` logger; without this, kvxfer's INFO lines
+    (``RBLN NIXL (D2D): registered``, ``remote descriptor(s) for engine``, ...) would
+    go nowhere in a ``vllm serve`` process. Idempotent; a no-op when the operator
+    already gave the ``kvxfer`` logger handlers.
+    """
+    ours = logging.getLogger("kvxfer")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    if not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 def register() -> list[str]:
     """Register the connector names with vLLM's factory; idempotent, never raises.
 
@@ -38,6 +59,8 @@ def register() -> list[str]:
         The names this call added (empty when all were already registered or vLLM's
         factory could not be imported).
     """
+    with contextlib.suppress(Exception):  # logging must never cost the server its start
+        attach_to_vllm_logging()
     try:
         factory = _factory()
     except Exception as exc:  # vLLM missing or changed: log, leave vLLM running

@@ -149,6 +149,23 @@ class VllmServer:
     def metrics(self) -> str:
         return self.get("/metrics")[1].decode("utf-8", "replace")
 
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the Prometheus samples called ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            sample, _, label_text = head.partition("{")
+            if sample != name:
+                continue
+            have = dict(
+                part.split("=", 1) for part in label_text.rstrip("}").split(",") if "=" in part
+            )
+            if all(have.get(k) == f'"{v}"' for k, v in labels.items()):
+                total += float(value)
+        return total
+
     # --- lifecycle ----------------------------------------------------------------
 
     def wait_healthy(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> float:
@@ -303,6 +320,19 @@ def start_server(
             server.stop(grace_s=3.0)
             raise
     return server
+
+
+def wait_all_healthy(
+    servers: Sequence[VllmServer], timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+) -> None:
+    """Wait for servers started with ``wait=False``; on any failure stop them all."""
+    try:
+        for server in servers:
+            server.wait_healthy(timeout_s)
+    except BaseException:
+        for server in servers:
+            server.stop(grace_s=3.0)
+        raise
 
 
 @contextlib.contextmanager
