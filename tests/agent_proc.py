@@ -42,10 +42,13 @@ class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
     sliding_window: int = 0
     push_stream: bool = False
     handshake_timeout_s: float = 2.0
+    rbln_emulated: bool = False
 
 
 def _serve(conn: Connection, spec: ProcSpec) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if spec.rbln_emulated:
+        os.environ["KVXFER_RBLN_ADAPTER"] = "emulated"
     from kvxfer.agent import Agent, AgentConfig, Ticket
     from kvxfer.compat import Fingerprint
     from kvxfer.config import Direction, Role
@@ -147,6 +150,9 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
                 # bytes of the first `tokens` tokens of the listed blocks, per region
                 local, remote, seed, tokens = args
                 value = _token_mismatches(cache, local, remote, seed, tokens)
+            elif cmd == "token_map":
+                local, remote, seed = args
+                value = _token_map(cache, local, remote, seed)
             elif cmd == "abort":
                 agent.abort(msgspec.convert(args, Ticket))
                 value = None
@@ -161,6 +167,23 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             conn.send(("ok", value))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _token_map(cache: Any, local: list[int], remote: list[int], seed: int) -> list[Any]:
+    """Per region, per listed block, per token: does it hold the producer's bytes?"""
+    import numpy as np
+
+    saved, cache.fill_seed = cache.fill_seed, seed
+    try:
+        words = cache.block_bytes // 2 // cache.block_size
+        out = []
+        for i in range(len(cache.regions)):
+            expected = cache.pattern(i, np.asarray(remote)).reshape(len(remote), -1, words)
+            got = cache.regions[i][np.asarray(local)].reshape(len(local), -1, words)
+            out.append((expected == got).all(axis=2).tolist())
+        return out
+    finally:
+        cache.fill_seed = saved
 
 
 def _token_mismatches(
