@@ -1,0 +1,77 @@
+"""`kvxfer demo` as a user runs it: two processes, real NIXL, verified bytes, JSON report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_demo_json_reports_verified_pull_and_push() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.cli",
+            "demo",
+            "--tokens",
+            "300",
+            "--layers",
+            "2",
+            "--repeat",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] is True
+    for direction in ("pull", "push"):
+        r = report[direction]
+        assert r["verified"] is True
+        assert r["blocks_released"] is True
+        # 19 blocks (300 tokens, the last partial, sent whole) × 2 layers × K,V × 16 × 8 × 128 × 2B
+        assert r["bytes"] == 19 * 2 * 2 * 16 * 8 * 128 * 2
+        for key in ("seconds", "gbps", "memcpy_ratio"):
+            assert r[key] > 0
+    assert report["memcpy_gbps"] > 0
+
+
+def test_demo_host_bounce_backend() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.cli",
+            "demo",
+            "--tokens",
+            "100",
+            "--layers",
+            "1",
+            "--repeat",
+            "1",
+            "--backend",
+            "host_bounce",
+            "--direction",
+            "pull",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] is True and report["pull"]["verified"] is True
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "demo", "--tokens", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "--tokens" in out.stderr
