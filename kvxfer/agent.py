@@ -87,6 +87,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         max_message_bytes: Largest side-channel frame accepted.
         auth_secret: Shared secret authenticating the side channel (None: off, warned).
         rails: RDMA devices the data plane may use; stripe_width: see R-RAIL-3.
+        lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
+            producer's lease expiry: clock skew between hosts must stay below it.
         progress_interval_s: Sleep of the progress thread while transfers are in flight.
     """
 
@@ -109,6 +111,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     rails: tuple[str, ...] = ()
     stripe_width: int | None = None
     progress_interval_s: float = 0.0005
+    lease_guard_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -518,6 +521,13 @@ class Agent:
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         transfer = self._new_transfer(ticket.request_id, groups)
         transfer.meta["stage_in"] = True  # host bounce copies landed blocks in
+        if ticket.lease_expiry:
+            transfer.meta["lease_expiry"] = ticket.lease_expiry
+            if self._lease_over(ticket.lease_expiry):
+                self._fail(
+                    transfer, FailureKind.LEASE_EXPIRED, self._expired_error(ticket.request_id)
+                )
+                return transfer
         try:
             peer = self._peers.get(
                 ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
@@ -538,6 +548,18 @@ class Agent:
             # Nothing was read: let the producer free its blocks now, not at lease expiry.
             threading.Thread(target=self.abort, args=(ticket,), daemon=True).start()
         return transfer
+
+    def _lease_over(self, expiry: float) -> bool:
+        # One-sided reads cannot be refused by the producer, so the consumer enforces the
+        # lease itself, with a guard for clock skew between the two hosts.
+        return time.time() > expiry - self.config.lease_guard_s
+
+    @staticmethod
+    def _expired_error(request_id: str) -> TransferError:
+        return TransferError(
+            f"the producer's lease on {request_id} ran out before its blocks were read; "
+            "they may have been reused (raise lease_s, or pull sooner)"
+        )
 
     def abort(self, ticket: Ticket) -> None:
         """Tell the producer to release a request we will not pull (R-XFER-4)."""
@@ -772,7 +794,15 @@ class Agent:
                 if handle is not None:
                     state = self.backend.status(handle)
                     if state is XferStatus.DONE:
-                        self._succeed(t)
+                        expiry = t.meta.get("lease_expiry")
+                        if expiry is not None and self._lease_over(expiry):
+                            # Landed after the producer was free to reuse the blocks:
+                            # the bytes may be another request's, so they are not valid.
+                            self._fail(
+                                t, FailureKind.LEASE_EXPIRED, self._expired_error(t.request_id)
+                            )
+                        else:
+                            self._succeed(t)
                         continue
                     if state is XferStatus.FAILED:
                         peer = t.meta.get("peer")

@@ -39,6 +39,7 @@ class FailureKind(enum.Enum):
     TIMEOUT = "timeout"  # no completion before the deadline
     PEER_GONE = "peer_gone"  # the peer died, restarted or released the blocks
     ABORTED = "aborted"  # the engine or the peer aborted the request
+    LEASE_EXPIRED = "lease_expired"  # the producer may have reused the blocks
 
 
 class TransferStats(msgspec.Struct, kw_only=True):

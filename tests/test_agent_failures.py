@@ -171,3 +171,20 @@ def test_incompatible_model_and_block_size_are_refused() -> None:
     finally:
         for p in (other_model, other_bs, prod):
             assert p.close() == 0
+
+
+def test_pull_after_lease_expiry_is_refused_not_read() -> None:
+    prod = AgentProc(ProcSpec(engine_id="p-late", role="kv_producer", lease_s=0.6, fill_seed=SEED))
+    cons = AgentProc(ProcSpec(engine_id="d-late", role="kv_consumer"))
+    try:
+        ticket = prod.call("hold", "late", [1, 2], 32)
+        time.sleep(0.8)
+        cons.call("pull", ticket, [3, 4], None)
+        result = cons.call("wait", "late", 10)
+        assert not result["ok"]
+        assert result["failure"] == "lease_expired"
+        assert result["invalid_blocks"] == [3, 4]
+        assert "lease" in result["error"]
+    finally:
+        assert cons.close() == 0
+        assert prod.close() == 0
