@@ -196,14 +196,12 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
             direction=self.direction,
             draft_model=draft,
         )
-        if self.cfg.buffer_device is BufferDevice.RBLN:
-            backend = "nixl_rbln"
-        elif current_platform.device_type == "cpu":
-            # The KV cache already is host memory: register it directly (the engine's
-            # block copy op does not work on this platform anyway).
-            backend = "ucx"
-        else:
-            backend = "host_bounce"
+        # Host bounce ("cpu"): on vLLM's CPU platform the KV cache is host memory,
+        # which host_bounce reaches by address; on an accelerator it needs a block
+        # copy op (TODO: hand the Agent backends.host_bounce.torch_copy_op(tensors) or
+        # the engine's op from set_host_xfer_buffer_ops; vLLM's own op is unusable on
+        # the CPU platform, see docs/VLLM_ADAPTER_NOTES.md section 7).
+        backend = "nixl_rbln" if self.cfg.buffer_device is BufferDevice.RBLN else "host_bounce"
         tp_rank = _tp_rank()
         dp_index = int(getattr(vc.parallel_config, "data_parallel_index", 0) or 0)
         tp_size = int(vc.parallel_config.tensor_parallel_size)
