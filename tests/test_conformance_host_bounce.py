@@ -19,9 +19,9 @@ from kvxfer.backends.ucx import UcxBackend
 from kvxfer.descriptors import DescriptorTable, build_plan
 from kvxfer.errors import BackendError, PlanError, RegistrationError
 from kvxfer.layout import KVLayout, MemKind, split_kv
-from kvxfer.testing._harness import CacheShape, PatternCache
 from kvxfer.testing.conformance import BackendConformance, BackendSpec
 from kvxfer.testing.fake_backend import FakeBackend
+from kvxfer.testing.patterns import CacheShape, PatternCache
 
 _names = itertools.count()
 

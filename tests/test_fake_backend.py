@@ -16,8 +16,8 @@ from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferS
 from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.errors import BackendError, PeerError, RegistrationError
 from kvxfer.registry import get_backend
-from kvxfer.testing._harness import CacheShape, PatternCache, expected_after
 from kvxfer.testing.fake_backend import FakeBackend, Faults, fabric_members
+from kvxfer.testing.patterns import CacheShape, PatternCache, expected_after
 
 _names = itertools.count()
 SHAPE = CacheShape(num_blocks=8)

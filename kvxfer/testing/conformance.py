@@ -206,6 +206,8 @@ def check_notifications(h: Harness) -> None:
     """A transfer's notification arrives once, exactly, and only after the bytes landed."""
     h.use_options(PlanOptions())
     me = h.local.backend.agent_name
+    # PeerHandle is a str; engines key their bookkeeping on it.
+    assert isinstance(h.peer, str), f"add_peer returned a {type(h.peer).__name__}, not a str"
     for op in (XferOp.WRITE, XferOp.READ):
         payload = f"done:{op.value}:\x00\xff".encode() + bytes(range(256))
         moved = _move_blocks(h, op, ((3, 4, 9),), ((7, 8, 1),), 45, notification=payload)
