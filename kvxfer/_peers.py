@@ -93,6 +93,16 @@ class PeerCache:
             self._install(key, new)
             return new
 
+    def cached(
+        self, host: str, port: int, expected_engine_id: str | None, incarnation: int | None
+    ) -> Peer | None:
+        """The cached peer at ``host:port`` if usable as is (never handshakes)."""
+        with self._lock:
+            peer = self._peers.get((host, int(port)))
+        if peer is not None and self._fresh(peer, expected_engine_id, incarnation):
+            return peer
+        return None
+
     @staticmethod
     def _fresh(peer: Peer, expected: str | None, incarnation: int | None) -> bool:
         if peer.suspect:

@@ -63,6 +63,9 @@ __all__ = ["Agent", "AgentConfig", "AgentStats", "Ticket"]
 
 log = logging.getLogger("kvxfer.agent")
 
+# How long a settlement that arrived before its hold() is remembered.
+_EARLY_KEEP_S = 120.0
+
 BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]] | Sequence[Sequence[int]]
 
 
@@ -301,6 +304,10 @@ class Agent:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pusher: ThreadPoolExecutor | None = None
+        self._io_pool: ThreadPoolExecutor | None = None
+        # Settlements (DONE / ABORT notices, Release messages) that arrived before the
+        # engine's hold() of that request: kept briefly so the hold frees at once.
+        self._early: dict[str, float] = {}
 
     # -- registration ---------------------------------------------------------------
     def register(self, layout: KVLayout, *, defer: bool = False) -> None:
@@ -438,6 +445,11 @@ class Agent:
         # host bounce: the consumer reads the staging buffers, so fill them first.
         self.backend.stage_out([np.asarray(g, dtype=np.int64) for g in groups])
         with self._lock:
+            if self._early.pop(request_id, None) is not None:
+                # The consumer finished (or gave up) before the engine got here.
+                self.stats_counters.leases_released += 1
+                self._freed.append(request_id)
+                return self._ticket(request_id, groups, num_tokens, expiry, host, port)
             lease = self._leases.get(request_id)
             if lease is None:
                 lease = _Lease(
@@ -450,6 +462,17 @@ class Agent:
             if self.config.direction is Direction.PUSH and lease.target is not None:
                 self._start_push(lease)
         self._wake.set()
+        return self._ticket(request_id, groups, num_tokens, expiry, host, port)
+
+    def _ticket(
+        self,
+        request_id: str,
+        groups: tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        expiry: float,
+        host: str,
+        port: int,
+    ) -> Ticket:
         return Ticket(
             engine_id=self.config.engine_id,
             host=host,
@@ -528,13 +551,37 @@ class Agent:
                     transfer, FailureKind.LEASE_EXPIRED, self._expired_error(ticket.request_id)
                 )
                 return transfer
+        peer = self._peers.cached(
+            ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
+        )
+        if peer is not None:
+            self._start_pull(transfer, peer, ticket, groups, tokens)
+        else:
+            # A first contact handshakes on a worker thread: the engine's step loop never
+            # waits for a peer (which can take the whole handshake timeout if it is gone).
+            self._io().submit(self._connect_and_pull, transfer, ticket, groups, tokens)
+        return transfer
+
+    def _connect_and_pull(
+        self, transfer: Transfer, ticket: Ticket, groups: tuple[tuple[int, ...], ...], tokens: int
+    ) -> None:
         try:
             peer = self._peers.get(
                 ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
             )
         except KvxferError as exc:
             self._fail(transfer, FailureKind.HANDSHAKE, exc)
-            return transfer
+            return
+        self._start_pull(transfer, peer, ticket, groups, tokens)
+
+    def _start_pull(
+        self,
+        transfer: Transfer,
+        peer: Peer,
+        ticket: Ticket,
+        groups: tuple[tuple[int, ...], ...],
+        tokens: int,
+    ) -> None:
         notice = self._encode(
             wire.Notice(
                 kind=wire.NoticeKind.DONE,
@@ -543,11 +590,19 @@ class Agent:
                 incarnation=self.incarnation,
             )
         )
-        self._post(transfer, XferOp.READ, peer, groups, ticket.block_ids, tokens, notice)
+        with self._lock:
+            if transfer.done:  # the agent closed meanwhile
+                return
+            self._post(transfer, XferOp.READ, peer, groups, ticket.block_ids, tokens, notice)
         if transfer.state is TransferState.FAILED:
             # Nothing was read: let the producer free its blocks now, not at lease expiry.
-            threading.Thread(target=self.abort, args=(ticket,), daemon=True).start()
-        return transfer
+            self.abort(ticket)
+
+    def _io(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._io_pool is None:
+                self._io_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvxfer-io")
+            return self._io_pool
 
     def _lease_over(self, expiry: float) -> bool:
         # One-sided reads cannot be refused by the producer, so the consumer enforces the
@@ -561,8 +616,19 @@ class Agent:
             "they may have been reused (raise lease_s, or pull sooner)"
         )
 
-    def abort(self, ticket: Ticket) -> None:
-        """Tell the producer to release a request we will not pull (R-XFER-4)."""
+    def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
+        """Tell the producer to release a request we will not pull (R-XFER-4).
+
+        Non-blocking by default (the message goes from a worker thread); ``wait=True``
+        returns only once the producer answered or the side channel gave up.
+        """
+        if not wait:
+            if not self._closed:
+                self._io().submit(self._send_release, ticket)
+            return
+        self._send_release(ticket)
+
+    def _send_release(self, ticket: Ticket) -> None:
         msg = wire.Release(request_id=ticket.request_id, reason="consumer aborted")
         try:
             self._request(ticket.host, ticket.port, msg)
@@ -646,8 +712,9 @@ class Agent:
             for t in list(self._transfers.values()):
                 self._fail(t, FailureKind.ABORTED, TransferError("agent closed"))
         self._wake.set()
-        if self._pusher is not None:
-            self._pusher.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pusher, self._io_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._server is not None:
@@ -823,6 +890,10 @@ class Agent:
                             f"{self.config.transfer_timeout_s:g}s"
                         ),
                     )
+            if self._early:
+                horizon = now - _EARLY_KEEP_S
+                for rid in [r for r, t in self._early.items() if t < horizon]:
+                    del self._early[rid]
             for rid, lease in list(self._leases.items()):
                 writing = any(w.state is TransferState.PENDING for w in lease.writes)
                 if lease.expiry < now_wall and not writing:
@@ -849,6 +920,11 @@ class Agent:
                 if lease is not None:
                     self.stats_counters.leases_released += 1
                     self._freed.append(notice.request_id)
+                elif (
+                    notice.kind is not wire.NoticeKind.FAILED
+                    and self.config.role is not Role.CONSUMER
+                ):
+                    self._early[notice.request_id] = time.monotonic()
                 expected = self._expected_push.pop(notice.request_id, None)
                 if expected is not None and notice.kind is wire.NoticeKind.FAILED:
                     self._fail(
@@ -882,8 +958,11 @@ class Agent:
         """Side-channel messages other than the handshake (runs on the server thread)."""
         if isinstance(msg, wire.Release):
             released = self.release(msg.request_id)
+            if not released:
+                with self._lock:
+                    self._early[msg.request_id] = time.monotonic()
             log.info("peer asked to release %s (%s): %s", msg.request_id, msg.reason, released)
-            return wire.Ack()
+            return wire.Ack(request_id=msg.request_id)
         if isinstance(msg, wire.PushRegister):
             if self.config.direction is not Direction.PUSH:
                 return wire.Reject(

@@ -188,3 +188,25 @@ def test_pull_after_lease_expiry_is_refused_not_read() -> None:
     finally:
         assert cons.close() == 0
         assert prod.close() == 0
+
+
+def test_abort_that_arrives_before_the_hold_frees_at_the_hold() -> None:
+    prod = AgentProc(ProcSpec(engine_id="p-early", role="kv_producer", lease_s=60))
+    cons = AgentProc(ProcSpec(engine_id="d-early", role="kv_consumer"))
+    try:
+        stub = {
+            "engine_id": "p-early",
+            "host": prod.host,
+            "port": prod.port,
+            "request_id": "early",
+            "block_ids": [[1]],
+            "num_tokens": 16,
+        }
+        cons.call("abort", stub)  # the router gave up before prefill finished
+        time.sleep(0.5)
+        prod.call("hold", "early", [1], 16)
+        assert "early" in prod.call("freed")
+        assert prod.call("holding") == []
+    finally:
+        assert cons.close() == 0
+        assert prod.close() == 0
