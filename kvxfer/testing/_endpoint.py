@@ -16,7 +16,7 @@ import multiprocessing.connection
 import os
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -99,6 +99,8 @@ class EndpointLike(Protocol):
     def arm(self, stage_in: Groups | None) -> None: ...
     def collect(self) -> Collected: ...
     def notify(self, peer: PeerHandle, payload: bytes) -> None: ...
+    def read_from(self, peer: EndpointInfo, count: int) -> XferStatus: ...
+    def abandon(self) -> int | None: ...
     def close(self) -> int | None: ...
 
 
@@ -126,6 +128,7 @@ class Endpoint:
         self._by_name: dict[str, PeerHandle] = {}
         self._inbox: list[tuple[str, bytes]] = []
         self._armed: list[IntArray] | bool | None = False
+        self.closed = False
         self._arrival: ByteArray | None = None
 
     def info(self) -> EndpointInfo:
@@ -207,8 +210,26 @@ class Endpoint:
         """Send a notification outside any transfer."""
         self.backend.notify(peer, payload)
 
+    def read_from(self, peer: EndpointInfo, count: int) -> XferStatus:
+        """Connect to ``peer`` and READ ``count`` descriptors, leaving the handle unreleased."""
+        handle = self.connect(peer)
+        ids = np.arange(count, dtype=np.int64)
+        xfer = self.backend.post(XferOp.READ, handle, ids, ids, b"")
+        deadline = time.monotonic() + 20
+        state = self.backend.status(xfer)
+        while state is XferStatus.PENDING and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            state = self.backend.status(xfer)
+        return state
+
+    def abandon(self) -> int | None:
+        """In this process a backend can only be closed (see :meth:`SpawnedEndpoint.abandon`)."""
+        self.close()
+        return None
+
     def close(self) -> None:
         """Close the backend (idempotent); nothing to wait for in this process."""
+        self.closed = True
         self.backend.close()
 
 
@@ -226,6 +247,7 @@ def _serve(
     except Exception:
         conn.send(("err", traceback.format_exc()))
         return
+    clean = True
     try:
         while True:
             if not conn.poll(0.001):
@@ -233,6 +255,12 @@ def _serve(
                 continue
             msg = conn.recv()
             if msg is None:
+                break
+            if msg == "abandon":
+                # Exit like an engine that forgets close(): the endpoint stays referenced
+                # until interpreter exit, so the backend's atexit teardown has to work.
+                _ABANDONED.append(ep)
+                clean = False
                 break
             method, args = msg
             try:
@@ -242,22 +270,11 @@ def _serve(
     except (EOFError, BrokenPipeError):
         pass  # the parent is gone: close and exit like any process would
     finally:
-        ep.close()
+        if clean:
+            ep.close()
 
 
-def _exit_without_close(spec: BackendSpec, agent_name: str, shape: CacheShape, peer: Any) -> None:
-    """Child main: connect, read, then exit *without* closing (atexit must clean up)."""
-    os.environ.update(spec.env)
-    ep = Endpoint(spec, agent_name, shape)
-    info: EndpointInfo = peer
-    handle = ep.connect(info)
-    table = ep.peer_tables[handle]
-    ids = np.arange(min(len(ep.table), len(table), 8), dtype=np.int64)
-    h = ep.backend.post(XferOp.READ, handle, ids, ids, b"")
-    deadline = time.monotonic() + 20
-    while ep.backend.status(h) is XferStatus.PENDING and time.monotonic() < deadline:
-        pass
-    # Deliberately no release and no close: interpreter exit must not crash.
+_ABANDONED: list[Endpoint] = []
 
 
 class SpawnedEndpoint:
@@ -273,6 +290,9 @@ class SpawnedEndpoint:
         child.close()
         self._info: EndpointInfo | None = None
         self._closed = False
+        #: Called while waiting for the child: a transfer the child initiates towards this
+        #: process needs this process's transport to progress (UCX wire-up over TCP).
+        self.while_waiting: Callable[[], None] | None = None
 
     def wait_ready(self, timeout: float = 60.0) -> EndpointInfo:
         """Wait until the child registered its memory; returns its info."""
@@ -282,9 +302,12 @@ class SpawnedEndpoint:
         return self._info
 
     def _receive(self, timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
         try:
-            if not self._conn.poll(timeout):
-                raise TransferTimeout(f"peer process {self.process.name}: no answer to {what}")
+            while not self._conn.poll(0.0005 if self.while_waiting else timeout):
+                if time.monotonic() > deadline or self.while_waiting is None:
+                    raise TransferTimeout(f"peer process {self.process.name}: no answer to {what}")
+                self.while_waiting()
             status, value = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise BackendError(
@@ -339,12 +362,23 @@ class SpawnedEndpoint:
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         self.call("notify", peer, payload)
 
+    def read_from(self, peer: EndpointInfo, count: int) -> XferStatus:
+        state: XferStatus = self.call("read_from", peer, count)
+        return state
+
+    def abandon(self, timeout: float = 30.0) -> int | None:
+        """Let the child exit *without* closing its backend; returns its exit code."""
+        return self._finish("abandon", timeout)
+
     def close(self, timeout: float = 30.0) -> int | None:
         """Close the backend, let the child exit, and return its exit code."""
+        return self._finish(None, timeout)
+
+    def _finish(self, message: str | None, timeout: float) -> int | None:
         if not self._closed:
             self._closed = True
             with contextlib.suppress(OSError, ValueError):
-                self._conn.send(None)  # the child closes its backend and exits
+                self._conn.send(message)
             self.process.join(timeout)
             if self.process.is_alive():
                 self.process.kill()

@@ -11,7 +11,6 @@ watching for its notification, and reports what the receiver must and does hold.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import time
 
@@ -27,7 +26,6 @@ from kvxfer.testing._endpoint import (
     EndpointLike,
     Groups,
     SpawnedEndpoint,
-    _exit_without_close,
 )
 from kvxfer.testing.patterns import CacheShape, expected_after
 
@@ -92,26 +90,14 @@ class Harness:
             self._locals.append(ep)
             return ep
         spawned = SpawnedEndpoint(self.spec, self._name("peer"), self.shape)
+        spawned.while_waiting = self._progress_locals
         self._spawned.append(spawned)
         return spawned
 
-    def exit_without_close(self, timeout: float = 60.0) -> int | None:
-        """Run a child that transfers from the peer and exits without closing."""
-        if self.spec.in_process:
-            return 0
-        ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(
-            target=_exit_without_close,
-            args=(self.spec, self._name("exit"), self.shape, self.remote_info),
-            daemon=True,
-        )
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-            return None
-        return proc.exitcode
+    def _progress_locals(self) -> None:
+        for ep in self._locals:
+            if not ep.closed:
+                ep.pump()
 
     @property
     def caps(self) -> Capabilities:
