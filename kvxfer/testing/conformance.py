@@ -402,6 +402,9 @@ def check_backend(
 ) -> dict[str, str]:
     """Run the conformance checks against a backend without pytest.
 
+    Peers of out-of-process backends start with the ``spawn`` method, so a script calling
+    this needs the ``if __name__ == "__main__":`` guard.
+
     Args:
         spec: The backend under test.
         shape: The test cache shape (default: :class:`CacheShape` for ``spec.mem``).
@@ -441,8 +444,13 @@ class BackendConformance:
     harness: ClassVar[Harness]
 
     @classmethod
+    def make_harness(cls) -> Harness:
+        """The connected pair under test; override to build it differently."""
+        return Harness(cls.spec, cls.shape)
+
+    @classmethod
     def setup_class(cls) -> None:
-        cls.harness = Harness(cls.spec, cls.shape)
+        cls.harness = cls.make_harness()
 
     @classmethod
     def teardown_class(cls) -> None:
