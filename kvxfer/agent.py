@@ -90,6 +90,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         max_message_bytes: Largest side-channel frame accepted.
         auth_secret: Shared secret authenticating the side channel (None: off, warned).
         rails: RDMA devices the data plane may use; stripe_width: see R-RAIL-3.
+        backend_extra: Backend-specific options (``BackendOptions.extra``), e.g.
+            ``{"rbln_adapter": "emulated"}`` or ``{"transport": "ucx"}``.
         lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
             producer's lease expiry: clock skew between hosts must stay below it.
         progress_interval_s: Sleep of the progress thread while transfers are in flight.
@@ -115,6 +117,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     stripe_width: int | None = None
     progress_interval_s: float = 0.0005
     lease_guard_s: float = 0.5
+    backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -272,6 +275,7 @@ class Agent:
                     agent_name=self.agent_name,
                     rails=config.rails,
                     stripe_width=config.stripe_width,
+                    extra=dict(config.backend_extra),
                 )
             )
         self.backend = backend
