@@ -22,7 +22,11 @@ fi
 
 echo "setup_env: creating $VENV with $($PY --version)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+PIP_CMD=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# This machine's pip config names local index folders that may not exist; pip warns for
+# each package it looks up there. Keep real errors, drop that noise.
+pip_() { "${PIP_CMD[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+PIP=(pip_)
 "${PIP[@]}" install --upgrade pip >/dev/null
 
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build; the pin

@@ -121,7 +121,7 @@ def test_stage_copies_only_listed_blocks_of_strided_regions() -> None:
 
 
 def test_torch_tensors_bounce_through_staging() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
 
     def endpoint(seed: int) -> tuple[HostBounceBackend, list[Any], DescriptorTable]:
         gen = torch.Generator().manual_seed(seed)

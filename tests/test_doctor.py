@@ -92,7 +92,6 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[
 
 
 @pytest.mark.netns
-@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed: doctor cannot be ready")
 def test_doctor_ready_on_a_host_with_a_qualifying_nic(
     sysfs: Path, ns: NetNs, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -228,7 +228,7 @@ def test_summary_is_one_line_with_the_shape() -> None:
 
 # --- from tensors (R-LAYOUT-1) ------------------------------------------------------------
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (the torch extra is part of the test environment)
 
 
 def _bytes_at(addr: int, length: int) -> bytes:
