@@ -43,6 +43,7 @@ class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
     push_stream: bool = False
     handshake_timeout_s: float = 2.0
     rbln_emulated: bool = False
+    shards: int = 1
 
 
 def _serve(conn: Connection, spec: ProcSpec) -> None:
@@ -62,7 +63,9 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
         head_dim=spec.head_dim,
         sliding_window=spec.sliding_window,
     )
-    cache = HostKVCache(shape, spec.block_size, spec.num_blocks, fill_seed=spec.fill_seed)
+    cache = HostKVCache(
+        shape, spec.block_size, spec.num_blocks, fill_seed=spec.fill_seed, shards=spec.shards
+    )
     direction = Direction(spec.direction)
     agent = Agent(
         AgentConfig(
@@ -146,10 +149,6 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             elif cmd == "check":
                 local, remote, seed = args
                 value = cache.mismatches(local, remote, seed)
-            elif cmd == "check_tokens":
-                # bytes of the first `tokens` tokens of the listed blocks, per region
-                local, remote, seed, tokens = args
-                value = _token_mismatches(cache, local, remote, seed, tokens)
             elif cmd == "token_map":
                 local, remote, seed = args
                 value = _token_map(cache, local, remote, seed)
@@ -175,33 +174,13 @@ def _token_map(cache: Any, local: list[int], remote: list[int], seed: int) -> li
 
     saved, cache.fill_seed = cache.fill_seed, seed
     try:
-        words = cache.block_bytes // 2 // cache.block_size
+        words = cache.block_bytes // 2 // cache.region_tokens
         out = []
         for i in range(len(cache.regions)):
             expected = cache.pattern(i, np.asarray(remote)).reshape(len(remote), -1, words)
             got = cache.regions[i][np.asarray(local)].reshape(len(local), -1, words)
             out.append((expected == got).all(axis=2).tolist())
         return out
-    finally:
-        cache.fill_seed = saved
-
-
-def _token_mismatches(
-    cache: Any, local: list[int], remote: list[int], seed: int, tokens: int
-) -> int:
-    import numpy as np
-
-    saved, cache.fill_seed = cache.fill_seed, seed
-    try:
-        per_token = cache.block_bytes // 2 // cache.block_size  # uint16 words per token
-        bad = 0
-        for i in range(len(cache.regions)):
-            expected = cache.pattern(i, np.asarray(remote))
-            got = cache.regions[i][np.asarray(local)]
-            for j in range(len(local)):
-                n = min(cache.block_size, max(0, tokens - j * cache.block_size)) * per_token
-                bad += int(np.count_nonzero(expected[j, :n] != got[j, :n]))
-        return bad
     finally:
         cache.fill_seed = saved
 

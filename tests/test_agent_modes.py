@@ -118,3 +118,26 @@ def test_push_stream_writes_closed_blocks_early_and_the_rest_at_the_end() -> Non
         assert all(region[0][:7] == [True] * 7 for region in tail)
     finally:
         assert cons.close() == 0 and prod.close() == 0
+
+
+def test_token_sharded_blocks_with_chunk_mode() -> None:
+    # every block is cut by TOKEN into 2 shards (one region each, 8 tokens apiece):
+    # one block spans one descriptor per shard, and chunks are cut inside each shard
+    prod, cons = _pair(shards=2, chunk_mode=True, prefill_step_tokens=4)
+    try:
+        remote, local = [5, 6, 7], [1, 2, 3]
+        tokens = 2 * BS + 5  # last block: shard 0 holds tokens 0..7 -> chunks [0,4) [4,8)
+        ticket = prod.call("hold", "sh1", remote, tokens)
+        cons.call("pull", ticket, local, None)
+        result = cons.call("wait", "sh1", 30)
+        assert result["ok"], result
+        landed = cons.call("token_map", local, remote, SEED)
+        assert len(landed) == 2 * 2 * 2  # layers × K/V × shards
+        for index, region in enumerate(landed):
+            shard = index % 2
+            assert all(region[0]) and all(region[1])
+            assert region[2] == ([True] * 8 if shard == 0 else [False] * 8), (index, region[2])
+        token_bytes = 2 * 32 * 2
+        assert result["bytes"] == (2 * BS + 8) * token_bytes * 2 * 2
+    finally:
+        assert cons.close() == 0 and prod.close() == 0

@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region
+from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
 
 __all__ = ["QWEN3_0_6B", "HostKVCache", "ModelShape"]
 
@@ -46,6 +46,8 @@ class HostKVCache:
         num_blocks: Blocks per region.
         fill_seed: Fill every block with the provenance pattern of this seed; None
             leaves zeros (a consumer's empty cache).
+        shards: Split every block by TOKEN into this many shards, one region each (as
+            an NPU's chiplets hold a block): one block then spans one descriptor per shard.
     """
 
     def __init__(
@@ -55,13 +57,21 @@ class HostKVCache:
         num_blocks: int,
         *,
         fill_seed: int | None = None,
+        shards: int = 1,
     ) -> None:
+        if block_size % shards:
+            raise ValueError(f"shards={shards} must divide block_size={block_size}")
         self.shape = shape
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.block_bytes = block_size * shape.token_bytes()
+        self.shards = shards
+        self.region_tokens = block_size // shards  # tokens of a block one region holds
+        self.block_bytes = self.region_tokens * shape.token_bytes()  # per region
         self.parts = [
-            (layer, part) for layer in range(shape.layers) for part in (KVPart.K, KVPart.V)
+            (layer, part, shard)
+            for layer in range(shape.layers)
+            for part in (KVPart.K, KVPart.V)
+            for shard in range(shards)
         ]
         # uint16 words: bf16-sized elements without needing a bf16 dtype.
         words = self.block_bytes // 2
@@ -105,12 +115,18 @@ class HostKVCache:
                 device_id=0,
                 layer=layer,
                 part=part,
+                shard=shard,
                 group=1 if self.shape.sliding_window and layer % 2 else 0,
             )
-            for arr, (layer, part) in zip(self.regions, self.parts)
+            for arr, (layer, part, shard) in zip(self.regions, self.parts)
         )
         return KVLayout(
-            block_size=self.block_size, regions=regions, groups=groups, dtype="bfloat16"
+            block_size=self.block_size,
+            regions=regions,
+            groups=groups,
+            dtype="bfloat16",
+            split_axis=SplitAxis.TOKEN if self.shards > 1 else SplitAxis.HEAD,
+            num_shards=self.shards,
         )
 
     def mismatches(
