@@ -672,13 +672,20 @@ class Agent:
             host=host,
             port=port,
         )
+        # The registration is a side-channel round trip (a timeout when the producer is
+        # gone): it goes from a worker thread, and a failure lands on the transfer.
+        self._io().submit(self._send_push_register, ticket, msg, transfer)
+        return transfer
+
+    def _send_push_register(
+        self, ticket: Ticket, msg: wire.PushRegister, transfer: Transfer
+    ) -> None:
         try:
             self._request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             with self._lock:
                 self._expected_push.pop(ticket.request_id, None)
             self._fail(transfer, FailureKind.HANDSHAKE, exc)
-        return transfer
 
     def _encode(self, msg: wire.Message) -> bytes:
         return wire.encode(msg, self.compat_hash, auth_key=self._auth_key)
@@ -1010,13 +1017,17 @@ class Agent:
         lease.parts_posted += 1
         if final:
             lease.final_posted = True
-        local = tuple(g[start:stop] for g in lease.blocks)
-        remote = tuple(g[start:stop] for g in target.block_ids)
+        # A consumer whose leading blocks are local prefix-cache hits registers only the
+        # request's last blocks: skip as many of ours (per group) and write the suffix.
+        offsets = [max(0, len(g) - len(t)) for g, t in zip(lease.blocks, target.block_ids)]
+        local = tuple(g[max(start, o) : stop] for g, o in zip(lease.blocks, offsets))
+        remote = tuple(t[max(start, o) - o : stop - o] for t, o in zip(target.block_ids, offsets))
+        first = max(start, offsets[0]) if offsets else start
         transfer = self._new_transfer(lease.request_id, local)
         lease.writes.append(transfer)
         transfer.meta["lease"] = lease.request_id
         # Tokens inside the written slice: whole blocks, except the request's tail.
-        tokens = lease.num_tokens - start * block_size if final else (stop - start) * block_size
+        tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         if self._pusher is None:
             self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-push")
         self._pusher.submit(
