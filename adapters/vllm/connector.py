@@ -1,32 +1,34 @@
-"""DRAFT — kvxfer's KV connectors for vLLM 0.32 (``KVConnectorBase_V1``).
-
-Status: a draft written before the kvxfer Agent existed, against the Agent API in
-docs/DESIGN.md and the facts in docs/VLLM_ADAPTER_NOTES.md. It imports and
-type-checks; it has NOT been run end to end and is not claimed to work. The lead
-finishes it once the Agent lands.
+"""kvxfer's KV connectors for vLLM 0.32 (``KVConnectorBase_V1``).
 
 Layout of the adapter:
 
 * this module: the thin facade vLLM instantiates (one instance per role: SCHEDULER
   in the engine core, WORKER in each worker process; with vLLM's uni-process
-  executor both live in the engine-core process, as two separate objects);
+  executor both live in the engine-core process, as two separate objects), start-up
+  checks (config, model support, rails) and stats/metrics;
 * :mod:`~kvxfer.adapters.vllm.scheduler`: per-request state and ticket params, no
   vLLM imports;
 * :mod:`~kvxfer.adapters.vllm.worker`: KV tensors -> layout -> Agent calls.
 
-Connectors: :class:`RblnNixlPullConnector` (consumer READs), :class:`RblnNixlPushConnector`
-(experimental; producer WRITEs) and :class:`RblnNixlConnector` (the pull connector
-under its historical name). Hybrid (sliding-window) models: not supported by this
-draft; the classes do not subclass vLLM's ``SupportsHMA``, so vLLM turns its hybrid
-KV cache manager off for them (all layers share one block table; sliding-window
-layers then keep every block), and refuses to start when the user forces it on with
-``--no-disable-hybrid-kv-cache-manager``.
+Connectors: :class:`RblnNixlPullConnector` (the consumer READs),
+:class:`RblnNixlPushConnector` (experimental; the producer WRITEs) and
+:class:`RblnNixlConnector` (the pull connector under its historical name).
+
+Hybrid KV cache manager (sliding-window and SSM models): not supported. The classes
+do not subclass vLLM's ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off
+for them (``--disable-hybrid-kv-cache-manager`` is implied: every layer shares one
+block table, sliding-window layers keep all their blocks, output stays exact); vLLM
+refuses to start when the user forces it on with
+``--no-disable-hybrid-kv-cache-manager``, and so does kvxfer when a cache still has
+several KV groups or ``swa_window_mode`` is asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
 import statistics
 from typing import Any, ClassVar
 
@@ -37,19 +39,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvxfer.adapters.vllm.plugin import attach_to_vllm_logging
-from kvxfer.adapters.vllm.scheduler import SchedulerSide, StepPlan
+from kvxfer.adapters.vllm.scheduler import SchedulerSide
+from kvxfer.adapters.vllm.scheduler import StepPlan as StepPlan
+from kvxfer.adapters.vllm.startup import (
+    AUTH_SECRET_ENV,
+    LEASE_KEY,
+    TIMEOUT_KEY,
+    check_model_support,
+    data_plane_rails,
+    parse_vllm_config,
+    positive_seconds,
+    require_nixl_rbln,
+)
 from kvxfer.adapters.vllm.worker import WorkerSide
-from kvxfer.config import BufferDevice, Direction, TransferConfig, parse_kv_transfer_config
-from kvxfer.layout import KVLayout
+from kvxfer.config import Direction
+from kvxfer.errors import ConfigError
+from kvxfer.layout import KVLayout, MemKind
 
 __all__ = [
     "KvxferConnectorMetadata",
     "KvxferConnectorStats",
     "KvxferHandshakeMetadata",
+    "KvxferPromMetrics",
     "RblnNixlConnector",
     "RblnNixlPullConnector",
     "RblnNixlPushConnector",
@@ -57,17 +75,6 @@ __all__ = [
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 attach_to_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
-
-# vLLM's KVTransferConfig fields kvxfer's parser sees (the rest is vLLM's business).
-_CONFIG_FIELDS = (
-    "kv_connector",
-    "kv_role",
-    "kv_buffer_device",
-    "engine_id",
-    "kv_connector_extra_config",
-    "kv_connector_module_path",
-    "kv_load_failure_policy",
-)
 
 
 @dataclasses.dataclass
@@ -79,17 +86,22 @@ class KvxferConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclasses.dataclass
 class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """Worker -> scheduler, once after registration: where peers reach the agent."""
+    """Worker -> scheduler, once after registration: where peers reach one rank."""
 
     host: str
     port: int
     incarnation: int
+    tp_rank: int = 0
 
 
 @dataclasses.dataclass
 class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Per-interval transfer counters; vLLM aggregates them over ranks and steps,
-    then logs ``reduce()`` as "KV Transfer metrics: ..." on the API server."""
+    """Per-interval transfer counters (see ``worker._Interval`` for the keys).
+
+    vLLM aggregates them over ranks and steps (numbers add, lists concatenate), logs
+    ``reduce()`` as "KV Transfer metrics: ..." on the API server and feeds
+    :class:`KvxferPromMetrics`.
+    """
 
     def reset(self) -> None:
         self.data = {}
@@ -97,37 +109,138 @@ class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
     def aggregate(self, other: KVConnectorStats) -> KvxferConnectorStats:
         for key, value in (other.data or {}).items():
             if isinstance(value, list):
-                self.data.setdefault(key, []).extend(value)
+                self.data[key] = [*self.data.get(key, []), *value]
             else:
                 self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        times = [float(t) for t in self.data.get("transfer_s", [])]
+        d = self.data
+        times = [float(t) for t in d.get("transfer_s", [])]
         out: dict[str, int | float] = {
-            "num_transfers": int(self.data.get("num_transfers", 0)),
-            "num_failed": int(self.data.get("num_failed", 0)),
-            "MiB": round(float(self.data.get("bytes", 0)) / 2**20, 3),
+            "num_transfers": int(d.get("num_transfers", 0)),
+            "num_failed": int(d.get("num_failed", 0)),
+            "MiB": round(float(d.get("bytes", 0)) / 2**20, 3),
         }
         if times:
             out["avg_transfer_ms"] = round(1e3 * statistics.fmean(times), 3)
             out["p50_transfer_ms"] = round(1e3 * statistics.median(times), 3)
             out["max_transfer_ms"] = round(1e3 * max(times), 3)
+            seconds = sum(times)
+            if seconds > 0:
+                out["avg_MiB_per_s"] = round(float(d.get("bytes", 0)) / 2**20 / seconds, 1)
+        for key in sorted(d):
+            if key.startswith(("failed_", "num_leases_", "num_handshakes")):
+                out[key] = int(d[key])
         return out
 
     def is_empty(self) -> bool:
-        return not self.data.get("num_transfers")
+        return not any(
+            v for k, v in self.data.items() if k.startswith("num_") or k.startswith("failed_")
+        )
 
 
-def parse_vllm_config(vllm_config: Any) -> TransferConfig:
-    """kvxfer's typed config from vLLM's; raises ConfigError(key, value, rule).
+class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """kvxfer's Prometheus series, labelled like vLLM's own (model, engine).
 
-    vLLM fills ``kv_buffer_device`` with the platform's device type when the user
-    leaves it out ("cpu" on the CPU platform) and ``engine_id`` with a fresh uuid.
+    ``vllm:kvxfer_transfers`` / ``vllm:kvxfer_failed_transfers`` (counters, consumer
+    loads), ``vllm:kvxfer_bytes`` (counter), ``vllm:kvxfer_transfer_time_seconds``
+    (histogram per request) and, on producers, ``vllm:kvxfer_leases_released`` /
+    ``vllm:kvxfer_leases_expired``.
     """
-    kvt = vllm_config.kv_transfer_config
-    mapping = {name: getattr(kvt, name, None) for name in _CONFIG_FIELDS}
-    return parse_kv_transfer_config({k: v for k, v in mapping.items() if v is not None})
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+        counter: Any = self._counter_cls
+        histogram: Any = self._histogram_cls
+        self.transfers = per_engine(
+            counter(
+                name="vllm:kvxfer_transfers",
+                documentation="KV loads settled by kvxfer (done or failed).",
+                labelnames=labelnames,
+            )
+        )
+        self.failed = per_engine(
+            counter(
+                name="vllm:kvxfer_failed_transfers",
+                documentation="KV loads kvxfer reported as failed to vLLM.",
+                labelnames=labelnames,
+            )
+        )
+        self.bytes = per_engine(
+            counter(
+                name="vllm:kvxfer_bytes",
+                documentation="KV bytes moved by completed kvxfer loads.",
+                labelnames=labelnames,
+            )
+        )
+        self.leases_released = per_engine(
+            counter(
+                name="vllm:kvxfer_leases_released",
+                documentation="Producer: held requests freed by their consumer.",
+                labelnames=labelnames,
+            )
+        )
+        self.leases_expired = per_engine(
+            counter(
+                name="vllm:kvxfer_leases_expired",
+                documentation="Producer: held requests freed by lease expiry.",
+                labelnames=labelnames,
+            )
+        )
+        self.transfer_time = per_engine(
+            histogram(
+                name="vllm:kvxfer_transfer_time_seconds",
+                documentation="Per-request KV transfer time (handshake included).",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5],
+                labelnames=labelnames,
+            )
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        for metric, key in (
+            (self.transfers, "num_transfers"),
+            (self.failed, "num_failed"),
+            (self.bytes, "bytes"),
+            (self.leases_released, "num_leases_released"),
+            (self.leases_expired, "num_leases_expired"),
+        ):
+            value = d.get(key, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for seconds in d.get("transfer_s", []):
+            self.transfer_time[engine_idx].observe(float(seconds))
+
+
+def _attention_backend(vllm_config: Any, fallback: str) -> str:
+    """The resolved attention backend's name (part of the compatibility hash)."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    names = set()
+    for layer in context.values():
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None and hasattr(backend, "get_name"):
+            names.add(str(backend.get_name()))
+    return ",".join(sorted(names)) or fallback
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
 
 
 class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
@@ -138,44 +251,64 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # Every start-up refusal is raised here, before any memory is registered:
+        # the engine core dies with the message (key, value, rule) in its log.
         self.cfg = parse_vllm_config(vllm_config)
         if self.cfg.direction is not self.direction:
-            # e.g. kv_connector names the push class but module path resolved pull
-            log.warning(
-                "kvxfer: kv_connector %s implies %s but %s was loaded",
+            raise ConfigError(
+                "kv_connector",
                 self.cfg.connector,
-                self.cfg.direction.value,
-                type(self).__name__,
+                f"names a {self.cfg.direction.value} connector but vLLM loaded "
+                f"{type(self).__name__} ({self.direction.value})",
             )
+        check_model_support(self.cfg, kv_cache_config)
         self.engine_id: str = str(vllm_config.kv_transfer_config.engine_id)
         self.block_size: int = int(vllm_config.cache_config.block_size)
-        extra = self.cfg.extra_passthrough
-        lease_s = float(extra.get("kv_lease_duration", 30))
+        self._lease_s = positive_seconds(self.cfg, LEASE_KEY, 30.0)
+        self._transfer_timeout_s = positive_seconds(self.cfg, TIMEOUT_KEY, 30.0)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._kv_cache_manager: Any = None
+        self._linkmon: Any = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 engine_id=self.engine_id,
                 role=self.cfg.role,
                 direction=self.direction,
                 block_size=self.block_size,
-                lease_s=lease_s,
-                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+                lease_s=self._lease_s,
+                tp_size=self._tp_size,
+                stage_early=not self.cfg.device_to_device,
             )
         else:
+            self._tp_rank = _tp_rank()
+            if self.cfg.device_to_device:
+                require_nixl_rbln()
+            self._rails = tuple(data_plane_rails(self.cfg))
             self._worker = WorkerSide(
                 self.cfg,
                 agent_factory=self._make_agent,
+                tp_rank=self._tp_rank,
                 defer_registration=self.cfg.device_to_device,
             )
-        self._lease_s = lease_s
+            self._start_link_monitor()
 
-    # -- agent construction (worker process) -------------------------------------------
+    # -- worker process: rails, link monitor, agent -------------------------------------
+    def _start_link_monitor(self) -> None:
+        if not self._rails or self.cfg.link_down_exit_s <= 0:
+            return
+        from kvxfer.linkmon import LinkMonitor, sysfs_link_probe
+
+        self._linkmon = LinkMonitor(sysfs_link_probe(self._rails), self.cfg.link_down_exit_s)
+        self._linkmon.start()
+
     def _make_agent(self, layout: KVLayout) -> Any:
         from vllm import envs
         from vllm.platforms import current_platform
 
         from kvxfer.agent import Agent, AgentConfig
+        from kvxfer.backend import BackendOptions
         from kvxfer.compat import Fingerprint
 
         vc = self._vllm_config
@@ -186,45 +319,58 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         draft = ""
         if spec is not None and getattr(spec, "draft_model_config", None) is not None:
             draft = str(spec.draft_model_config.model)
+        served = mc.served_model_name
+        model = str(served[0] if isinstance(served, list | tuple) else (served or mc.model))
         fingerprint = Fingerprint(
-            model=str(mc.model),
+            model=model,
             revision=str(mc.revision or ""),
             dtype=dtype,
             kv_cache_dtype=kv_dtype,
-            # TODO: the resolved attention backend name (the worker's attn groups).
-            attention_backend=f"{current_platform.device_type}:{layout.kv_layout}",
+            attention_backend=_attention_backend(
+                vc, f"{current_platform.device_type}:{layout.kv_layout}"
+            ),
             direction=self.direction,
             draft_model=draft,
         )
-        # Host bounce ("cpu"): on vLLM's CPU platform the KV cache is host memory,
-        # which host_bounce reaches by address; on an accelerator it needs a block
-        # copy op (TODO: hand the Agent backends.host_bounce.torch_copy_op(tensors) or
-        # the engine's op from set_host_xfer_buffer_ops; vLLM's own op is unusable on
-        # the CPU platform, see docs/VLLM_ADAPTER_NOTES.md section 7).
-        backend = "nixl_rbln" if self.cfg.buffer_device is BufferDevice.RBLN else "host_bounce"
-        tp_rank = _tp_rank()
         dp_index = int(getattr(vc.parallel_config, "data_parallel_index", 0) or 0)
-        tp_size = int(vc.parallel_config.tensor_parallel_size)
-        port = int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT) + dp_index * tp_size + tp_rank
+        port = int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT) + dp_index * self._tp_size + self._tp_rank
+        rails = tuple(r.name for r in self._rails)
+        backend_name = "nixl_rbln" if self.cfg.device_to_device else "host_bounce"
         config = AgentConfig(
             engine_id=self.engine_id,
             fingerprint=fingerprint,
             role=self.cfg.role,
             direction=self.direction,
-            backend=backend,
+            backend=backend_name,
             side_channel_host=str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST),
             side_channel_port=port,
             plan=self.cfg.plan_options(int(vc.scheduler_config.max_num_batched_tokens)),
             push_stream=self.cfg.push_stream,
             enforce_handshake_compat=self.cfg.enforce_handshake_compat,
             lease_s=self._lease_s,
+            transfer_timeout_s=self._transfer_timeout_s,
+            auth_secret=os.environ.get(AUTH_SECRET_ENV) or None,
+            rails=rails,
             stripe_width=self.cfg.stripe_width,
         )
+        backend = None
+        if backend_name == "host_bounce" and any(r.mem is not MemKind.DRAM for r in layout.regions):
+            # KV cache in device memory: stage with torch copies over the same tensors.
+            from kvxfer.backends.host_bounce import HostBounceBackend, torch_copy_op
+
+            assert self._worker is not None
+            backend = HostBounceBackend(
+                BackendOptions(
+                    agent_name=f"{self.engine_id}#r{self._tp_rank}#{secrets.token_hex(8)}",
+                    rails=rails,
+                    stripe_width=self.cfg.stripe_width,
+                ),
+                copy_op=torch_copy_op(self._worker.tensors),
+            )
         try:
-            return Agent(config)
-        except ImportError as exc:
-            if backend == "nixl_rbln":
-                log.error("RBLN NIXL: nixl-rbln not available (%s)", exc)
+            return Agent(config, backend=backend)
+        except ImportError as exc:  # MissingDependency: nixl-rbln or NIXL itself
+            log.error("RBLN NIXL (D2D): cannot start: %s", exc)
             raise
 
     # ==================================================================================
@@ -236,12 +382,14 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
             kv_caches,
             block_size=self.block_size,
             num_blocks=int(self._kv_cache_config.num_blocks),
-            kv_layout=str(self._kv_cache_config.kv_cache_layout or "LBHNC"),
+            kv_layout=str(self._kv_cache_config.kv_cache_layout or "NHD"),
         )
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        if self._worker is not None:
-            self._worker.set_copy_op(copy_operation)
+        # vLLM's op copies between its own host buffers and the cache; kvxfer's host
+        # bounce stages into the Agent's buffers with its own copies (by address on
+        # the CPU platform, torch index copies on devices), so the op is not used.
+        return
 
     def get_handshake_metadata(self) -> KvxferHandshakeMetadata | None:
         if self._worker is None:
@@ -252,8 +400,8 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvxferConnectorMetadata)
-        self._worker.start_step(meta.plan)
+        if isinstance(meta, KvxferConnectorMetadata):
+            self._worker.start_step(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole-request transfers between steps, never layer by layer
@@ -264,7 +412,11 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         return  # pull: the consumer reads; push: the Agent writes on hold()
 
     def wait_for_save(self) -> None:
-        return
+        # After the forward: stage the prompts it completed (host bounce producer).
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvxferConnectorMetadata):
+                self._worker.after_forward(meta.plan)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
@@ -274,6 +426,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Legacy form of :meth:`get_transfer_results` (drains the same results)."""
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
@@ -292,7 +445,19 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> KvxferConnectorStats | None:
         return KvxferConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvxferPromMetrics:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
+        if self._linkmon is not None:
+            self._linkmon.stop()
         if self._worker is not None:
             self._worker.close()
 
@@ -302,9 +467,23 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self._sched is None or not metadata:
             return
-        rank0 = metadata.get(0) or next(iter(metadata.values()))
-        if isinstance(rank0, KvxferHandshakeMetadata):
-            self._sched.set_endpoint(rank0.host, rank0.port, rank0.incarnation)
+        ranks = sorted(
+            (m for m in metadata.values() if isinstance(m, KvxferHandshakeMetadata)),
+            key=lambda m: m.tp_rank,
+        )
+        if not ranks:
+            return
+        self._sched.set_endpoint(ranks[0].host, ranks[0].port, [m.incarnation for m in ranks])
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        parent = getattr(super(), "bind_kv_cache_manager", None)
+        if callable(parent):
+            parent(kv_cache_manager)
+
+    def on_new_request(self, request: Any) -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -316,7 +495,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._sched is not None
         unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
         # Leading blocks that are local prefix-cache hits carry a hash; the load skips
-        # them on the remote side too.
+        # as many remote blocks.
         first_group = blocks.blocks[0] if blocks.blocks else ()
         hits = sum(1 for b in first_group if b.block_hash is not None and not b.is_null)
         self._sched.update_state_after_alloc(
@@ -325,7 +504,12 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KvxferConnectorMetadata:
         assert self._sched is not None
-        return KvxferConnectorMetadata(plan=self._sched.build_step_plan())
+        manager = self._kv_cache_manager
+        plan = self._sched.build_step_plan(
+            getattr(scheduler_output, "num_scheduled_tokens", None),
+            manager.get_block_ids if manager is not None else None,
+        )
+        return KvxferConnectorMetadata(plan=plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
@@ -343,15 +527,6 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
 
 
 class RblnNixlPullConnector(_RblnNixlBase):

@@ -1,11 +1,20 @@
-"""DRAFT — scheduler-side state of the vLLM connectors, free of vLLM and torch imports.
+"""Scheduler-side state of the vLLM connectors, free of vLLM and torch imports.
 
-Not finished and not proven against a real engine: it is the state machine the
-connector facade (:mod:`kvxfer.adapters.vllm.connector`) drives from vLLM's
-scheduler hooks, written against docs/VLLM_ADAPTER_NOTES.md. It keeps no transfer
-logic: it only decides, per request, which of three things the worker's Agent must do
-on the next step (hold a producer's blocks, pull/expect a consumer's blocks, or tell
-a producer to release) and builds upstream-compatible ``kv_transfer_params``.
+The connector facade (:mod:`kvxfer.adapters.vllm.connector`) drives this state machine
+from vLLM's scheduler hooks. It keeps no transfer logic: per request it decides which
+of four things the worker's Agent must do on a coming step, and builds
+upstream-compatible ``kv_transfer_params``:
+
+* **stage** (producer, host bounce, pull): after the forward that completes a
+  prompt, copy its blocks into the staging buffers, so they are readable before the
+  ticket can reach a consumer (the hold comes one step later);
+* **hold** (producer): keep a finished prompt's blocks for the consumer under a
+  lease (pull: the consumer reads them; push: the Agent writes them once the
+  consumer registered its blocks);
+* **load** (consumer): pull the prompt's KV into freshly allocated blocks, or, in
+  push mode, register those blocks with the producer and wait for its writes;
+* **release** (consumer): tell the producer to free its blocks now (nothing will be
+  read: the request was aborted before its load, or its prompt is a local hit).
 
 Requests are duck-typed (:class:`RequestLike`), so this module is unit-testable with
 plain objects.
@@ -15,19 +24,27 @@ Consumer (decode) request life, keyed by vLLM's request id::
     (no state) --update_state_after_alloc(n_ext > 0)--> LOADING --worker done--> LOADED
          |                                                  '----worker failed--> FAILED
          '--update_state_after_alloc(n_ext == 0) or request_finished first--> RELEASED
-                       (nothing to pull: the producer is told to free its blocks now)
 
-Producer (prefill) request life: ``request_finished`` of a request with
-``do_remote_decode`` that finished normally -> HELD (blocks kept, ticket returned)
--> ``finished_sending`` from the worker (consumer done, aborted or lease expired).
+Producer (prefill) request life: ``on_new_request`` with ``do_remote_decode`` ->
+tracked (stage once the prompt's last forward ran) -> ``request_finished`` after a
+normal finish -> HELD (blocks kept, ticket returned) -> ``finished_sending`` from the
+worker (consumer done, aborted, lease expired, or push written).
+
+Request ids: vLLM makes an engine id ``<external id>-<8 hex>`` per engine, so prefill
+and decode never share one. Pull tickets name the producer's id exactly
+(``remote_request_id``). Push matches the consumer's registration to the producer's
+request on the *base* id (the random suffix stripped, as upstream does), which needs
+the router to send one ``X-Request-Id`` (or body ``request_id``) to both instances:
+the producer's Agent holds push leases under the base id.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -40,7 +57,9 @@ __all__ = [
     "ReleaseSpec",
     "RequestLike",
     "SchedulerSide",
+    "StageSpec",
     "StepPlan",
+    "base_request_id",
     "is_remote_prefill",
 ]
 
@@ -48,8 +67,19 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 
 #: vLLM request statuses after which a producer's KV is complete and worth holding.
 _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-#: Keys a consumer needs in ``kv_transfer_params`` to reach the producer.
-_REMOTE_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+#: Keys a pull consumer needs in ``kv_transfer_params`` to reach the producer's blocks.
+_PULL_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+#: Keys a push consumer needs: the producer's address (it learns nothing else first).
+_PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port")
+#: vLLM's per-engine request id randomisation: ``-`` and 8 hex digits at the end.
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+def base_request_id(request_id: str) -> str:
+    """``request_id`` without vLLM's random ``-xxxxxxxx`` suffix (upstream's rule)."""
+    return _RANDOM_SUFFIX.sub("", request_id)
 
 
 class RequestLike(Protocol):
@@ -72,48 +102,65 @@ class RequestLike(Protocol):
 
 
 class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Consumer: pull (or, in push mode, expect) one request's KV into local blocks.
+    """Consumer: pull (push: register for and await) one request's KV.
 
-    ``remote_params`` is the producer's ticket as ``kv_transfer_params``;
-    ``skip_blocks`` leading remote blocks are already present locally (local prefix
-    cache hit) and are not transferred; ``local_blocks`` (one tuple per KV group)
-    receive the rest, in order; ``num_tokens`` counts the tokens those blocks hold.
+    ``remote_params`` is the producer's ticket as ``kv_transfer_params`` (in push
+    mode possibly only its address); ``skip_blocks`` leading blocks are local
+    prefix-cache hits and not transferred; ``local_blocks`` (one tuple per KV group)
+    receive the rest, in order; ``num_tokens`` is the request's token count the
+    blocks end at (vLLM's computed tokens plus the external ones).
+    ``transfer_id`` is the id the producer's Agent knows the request by.
     """
 
     request_id: str
+    transfer_id: str
     remote_params: dict[str, Any]
-    local_blocks: tuple[tuple[int, ...], ...]
+    local_blocks: Groups
     skip_blocks: int
     num_tokens: int
 
 
 class HoldSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Producer: keep a finished prompt's blocks for its consumer under a lease."""
+    """Producer: keep a finished prompt's blocks for its consumer under a lease.
+
+    ``lease_id`` is the id the Agent holds them under (vLLM's id in pull, its base id
+    in push); ``request_id`` is vLLM's, reported back in ``finished_sending``.
+    """
 
     request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
+    lease_id: str
+    block_ids: Groups
     num_tokens: int
     lease_s: float
 
 
-class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Consumer: tell the producer named in ``remote_params`` to free its blocks now."""
+class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Producer, host bounce: copy a just-computed prompt's blocks to staging now."""
 
     request_id: str
+    block_ids: Groups
+
+
+class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Consumer: tell the producer named in ``remote_params`` to free ``transfer_id``."""
+
+    request_id: str
+    transfer_id: str
     remote_params: dict[str, Any]
     reason: str
 
 
 class StepPlan(msgspec.Struct, kw_only=True):
-    """What the worker must start this step (carried in the connector metadata)."""
+    """What the worker must do this step (carried in the connector metadata)."""
 
     step: int = 0
     loads: list[LoadSpec] = msgspec.field(default_factory=list)
     holds: list[HoldSpec] = msgspec.field(default_factory=list)
+    stages: list[StageSpec] = msgspec.field(default_factory=list)
     releases: list[ReleaseSpec] = msgspec.field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.loads or self.holds or self.releases)
+        return not (self.loads or self.holds or self.stages or self.releases)
 
 
 class _Consumer(enum.Enum):
@@ -123,20 +170,27 @@ class _Consumer(enum.Enum):
     RELEASED = "released"
 
 
-def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+def is_remote_prefill(params: Mapping[str, Any] | None, direction: Direction) -> bool:
     """True when ``params`` ask this (decode) instance to take the prompt's KV remotely
-    and name the producer completely."""
+    and name the producer completely enough for ``direction``."""
     if not params or not params.get("do_remote_prefill"):
         return False
-    return all(params.get(k) is not None for k in _REMOTE_KEYS)
+    keys = _PUSH_KEYS if direction is Direction.PUSH else _PULL_KEYS
+    return all(params.get(k) is not None for k in keys)
 
 
-def _groups(block_ids: Any) -> tuple[tuple[int, ...], ...]:
+def as_groups(block_ids: Any) -> Groups:
     """Upstream sends one list per KV group; older routers send one flat list."""
     seq = list(block_ids or ())
     if seq and isinstance(seq[0], list | tuple):
         return tuple(tuple(int(b) for b in g) for g in seq)
     return (tuple(int(b) for b in seq),)
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
 
 
 class SchedulerSide:
@@ -149,6 +203,8 @@ class SchedulerSide:
         block_size: Tokens per KV block.
         lease_s: How long a producer keeps a request's blocks for its consumer.
         tp_size: Tensor-parallel size advertised in tickets.
+        stage_early: Producer with host bounce in pull mode: stage a prompt's blocks
+            right after the forward that completed it (see the module docstring).
     """
 
     def __init__(
@@ -160,6 +216,7 @@ class SchedulerSide:
         block_size: int,
         lease_s: float = 30.0,
         tp_size: int = 1,
+        stage_early: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.role = role
@@ -167,18 +224,21 @@ class SchedulerSide:
         self.block_size = block_size
         self.lease_s = lease_s
         self.tp_size = tp_size
-        # Filled from the worker's handshake metadata (set_xfer_handshake_metadata).
+        self.stage_early = stage_early and direction is Direction.PULL
+        # Filled from the workers' handshake metadata (set_xfer_handshake_metadata).
         self.host = ""
         self.port = 0
-        self.incarnation = 0
+        self.incarnations: tuple[int, ...] = ()
         self._plan = StepPlan()
         self._consumer: dict[str, _Consumer] = {}
+        self._producing: dict[str, RequestLike] = {}  # do_remote_decode, not finished
         self._held: dict[str, float] = {}  # producer: request id -> lease expiry (wall)
 
     # -- configuration ---------------------------------------------------------------
-    def set_endpoint(self, host: str, port: int, incarnation: int) -> None:
-        """Where consumers reach this instance's (rank 0) agent."""
-        self.host, self.port, self.incarnation = host, port, incarnation
+    def set_endpoint(self, host: str, port: int, incarnations: Sequence[int]) -> None:
+        """Where consumers reach this instance: rank 0's side channel (rank *r*
+        listens on ``port + r``) and every rank's incarnation, in rank order."""
+        self.host, self.port, self.incarnations = host, int(port), tuple(incarnations)
 
     @property
     def is_producer(self) -> bool:
@@ -188,20 +248,32 @@ class SchedulerSide:
     def is_consumer(self) -> bool:
         return self.role in (Role.CONSUMER, Role.BOTH)
 
+    def transfer_id(self, request: RequestLike) -> str:
+        """The id the producer's Agent knows this consumer request by."""
+        params = request.kv_transfer_params or {}
+        remote = params.get("remote_request_id")
+        if self.direction is Direction.PUSH:
+            return base_request_id(str(remote) if remote else request.request_id)
+        return str(remote or "")
+
     # -- consumer hooks ----------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: RequestLike, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Tokens the producer holds beyond ``num_computed_tokens``; side-effect free."""
         params = request.kv_transfer_params
-        if not self.is_consumer or not is_remote_prefill(params) or params is None:
+        if not self.is_consumer or not is_remote_prefill(params, self.direction):
             return 0, False
         if request.request_id in self._consumer:
             return 0, False  # already loaded, failed or released: never claim twice
-        remote_blocks = _groups(params.get("remote_block_ids"))
-        covered = min(len(g) for g in remote_blocks) * self.block_size
-        remote_tokens = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-        available = min(remote_tokens, request.num_prompt_tokens, covered)
+        assert params is not None
+        available = int(request.num_prompt_tokens)
+        remote_tokens = _int_or_none(params.get("remote_num_tokens"))
+        if remote_tokens is not None and remote_tokens > 0:
+            available = min(available, remote_tokens)
+        if params.get("remote_block_ids"):
+            groups = as_groups(params["remote_block_ids"])
+            available = min(available, min(len(g) for g in groups) * self.block_size)
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -214,20 +286,27 @@ class SchedulerSide:
     ) -> None:
         """Queue the load of ``num_external_tokens`` into the freshly allocated blocks.
 
-        Decides on ``num_external_tokens`` (vLLM may pass real blocks with 0 external
-        tokens). With 0, a remote prefill that will not be pulled (full local prefix
-        hit) releases the producer's blocks now.
+        Decides on ``num_external_tokens``, never on whether blocks came (vLLM calls
+        this again after the load with 0). With 0 on the first call, a remote prefill
+        that will not be transferred (full local prefix hit) releases the producer.
         """
         params = request.kv_transfer_params
         rid = request.request_id
-        if not self.is_consumer or not is_remote_prefill(params) or params is None:
+        if not self.is_consumer or not is_remote_prefill(params, self.direction):
             return
+        assert params is not None
         if rid in self._consumer:
             return  # the second call, after the load: nothing new
+        transfer_id = self.transfer_id(request)
         if num_external_tokens <= 0:
             self._consumer[rid] = _Consumer.RELEASED
             self._plan.releases.append(
-                ReleaseSpec(request_id=rid, remote_params=dict(params), reason="not needed")
+                ReleaseSpec(
+                    request_id=rid,
+                    transfer_id=transfer_id,
+                    remote_params=dict(params),
+                    reason="its prompt is a local prefix-cache hit",
+                )
             )
             return
         skip = num_local_computed_tokens // self.block_size
@@ -236,16 +315,45 @@ class SchedulerSide:
         self._plan.loads.append(
             LoadSpec(
                 request_id=rid,
+                transfer_id=transfer_id,
                 remote_params=dict(params),
                 local_blocks=local,
                 skip_blocks=skip,
-                num_tokens=num_external_tokens,
+                num_tokens=num_local_computed_tokens + num_external_tokens,
             )
         )
 
+    # -- producer hooks ----------------------------------------------------------------
+    def on_new_request(self, request: RequestLike) -> None:
+        """Track requests this producer prefills for a remote decode."""
+        params = request.kv_transfer_params
+        if self.is_producer and params and params.get("do_remote_decode"):
+            self._producing[request.request_id] = request
+
     # -- step --------------------------------------------------------------------------
-    def build_step_plan(self) -> StepPlan:
-        """The work queued since the last step; resets the queue."""
+    def build_step_plan(
+        self,
+        num_scheduled_tokens: Mapping[str, int] | None = None,
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]] | None = None,
+    ) -> StepPlan:
+        """The work queued since the last step; resets the queue.
+
+        ``num_scheduled_tokens`` (vLLM's, this step's) and ``block_ids_of`` (the KV
+        cache manager's ``get_block_ids``) let a host-bounce producer stage a prompt's
+        blocks in the step whose forward completes it.
+        """
+        if self.stage_early and num_scheduled_tokens and block_ids_of is not None:
+            for rid, n in num_scheduled_tokens.items():
+                req = self._producing.get(rid)
+                if req is None:
+                    continue
+                prompt = int(req.num_prompt_tokens)
+                if int(req.num_computed_tokens) + int(n) < prompt:
+                    continue
+                del self._producing[rid]  # staged once; hold() restages at the end
+                need = -(-prompt // self.block_size)
+                groups = tuple(tuple(int(b) for b in g[:need]) for g in block_ids_of(rid))
+                self._plan.stages.append(StageSpec(request_id=rid, block_ids=groups))
         plan, self._plan = self._plan, StepPlan(step=self._plan.step + 1)
         return plan
 
@@ -267,6 +375,11 @@ class SchedulerSide:
         """Push: keep an idle producer stepping while a held request is not yet written."""
         return self.direction is Direction.PUSH and bool(self._held)
 
+    @property
+    def num_held(self) -> int:
+        """Producer: requests whose blocks are kept for a consumer."""
+        return len(self._held)
+
     # -- both ----------------------------------------------------------------------------
     def request_finished(
         self, request: RequestLike, block_ids: Sequence[Sequence[int]]
@@ -275,15 +388,22 @@ class SchedulerSide:
 
         Producer: a ``do_remote_decode`` request that finished normally keeps its blocks
         (delay-free) and returns the ticket as upstream ``kv_transfer_params``.
-        Consumer: a remote prefill that never started tells the producer to free now.
+        Consumer: a remote prefill that never reached its load tells the producer to
+        free its blocks now.
         """
         rid = request.request_id
         params = request.kv_transfer_params or {}
+        self._producing.pop(rid, None)
         state = self._consumer.pop(rid, None)
-        if self.is_consumer and is_remote_prefill(params) and state is None:
+        if self.is_consumer and is_remote_prefill(params, self.direction) and state is None:
             # Finished (aborted) before update_state_after_alloc: nothing was pulled.
             self._plan.releases.append(
-                ReleaseSpec(request_id=rid, remote_params=dict(params), reason="aborted")
+                ReleaseSpec(
+                    request_id=rid,
+                    transfer_id=self.transfer_id(request),
+                    remote_params=dict(params),
+                    reason="the request was aborted before its transfer",
+                )
             )
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
@@ -294,20 +414,29 @@ class SchedulerSide:
             return False, None  # aborted or empty: free at once, hand out nothing
         num_tokens = int(request.num_computed_tokens)
         expiry = time.time() + self.lease_s
+        lease_id = base_request_id(rid) if self.direction is Direction.PUSH else rid
         self._held[rid] = expiry
         self._plan.holds.append(
-            HoldSpec(request_id=rid, block_ids=groups, num_tokens=num_tokens, lease_s=self.lease_s)
+            HoldSpec(
+                request_id=rid,
+                lease_id=lease_id,
+                block_ids=groups,
+                num_tokens=num_tokens,
+                lease_s=self.lease_s,
+            )
         )
         return True, self.ticket_params(rid, groups, num_tokens, expiry)
 
     def ticket_params(
         self,
         request_id: str,
-        groups: tuple[tuple[int, ...], ...],
+        groups: Groups,
         num_tokens: int,
         lease_expiry: float,
     ) -> dict[str, Any]:
-        """Upstream-shaped ``kv_transfer_params`` for the consumer (plus kvxfer's keys)."""
+        """Upstream-shaped ``kv_transfer_params`` for the consumer (plus kvxfer's keys:
+        ``remote_incarnation``, ``remote_incarnations``, ``lease_expiry``)."""
+        incarnations = list(self.incarnations)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -318,7 +447,9 @@ class SchedulerSide:
             "remote_block_ids": [list(g) for g in groups],
             "remote_num_tokens": num_tokens,
             "tp_size": self.tp_size,
+            "pp_size": 1,
             "transfer_mode": self.direction.value,
-            "remote_incarnation": self.incarnation,
+            "remote_incarnation": incarnations[0] if incarnations else 0,
+            "remote_incarnations": incarnations,
             "lease_expiry": lease_expiry,
         }

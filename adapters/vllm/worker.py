@@ -1,36 +1,48 @@
-"""DRAFT — worker-side half of the vLLM connectors: vLLM's KV tensors and step calls
-mapped onto one :class:`kvxfer.Agent` per worker process.
+"""Worker-side half of the vLLM connectors: vLLM's KV tensors and step calls mapped
+onto one :class:`kvxfer.Agent` per worker process (one per tensor-parallel rank).
 
-Not finished and not proven against a real engine (the Agent is still being
-written); see docs/VLLM_ADAPTER_NOTES.md for the facts it is built on. No transfer
-logic lives here: the Agent owns handshakes, plans, leases and progress. This module
-only translates:
+No transfer logic lives here: the Agent owns handshakes, plans, leases and progress.
+This module only translates:
 
-* ``register_kv_caches`` -> :func:`describe_kv_caches` -> ``Agent.register`` (+ serve)
+* ``register_kv_caches`` -> :func:`describe_kv_caches` -> ``Agent.register`` (deferred
+  for device-to-device until the first real step) + ``Agent.serve``
 * a step's :class:`~kvxfer.adapters.vllm.scheduler.StepPlan` -> ``hold`` / ``pull`` /
-  ``expect_push`` / ``abort``
+  ``expect_push`` / ``abort``, and (after the forward) host-bounce staging
 * ``get_transfer_results`` -> ``Transfer.poll()`` of what is in flight, ``Agent.freed()``
 * ``get_kv_connector_stats`` -> per-interval counters vLLM aggregates across ranks
 
-torch is never imported here: tensors are duck-typed.
+Nothing here raises into vLLM once the engine runs (an exception from a connector
+hook kills vLLM's engine core): a load that cannot start is a failed load. torch is
+never imported: tensors are duck-typed.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import msgspec
+import numpy as np
 
-from kvxfer.adapters.vllm.scheduler import StepPlan
-from kvxfer.config import Direction, TransferConfig
+from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan, as_groups
+from kvxfer.config import Direction, Role, TransferConfig
 from kvxfer.layout import KVLayout
 
-__all__ = ["WorkerSide", "describe_kv_caches"]
+__all__ = ["WorkerSide", "describe_kv_caches", "remote_ticket", "unique_tensors"]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
+
+
+def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
+    """The distinct KV tensors, in layer order (layers sharing KV appear once)."""
+    seen: set[int] = set()
+    tensors = []
+    for t in kv_caches.values():
+        if int(t.data_ptr()) in seen:
+            continue
+        seen.add(int(t.data_ptr()))
+        tensors.append(t)
+    return tensors
 
 
 def describe_kv_caches(
@@ -48,13 +60,7 @@ def describe_kv_caches(
     these regions are token-major only *per head*: whole-block transfers are exact,
     token-partial ones (chunk_mode) would need one region per (layer, head, K/V).
     """
-    seen: set[int] = set()
-    tensors = []
-    for t in kv_caches.values():
-        if int(t.data_ptr()) in seen:
-            continue
-        seen.add(int(t.data_ptr()))
-        tensors.append(t)
+    tensors = unique_tensors(kv_caches)
     first = tensors[0]
     if int(first.shape[0]) == num_blocks:
         return KVLayout.from_tensors(tensors, block_size=block_size, kv_layout=kv_layout)
@@ -64,15 +70,53 @@ def describe_kv_caches(
     )
 
 
+def remote_ticket(load: LoadSpec, tp_rank: int, local_blocks: Groups) -> Any:
+    """The :class:`~kvxfer.agent.Ticket` one rank pulls (or expects a push) with.
+
+    Upstream's convention: the producer advertises rank 0's side channel and rank *r*
+    listens on ``remote_port + r``; kvxfer adds each rank's incarnation in
+    ``remote_incarnations``. The remote blocks are cut to what this request needs:
+    the leading ``skip_blocks`` are local prefix hits, and the producer may hold more
+    blocks than the prompt fills (it decoded further). A push ticket may carry no
+    blocks at all (the producer's are matched by id there).
+    """
+    from kvxfer.agent import Ticket
+
+    params = load.remote_params
+    incarnations = params.get("remote_incarnations") or []
+    if tp_rank < len(incarnations):
+        incarnation = int(incarnations[tp_rank])
+    else:
+        incarnation = int(params.get("remote_incarnation") or 0) if tp_rank == 0 else 0
+    if params.get("remote_block_ids"):
+        remote = as_groups(params["remote_block_ids"])
+        skip = load.skip_blocks
+        blocks = tuple(r[skip : skip + len(g)] for r, g in zip(remote, local_blocks))
+    else:
+        blocks = tuple(() for _ in local_blocks)
+    return Ticket(
+        engine_id=str(params["remote_engine_id"]),
+        host=str(params["remote_host"]),
+        port=int(params["remote_port"]) + tp_rank,
+        request_id=load.transfer_id,
+        block_ids=blocks,
+        num_tokens=load.num_tokens,
+        incarnation=incarnation,
+        lease_expiry=float(params.get("lease_expiry") or 0.0),
+        tp_size=int(params.get("tp_size") or 1),
+    )
+
+
 class WorkerSide:
     """One worker's Agent and the transfers it has in flight.
 
     Args:
         config: The parsed connector configuration.
         agent_factory: Builds the Agent once the layout is known (injected so tests
-            can pass a fake): ``agent_factory(layout) -> Agent``.
-        defer_registration: Device-to-device: register only after the engine's
-            warm-up (the first step), since device memory may move before.
+            can pass a small fake): ``agent_factory(layout) -> Agent``.
+        tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
+        defer_registration: Device-to-device: register only once the engine's warm-up
+            is over, at the first real step (device memory may move before).
     """
 
     def __init__(
@@ -80,123 +124,150 @@ class WorkerSide:
         config: TransferConfig,
         *,
         agent_factory: Callable[[KVLayout], Any],
+        tp_rank: int = 0,
         defer_registration: bool = False,
     ) -> None:
         self.config = config
+        self.tp_rank = tp_rank
         self._agent_factory = agent_factory
         self._defer = defer_registration
         self.agent: Any = None
-        self._copy_op: Callable[..., None] | None = None
-        self._inflight: dict[str, Any] = {}  # request id -> Transfer
+        self.layout: KVLayout | None = None
+        self.tensors: list[Any] = []
+        self._inflight: dict[str, Any] = {}  # vLLM request id -> Transfer
+        self._held: dict[str, str] = {}  # lease id -> vLLM request id (not yet freed)
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
+        self._producer = config.role is not Role.CONSUMER
         self._interval = _Interval()
 
     # -- set-up ------------------------------------------------------------------------
     def register_kv_caches(
         self, kv_caches: Mapping[str, Any], *, block_size: int, num_blocks: int, kv_layout: str
     ) -> None:
+        """Describe the cache, build the Agent, register (or defer) and serve."""
         layout = describe_kv_caches(
             kv_caches, block_size=block_size, num_blocks=num_blocks, kv_layout=kv_layout
         )
+        self.layout = layout
+        self.tensors = unique_tensors(kv_caches)
+        log.info("kvxfer: KV layout %s", layout.summary())
         self.agent = self._agent_factory(layout)
         self.agent.register(layout, defer=self._defer)
         self.agent.serve()
-        log.info("kvxfer: KV layout %s", layout.summary())
-
-    def set_copy_op(self, op: Callable[..., None]) -> None:
-        """Host bounce: the engine's block copy (vLLM's ``copy_kv_blocks``).
-
-        On vLLM's CPU platform that op is unusable (the platform defines no block
-        swap functions; calling it raises TypeError) and the KV cache already is host
-        memory, so it is kept only for accelerator platforms.
-        """
-        self._copy_op = op
 
     def handshake_info(self) -> dict[str, Any] | None:
-        """What the scheduler side puts into tickets: the agent's advertised address."""
+        """What the scheduler side puts into tickets: this rank's advertised address."""
         if self.agent is None:
             return None
         host, port = self.agent.address
-        return {"host": host, "port": port, "incarnation": int(self.agent.incarnation)}
+        return {
+            "host": host,
+            "port": int(port),
+            "incarnation": int(self.agent.incarnation),
+            "tp_rank": self.tp_rank,
+        }
 
     # -- per step ------------------------------------------------------------------------
     def start_step(self, plan: StepPlan) -> None:
-        """Start what the scheduler queued. Never raises: vLLM's engine dies on an
-        exception from a connector hook, so failures become failed transfers."""
+        """Start what the scheduler queued. Never raises."""
         agent = self.agent
         if agent is None:
+            for load in plan.loads:  # cannot happen after start-up; fail, do not hang
+                self._fail_load(load.request_id, load.local_blocks, "no agent")
             return
         if self._defer:
-            agent.complete_registration()
             self._defer = False
+            try:
+                agent.complete_registration()
+            except Exception:
+                log.exception("kvxfer: deferred KV registration failed")
         for hold in plan.holds:
             try:
-                agent.hold(hold.request_id, hold.block_ids, hold.num_tokens, lease_s=hold.lease_s)
+                agent.hold(hold.lease_id, hold.block_ids, hold.num_tokens, lease_s=hold.lease_s)
             except Exception:
                 log.exception(
-                    "kvxfer: could not hold %s; its blocks stay until lease expiry", hold.request_id
+                    "kvxfer: could not hold %s; its blocks are freed now", hold.request_id
                 )
+                self._orphan_frees.append(hold.request_id)
+                continue
+            self._held[hold.lease_id] = hold.request_id
         for load in plan.loads:
-            self._start_load(
-                load.request_id,
-                load.remote_params,
-                load.local_blocks,
-                load.skip_blocks,
-                load.num_tokens,
-            )
+            self._start_load(load)
         for rel in plan.releases:
-            self._release_remote(rel.remote_params, rel.reason)
+            self._release_remote(rel.transfer_id, rel.remote_params, rel.reason)
 
-    def _start_load(
-        self,
-        request_id: str,
-        params: dict[str, Any],
-        local_blocks: tuple[tuple[int, ...], ...],
-        skip_blocks: int,
-        num_tokens: int,
-    ) -> None:
-        from kvxfer.agent import Ticket
-
+    def after_forward(self, plan: StepPlan) -> None:
+        """Host bounce, producer: stage the prompts the forward just completed."""
+        if not plan.stages or self.agent is None or self.agent.registered is False:
+            return
+        backend = self.agent.backend
         try:
-            ticket = Ticket.from_kv_transfer_params(params, num_tokens)
-            if skip_blocks:
-                ticket = msgspec.structs.replace(
-                    ticket, block_ids=tuple(g[skip_blocks:] for g in ticket.block_ids)
-                )
+            for stage in plan.stages:
+                backend.stage_out([np.asarray(g, dtype=np.int64) for g in stage.block_ids])
+        except Exception:
+            # hold() stages again; only the (unlikely) early reader is exposed.
+            log.exception("kvxfer: early staging failed")
+
+    def _start_load(self, load: LoadSpec) -> None:
+        mode = load.remote_params.get("transfer_mode")
+        if mode is not None and mode != self.config.direction.value:
+            # Upstream's key says which connector issued the ticket: refuse a pull/push
+            # mix by name (without it the handshake refuses, on the compatibility hash).
+            why = (
+                f"the producer {load.remote_params.get('remote_engine_id')} runs the "
+                f"{mode} connector (transfer_mode {mode!r}) but this instance runs the "
+                f"{self.config.direction.value} connector: pair pull with pull, push with push"
+            )
+            log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
+            self._fail_load(load.request_id, load.local_blocks, why)
+            return
+        try:
+            ticket = remote_ticket(load, self.tp_rank, load.local_blocks)
             if self.config.direction is Direction.PUSH:
-                transfer = self.agent.expect_push(ticket, local_blocks, num_tokens=num_tokens)
+                transfer = self.agent.expect_push(
+                    ticket, load.local_blocks, num_tokens=load.num_tokens
+                )
             else:
-                # TODO(agent): pull() handshakes synchronously with a new peer; that
-                # stalls this engine step. Upstream runs handshakes in the background.
-                transfer = self.agent.pull(ticket, local_blocks, num_tokens=num_tokens)
-        except Exception:
-            log.exception("kvxfer: could not start the load of %s", request_id)
-            self._failed_recving.add(request_id)
-            self._finished_recving.add(request_id)
-            self._invalid_blocks.update(b for g in local_blocks for b in g)
+                transfer = self.agent.pull(ticket, load.local_blocks, num_tokens=load.num_tokens)
+        except Exception as exc:
+            log.error("kvxfer: could not start the load of %s: %s", load.request_id, exc)
+            self._fail_load(load.request_id, load.local_blocks, str(exc))
             return
-        self._inflight[request_id] = transfer
+        self._inflight[load.request_id] = transfer
 
-    def _release_remote(self, params: dict[str, Any], reason: str) -> None:
+    def _fail_load(self, request_id: str, local_blocks: Groups, why: str) -> None:
+        self._failed_recving.add(request_id)
+        self._finished_recving.add(request_id)
+        self._invalid_blocks.update(b for g in local_blocks for b in g)
+        self._interval.failed(why)
+
+    def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
         from kvxfer.agent import Ticket
 
         try:
-            ticket = Ticket.from_kv_transfer_params(params)
-        except Exception:
+            ticket = Ticket(
+                engine_id=str(params["remote_engine_id"]),
+                host=str(params["remote_host"]),
+                port=int(params["remote_port"]) + self.tp_rank,
+                request_id=transfer_id,
+                block_ids=((),),
+                num_tokens=0,
+            )
+            self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
+        except Exception as exc:
+            log.warning("kvxfer: could not release %s on the producer: %s", transfer_id, exc)
             return
-        # abort() is a side-channel round trip: keep it off the engine step.
-        threading.Thread(
-            target=self.agent.abort, args=(ticket,), name="kvxfer-release", daemon=True
-        ).start()
-        log.debug("kvxfer: releasing %s on %s (%s)", ticket.request_id, ticket.engine_id, reason)
+        log.debug("kvxfer: releasing %s on %s (%s)", transfer_id, ticket.engine_id, reason)
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call.
 
         A failed load is reported in both receive sets and its blocks in
-        :meth:`block_ids_with_load_errors` in the same step, as vLLM requires.
+        :meth:`block_ids_with_load_errors` in the same step, as vLLM requires. Every id
+        is reported once, and only ids vLLM still holds (vLLM asserts on others).
         """
         from kvxfer.transfer import TransferState
 
@@ -210,7 +281,21 @@ class WorkerSide:
             if state is TransferState.FAILED:
                 self._failed_recving.add(rid)
                 self._invalid_blocks.update(transfer.invalid_blocks)
-        sending = set(self.agent.freed()) if self.agent is not None else set()
+                log.warning(
+                    "kvxfer: KV load of %s failed (%s): %s",
+                    rid,
+                    transfer.stats.failure.value if transfer.stats.failure else "?",
+                    transfer.error,
+                )
+        sending: set[str] = set()
+        if self.agent is not None and self._producer:
+            for lease_id in self.agent.freed():
+                held_rid = self._held.pop(str(lease_id), None)
+                if held_rid is not None:
+                    sending.add(held_rid)
+            self._interval.producer(self.agent.stats())
+        sending.update(self._orphan_frees)
+        self._orphan_frees.clear()
         recving, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return sending, recving, failed
@@ -228,22 +313,56 @@ class WorkerSide:
             self.agent.close()
 
 
+#: Agent counters a producer reports per interval (deltas), under these stats keys.
+_PRODUCER_COUNTERS = {
+    "leases_released": "num_leases_released",
+    "leases_expired": "num_leases_expired",
+    "leases_aborted": "num_leases_aborted",
+    "handshakes": "num_handshakes",
+}
+
+
 class _Interval:
-    """Per-interval transfer counters in the plain-dict form vLLM ships across
-    processes (``KVConnectorStats.data``)."""
+    """Per-interval counters in the plain-dict form vLLM ships across processes
+    (``KVConnectorStats.data``): numbers add up and lists concatenate when vLLM
+    aggregates ranks and steps.
+
+    Keys: ``num_transfers``, ``num_failed``, ``failed_<kind>``, ``bytes``,
+    ``descriptors``, ``transfer_s`` / ``post_s`` (one entry per transfer), and on
+    producers the lease counters of :data:`_PRODUCER_COUNTERS`.
+    """
 
     def __init__(self) -> None:
         self.data: dict[str, Any] = {}
+        self._last: dict[str, int] = {}
+
+    def _add(self, key: str, value: int) -> None:
+        if value:
+            self.data[key] = self.data.get(key, 0) + value
 
     def observe(self, transfer: Any) -> None:
         stats = transfer.stats
-        d = self.data
-        failed = stats.failure is not None
-        d["num_transfers"] = d.get("num_transfers", 0) + 1
-        d["num_failed"] = d.get("num_failed", 0) + int(failed)
-        d["bytes"] = d.get("bytes", 0) + int(stats.bytes)
-        d.setdefault("transfer_s", []).append(float(stats.transfer_s))
-        d.setdefault("post_s", []).append(float(stats.post_s))
+        self._add("num_transfers", 1)
+        if stats.failure is not None:
+            self._add("num_failed", 1)
+            self._add(f"failed_{stats.failure.value}", 1)
+            return
+        self._add("bytes", int(stats.bytes))
+        self._add("descriptors", int(stats.descriptors))
+        self.data.setdefault("transfer_s", []).append(float(stats.transfer_s))
+        self.data.setdefault("post_s", []).append(float(stats.post_s))
+
+    def failed(self, why: str) -> None:
+        """A load that could not even start."""
+        self._add("num_transfers", 1)
+        self._add("num_failed", 1)
+        self._add("failed_start", 1)
+
+    def producer(self, agent_stats: Any) -> None:
+        for attr, key in _PRODUCER_COUNTERS.items():
+            now = int(getattr(agent_stats, attr, 0))
+            self._add(key, now - self._last.get(attr, 0))
+            self._last[attr] = now
 
     def take(self) -> dict[str, Any] | None:
         if not self.data:
