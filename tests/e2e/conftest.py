@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from .model import build_tiny_model
+from .pd import PDPair, start_pair
 from .servers import VllmServer, start_server
 
 
@@ -45,11 +46,15 @@ def e2e_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
 
 
+def _require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: run scripts/setup_env.sh (or set KVXFER_SKIP_E2E=1)")
+
+
 @pytest.fixture(scope="session")
 def unified_server(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
     """One plain vLLM instance (no connector): the reference P/D output must equal."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vllm is not installed: run scripts/setup_env.sh (or set KVXFER_SKIP_E2E=1)")
+    _require_vllm()
     server = start_server("unified", tiny_model_dir, e2e_log_dir)
     try:
         # The first generation pays one-off costs (kernel selection, detokenizer
@@ -58,3 +63,26 @@ def unified_server(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServ
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def pull_pair(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[PDPair]:
+    """Prefill and decode with the pull connector, host bounce (session-wide: the
+    push tests pair them with push instances)."""
+    _require_vllm()
+    pair = start_pair("pull", tiny_model_dir, e2e_log_dir)
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+@pytest.fixture(scope="session")
+def push_pair(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[PDPair]:
+    """Prefill and decode with the push connector, host bounce."""
+    _require_vllm()
+    pair = start_pair("push", tiny_model_dir, e2e_log_dir)
+    try:
+        yield pair
+    finally:
+        pair.stop()

@@ -75,6 +75,15 @@ class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; carries its log tail."""
 
 
+class HttpError(RuntimeError):
+    """A request answered with an HTTP error status."""
+
+    def __init__(self, server: str, path: str, status: int, body: bytes) -> None:
+        super().__init__(f"{server}: POST {path} -> {status}: {body!r}")
+        self.status = status
+        self.body = body
+
+
 @dataclasses.dataclass(eq=False)
 class VllmServer:
     """One ``vllm serve``-equivalent process. Use :func:`start_server` to create it."""
@@ -120,21 +129,40 @@ class VllmServer:
             return int(e.code), e.read()
 
     def post_json(
-        self, path: str, body: Mapping[str, Any], timeout: float = 60.0
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        timeout: float = 60.0,
+        headers: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
+        """POST ``body``; an HTTP error raises :class:`HttpError` (status and body)."""
         data = json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
+            self.url + path,
+            data=data,
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 out: dict[str, Any] = json.loads(resp.read())
                 return out
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"{self.name}: POST {path} -> {e.code}: {e.read()!r}") from e
+            raise HttpError(self.name, path, int(e.code), e.read()) from e
 
-    def complete(self, prompt: str | list[int], **params: Any) -> dict[str, Any]:
+    def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+        **params: Any,
+    ) -> dict[str, Any]:
         """``/v1/completions``; greedy, EOS ignored and 16 tokens unless overridden."""
+        return self.post_json(
+            "/v1/completions", self.completion_body(prompt, **params), timeout, headers
+        )
+
+    def completion_body(self, prompt: str | list[int], **params: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -144,7 +172,32 @@ class VllmServer:
             "logprobs": 0,
         }
         body.update(params)
-        return self.post_json("/v1/completions", body)
+        return body
+
+    def stream_timed(
+        self, prompt: str | list[int], timeout: float = 60.0, **params: Any
+    ) -> tuple[float, float, int]:
+        """Stream a completion; ``(seconds to first token, total seconds, chunks)``."""
+        body = self.completion_body(prompt, stream=True, logprobs=None, **params)
+        req = urllib.request.Request(
+            self.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        t0 = time.perf_counter()
+        first: float | None = None
+        chunks = 0
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                if json.loads(line[5:])["choices"][0].get("text") is not None:
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        return (total if first is None else first), total, chunks
 
     def metrics(self) -> str:
         return self.get("/metrics")[1].decode("utf-8", "replace")
@@ -187,6 +240,33 @@ class VllmServer:
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.25)
+
+    def wait_exit(self, timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> int:
+        """Block until the server exits (a start-up that must fail); its status.
+
+        Raises:
+            AssertionError: it became healthy, or still runs after ``timeout_s``.
+        """
+        deadline = self.started_at + timeout_s
+        while self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                if self.get("/health", timeout=1.0)[0] == 200:
+                    self.stop(grace_s=3.0)
+                    raise AssertionError(f"{self.name} started although it must not")
+            if time.monotonic() > deadline:
+                self.stop(grace_s=3.0)
+                raise AssertionError(f"{self.name} still running after {timeout_s:.0f}s")
+            time.sleep(0.25)
+        # The API server exits first; let the engine's last lines reach the log.
+        self.stop(grace_s=3.0)
+        return int(self.proc.returncode)
+
+    def log_text(self) -> str:
+        """The whole log so far."""
+        try:
+            return self.log_path.read_bytes().decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; idempotent."""

@@ -1,19 +1,36 @@
 """The vLLM adapter's pieces without a running engine.
 
-The scheduler state machine is pure Python; the plugin, factory and layout tests
-import vLLM/torch (seconds, no server) and are marked ``e2e`` with the rest of the
-vLLM-dependent tests.
+* the scheduler state machine (pure Python, plain request objects);
+* the worker side on real kvxfer Agents over the in-process ``fake`` backend, with
+  KV caches shaped as vLLM 0.32 allocates them on CPU (torch tensors): pull, push with
+  local prefix hits, a release before the transfer, a producer that vanished;
+* (marked ``e2e``: vLLM imported, no server) the plugin's idempotent registration,
+  loading by ``kv_connector_module_path``, start-up refusals and the stats class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch  # a required dependency (scripts/setup_env.sh), never skipped
 
-from kvxfer.adapters.vllm.scheduler import SchedulerSide
-from kvxfer.config import Direction, Role
+from kvxfer.adapters.vllm.scheduler import (
+    LoadSpec,
+    SchedulerSide,
+    StepPlan,
+    base_request_id,
+    is_remote_prefill,
+)
+from kvxfer.adapters.vllm.startup import check_model_support, data_plane_rails, positive_seconds
+from kvxfer.adapters.vllm.worker import WorkerSide, remote_ticket
+from kvxfer.config import Direction, Role, parse_kv_transfer_config
+from kvxfer.errors import ConfigError, RailError
+from tests.railfakes import FakeNic, build_sysfs
 
 BS = 32
 
@@ -41,92 +58,453 @@ def _ticket(blocks: list[int], tokens: int = 100) -> dict[str, Any]:
     }
 
 
-def _consumer() -> SchedulerSide:
+def _side(role: Role, direction: Direction = Direction.PULL, **kw: Any) -> SchedulerSide:
     return SchedulerSide(
-        engine_id="decode-0", role=Role.CONSUMER, direction=Direction.PULL, block_size=BS
+        engine_id=f"{role.value}-0", role=role, direction=direction, block_size=BS, **kw
     )
 
 
+# --- scheduler side ---------------------------------------------------------------------
+
+
+def test_base_request_id_strips_only_vllms_random_suffix() -> None:
+    assert base_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0-xyz12345") == "cmpl-abc-0-xyz12345"
+
+
 def test_consumer_claims_once_and_loads_into_unhashed_blocks() -> None:
-    s = _consumer()
+    s = _side(Role.CONSUMER)
     req = FakeRequest("d-1", _ticket([7, 8, 9, 10]))
     assert s.get_num_new_matched_tokens(req, 0) == (100, True)
     assert s.get_num_new_matched_tokens(req, 0) == (100, True)  # side-effect free
     s.update_state_after_alloc(req, [[1, 2, 3, 4]], 100, 0)
     plan = s.build_step_plan()
-    assert [ld.local_blocks for ld in plan.loads] == [((1, 2, 3, 4),)]
-    assert plan.loads[0].skip_blocks == 0 and plan.loads[0].num_tokens == 100
+    (load,) = plan.loads
+    assert load.local_blocks == ((1, 2, 3, 4),) and load.skip_blocks == 0
+    assert load.num_tokens == 100 and load.transfer_id == "cmpl-x-0-abcdef12"
     assert s.build_step_plan().empty()
-    # After the load vLLM asks again (e.g. on retry); never claim twice.
-    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    # vLLM asks again after the load and calls again with 0 external tokens.
+    assert s.get_num_new_matched_tokens(req, 99) == (0, False)
     s.update_state_after_alloc(req, [[4]], 0, 99)
     assert s.build_step_plan().empty()
 
 
+def test_consumer_claim_is_bounded_by_what_the_producer_holds() -> None:
+    s = _side(Role.CONSUMER)
+    # The producer computed 70 tokens in 3 blocks; the decode prompt is longer.
+    req = FakeRequest("d-1", _ticket([7, 8, 9], tokens=70), num_prompt_tokens=100)
+    assert s.get_num_new_matched_tokens(req, 0) == (70, True)
+    # Two blocks cover 64 tokens only.
+    short = FakeRequest("d-2", _ticket([7, 8], tokens=70), num_prompt_tokens=100)
+    assert s.get_num_new_matched_tokens(short, 0) == (64, True)
+
+
 def test_consumer_local_prefix_hit_skips_leading_remote_blocks() -> None:
-    s = _consumer()
+    s = _side(Role.CONSUMER)
     req = FakeRequest("d-2", _ticket([7, 8, 9, 10]))
     assert s.get_num_new_matched_tokens(req, 2 * BS) == (100 - 2 * BS, True)
     s.update_state_after_alloc(req, [[3, 4]], 100 - 2 * BS, 2 * BS)
     (load,) = s.build_step_plan().loads
     assert load.skip_blocks == 2 and load.local_blocks == ((3, 4),)
+    assert load.num_tokens == 100  # the request's tokens, where the blocks end
 
 
 def test_consumer_releases_the_producer_when_nothing_is_pulled() -> None:
-    s = _consumer()
+    s = _side(Role.CONSUMER)
     aborted = FakeRequest("d-3", _ticket([1, 2, 3, 4]))
     assert s.request_finished(aborted, [[]]) == (False, None)
     full_hit = FakeRequest("d-4", _ticket([1, 2, 3, 4]))
     s.update_state_after_alloc(full_hit, [[5]], 0, 96)
     plan = s.build_step_plan()
-    assert [(r.request_id, r.reason) for r in plan.releases] == [
-        ("d-3", "aborted"),
-        ("d-4", "not needed"),
+    assert [(r.request_id, r.transfer_id) for r in plan.releases] == [
+        ("d-3", "cmpl-x-0-abcdef12"),
+        ("d-4", "cmpl-x-0-abcdef12"),
     ]
     assert not plan.loads
+    # A request whose load started is not released when it finishes (the load ends it).
+    loading = FakeRequest("d-5", _ticket([1, 2, 3, 4]))
+    s.update_state_after_alloc(loading, [[6, 7, 8, 9]], 100, 0)
+    s.build_step_plan()
+    assert s.request_finished(loading, [[6, 7, 8, 9]]) == (False, None)
+    assert s.build_step_plan().empty()
 
 
 def test_consumer_ignores_incomplete_params_and_producer_requests() -> None:
-    s = _consumer()
+    s = _side(Role.CONSUMER)
     partial = _ticket([1])
     del partial["remote_host"]
+    assert not is_remote_prefill(partial, Direction.PULL)
     assert s.get_num_new_matched_tokens(FakeRequest("d-5", partial), 0) == (0, False)
     p_req = FakeRequest("d-6", {"do_remote_decode": True})
     assert s.get_num_new_matched_tokens(p_req, 0) == (0, False)
     assert s.request_finished(p_req, [[1]]) == (False, None)
 
 
+def test_push_consumer_needs_only_the_producers_address_and_matches_on_base_ids() -> None:
+    s = _side(Role.CONSUMER, Direction.PUSH)
+    address = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "h",
+        "remote_port": 1,
+    }
+    assert is_remote_prefill(address, Direction.PUSH)
+    assert not is_remote_prefill(address, Direction.PULL)
+    req = FakeRequest("cmpl-r7-0-0a0b0c0d", dict(address), num_prompt_tokens=40)
+    assert s.get_num_new_matched_tokens(req, 0) == (40, True)
+    s.update_state_after_alloc(req, [[5, 6]], 40, 0)
+    (load,) = s.build_step_plan().loads
+    assert load.transfer_id == "cmpl-r7-0"  # decode's own id, suffix stripped
+    # With the producer's ticket, its request id (stripped) is the match key.
+    seq = FakeRequest("cmpl-r8-0-11111111", _ticket([1, 2]))
+    assert s.transfer_id(seq) == "cmpl-x-0"
+
+
 def test_producer_holds_normally_finished_requests_only() -> None:
-    s = SchedulerSide(
-        engine_id="prefill-0", role=Role.PRODUCER, direction=Direction.PULL, block_size=BS
-    )
-    s.set_endpoint("10.0.0.1", 5601, 42)
+    s = _side(Role.PRODUCER)
+    s.set_endpoint("10.0.0.1", 5601, [42, 43])
     done = FakeRequest("p-1", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED")
+    s.on_new_request(done)
     delay, params = s.request_finished(done, [[4, 5, 6]])
     assert delay is True and params is not None
+    # Upstream's keys, so upstream's toy proxy and llm-d forward them unchanged.
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_block_ids"] == [[4, 5, 6]]
     assert params["remote_host"] == "10.0.0.1" and params["remote_port"] == 5601
+    assert params["remote_engine_id"] == "kv_producer-0"
     assert params["remote_request_id"] == "p-1" and params["remote_num_tokens"] == 70
-    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["tp_size"] == 1 and params["transfer_mode"] == "pull"
+    assert params["remote_incarnations"] == [42, 43] and params["lease_expiry"] > time.time()
     aborted = FakeRequest("p-2", {"do_remote_decode": True}, 70, 10, "FINISHED_ABORTED")
     assert s.request_finished(aborted, [[7]]) == (False, None)
     (hold,) = s.build_step_plan().holds
-    assert hold.request_id == "p-1" and hold.block_ids == ((4, 5, 6),)
+    assert (hold.request_id, hold.lease_id, hold.block_ids) == ("p-1", "p-1", ((4, 5, 6),))
     assert not s.has_pending_push_work()  # pull
-
-
-def test_push_producer_keeps_stepping_until_sent() -> None:
-    s = SchedulerSide(
-        engine_id="prefill-0", role=Role.PRODUCER, direction=Direction.PUSH, block_size=BS
-    )
-    done = FakeRequest("p-1", {"do_remote_decode": True}, 70, 70, "FINISHED_STOPPED")
-    s.request_finished(done, [[4, 5, 6]])
-    assert s.has_pending_push_work()
+    assert s.num_held == 1
     s.update_connector_output({"p-1"}, set())
+    assert s.num_held == 0
+
+
+def test_host_bounce_producer_stages_a_prompt_after_its_last_forward() -> None:
+    s = _side(Role.PRODUCER, stage_early=True)
+    req = FakeRequest("p-1", {"do_remote_decode": True}, num_prompt_tokens=70)
+    s.on_new_request(req)
+    blocks = {"p-1": [[4, 5, 6, 9]]}  # one block more than the prompt fills
+    assert not s.build_step_plan({"p-1": 64}, blocks.__getitem__).stages  # chunked prefill
+    req.num_computed_tokens = 64
+    (stage,) = s.build_step_plan({"p-1": 6}, blocks.__getitem__).stages
+    assert stage.block_ids == ((4, 5, 6),)
+    req.num_computed_tokens = 70
+    assert not s.build_step_plan({"p-1": 1}, blocks.__getitem__).stages  # once
+    push = _side(Role.PRODUCER, Direction.PUSH, stage_early=True)
+    push.on_new_request(FakeRequest("p-2", {"do_remote_decode": True}, 70))
+    assert not push.build_step_plan({"p-2": 70}, blocks.get).stages  # push stages on hold
+
+
+def test_push_producer_holds_under_the_base_id_and_keeps_stepping_until_sent() -> None:
+    s = _side(Role.PRODUCER, Direction.PUSH)
+    done = FakeRequest("cmpl-q-0-89abcdef", {"do_remote_decode": True}, 70, 70, "FINISHED_STOPPED")
+    _, params = s.request_finished(done, [[4, 5, 6]])
+    assert params is not None and params["transfer_mode"] == "push"
+    (hold,) = s.build_step_plan().holds
+    assert hold.lease_id == "cmpl-q-0" and hold.request_id == "cmpl-q-0-89abcdef"
+    assert s.has_pending_push_work()
+    s.update_connector_output({"cmpl-q-0-89abcdef"}, set())
     assert not s.has_pending_push_work()
 
 
-# --- with vLLM/torch imported (no server) ---------------------------------------------
+def test_remote_ticket_per_rank_port_incarnation_and_block_cut() -> None:
+    params = {**_ticket([7, 8, 9, 10, 11]), "remote_incarnations": [5, 6]}
+    load = LoadSpec(
+        request_id="d",
+        transfer_id="t",
+        remote_params=params,
+        local_blocks=((1, 2),),
+        skip_blocks=2,
+        num_tokens=100,
+    )
+    t0, t1 = remote_ticket(load, 0, load.local_blocks), remote_ticket(load, 1, load.local_blocks)
+    assert (t0.port, t0.incarnation, t1.port, t1.incarnation) == (5600, 5, 5601, 6)
+    # Skip the local hits, and stop where the local blocks stop (the producer decoded on).
+    assert t0.block_ids == ((9, 10),) and t0.request_id == "t"
+
+
+# --- worker side on real Agents (fake backend, vLLM's CPU cache shape) -----------------
+
+NUM_BLOCKS, HEADS, HEAD = 16, 2, 8
+_ids = itertools.count()
+
+
+def _caches(fill: bool) -> dict[str, Any]:
+    """Two layers as vLLM 0.32 allocates them on CPU: views of one buffer, each
+    ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``."""
+    per_layer = NUM_BLOCKS * HEADS * BS * 2 * HEAD
+    gen = torch.Generator().manual_seed(3)
+    buf = torch.zeros(2 * per_layer, dtype=torch.bfloat16)
+    if fill:
+        buf.copy_(torch.randn(2 * per_layer, generator=gen))
+    return {
+        f"model.layers.{i}.self_attn.attn": buf[i * per_layer : (i + 1) * per_layer].view(
+            NUM_BLOCKS, HEADS, BS, 2 * HEAD
+        )
+        for i in range(2)
+    }
+
+
+def _worker(role: str, direction: str, caches: dict[str, Any]) -> WorkerSide:
+    from kvxfer.agent import Agent, AgentConfig
+    from kvxfer.backend import BackendOptions
+    from kvxfer.compat import Fingerprint
+    from kvxfer.testing.fake_backend import FakeBackend
+
+    connector = "RblnNixlPushConnector" if direction == "push" else "RblnNixlPullConnector"
+    cfg = parse_kv_transfer_config(
+        {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
+    )
+    engine_id = f"{role}-{next(_ids)}"
+    fingerprint = Fingerprint(
+        model="tiny",
+        dtype="bfloat16",
+        kv_cache_dtype="bfloat16",
+        attention_backend="CPU_ATTN",
+        direction=cfg.direction,
+    )
+
+    def factory(layout: Any) -> Agent:
+        return Agent(
+            AgentConfig(
+                engine_id=engine_id,
+                fingerprint=fingerprint,
+                role=cfg.role,
+                direction=cfg.direction,
+                transfer_timeout_s=3.0,
+                handshake_timeout_s=0.5,
+                handshake_retries=0,
+            ),
+            backend=FakeBackend(BackendOptions(agent_name=f"{engine_id}#agent")),
+        )
+
+    w = WorkerSide(cfg, agent_factory=factory)
+    w.register_kv_caches(caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="LBHNC")
+    return w
+
+
+def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, SchedulerSide]:
+    p = _worker("kv_producer", direction, _caches(fill=True))
+    c = _worker("kv_consumer", direction, _caches(fill=False))
+    d = Direction(direction)
+    ps, cs = _side(Role.PRODUCER, d), _side(Role.CONSUMER, d)
+    info = p.handshake_info()
+    assert info is not None
+    ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
+    return p, c, ps, cs
+
+
+def _blocks(tensors: list[Any], ids: list[int]) -> list[Any]:
+    return [t[ids].clone() for t in tensors]
+
+
+def _until(pred: Any, what: str, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _drive(p: WorkerSide, c: WorkerSide, ps: SchedulerSide, cs: SchedulerSide) -> None:
+    c.start_step(cs.build_step_plan())
+    plan = ps.build_step_plan()
+    p.start_step(plan)
+    p.after_forward(plan)
+
+
+def _results(w: WorkerSide, acc: dict[str, set[str]]) -> dict[str, set[str]]:
+    sending, recving, failed = w.transfer_results()
+    acc["sending"] |= sending
+    acc["recving"] |= recving
+    acc["failed"] |= failed
+    acc["invalid"] |= {str(b) for b in w.block_ids_with_load_errors()}
+    return acc
+
+
+def _new_acc() -> dict[str, set[str]]:
+    return {"sending": set(), "recving": set(), "failed": set(), "invalid": set()}
+
+
+@pytest.mark.parametrize("direction", ["pull", "push"])
+def test_worker_moves_a_prompt_exactly_and_frees_the_producer(direction: str) -> None:
+    p, c, ps, cs = _pair(direction)
+    try:
+        # Producer: a 70-token prompt in blocks 4, 5, 6 finished; decode prompt identical.
+        prod_req = FakeRequest(
+            "cmpl-z-0-00000001", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED"
+        )
+        _, params = ps.request_finished(prod_req, [[4, 5, 6]])
+        assert params is not None
+        cons_req = FakeRequest("cmpl-z-0-00000002", params, num_prompt_tokens=70)
+        n, is_async = cs.get_num_new_matched_tokens(cons_req, 0)
+        assert (n, is_async) == (70, True)
+        cs.update_state_after_alloc(cons_req, [[9, 10, 11]], n, 0)
+        _drive(p, c, ps, cs)
+        cacc, pacc = _new_acc(), _new_acc()
+        _until(lambda: "cmpl-z-0-00000002" in _results(c, cacc)["recving"], "load not done")
+        assert not cacc["failed"] and not cacc["invalid"]
+        for got, want in zip(_blocks(c.tensors, [9, 10, 11]), _blocks(p.tensors, [4, 5, 6])):
+            assert torch.equal(got, want)
+        _until(lambda: "cmpl-z-0-00000001" in _results(p, pacc)["sending"], "producer not freed")
+        stats = c.interval_stats()
+        assert stats is not None and stats["num_transfers"] == 1 and stats["bytes"] > 0
+        assert len(stats["transfer_s"]) == 1
+    finally:
+        c.close()
+        p.close()
+
+
+def test_push_with_local_prefix_hits_writes_only_the_missing_blocks() -> None:
+    p, c, ps, cs = _pair("push")
+    try:
+        prod_req = FakeRequest(
+            "cmpl-h-0-00000001", {"do_remote_decode": True}, 100, 100, "FINISHED_STOPPED"
+        )
+        _, params = ps.request_finished(prod_req, [[1, 2, 3, 4]])
+        assert params is not None
+        cons_req = FakeRequest("cmpl-h-0-00000002", params, num_prompt_tokens=100)
+        # Decode already has the first two blocks (a local prefix hit).
+        n, _ = cs.get_num_new_matched_tokens(cons_req, 2 * BS)
+        cs.update_state_after_alloc(cons_req, [[12, 13]], n, 2 * BS)
+        _drive(p, c, ps, cs)
+        acc = _new_acc()
+        _until(lambda: "cmpl-h-0-00000002" in _results(c, acc)["recving"], "push not done")
+        assert not acc["failed"]
+        for got, want in zip(_blocks(c.tensors, [12, 13]), _blocks(p.tensors, [3, 4])):
+            assert torch.equal(got, want)
+        assert all(not t[[0, 1, 2]].any() for t in c.tensors)
+    finally:
+        c.close()
+        p.close()
+
+
+def test_release_before_the_transfer_frees_the_producer_at_once() -> None:
+    p, c, ps, cs = _pair("pull")
+    try:
+        prod_req = FakeRequest("p-9", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
+        _, params = ps.request_finished(prod_req, [[2, 3]])
+        assert params is not None
+        aborted = FakeRequest("d-9", params, num_prompt_tokens=40)
+        assert cs.request_finished(aborted, [[]]) == (False, None)  # aborted while waiting
+        _drive(p, c, ps, cs)
+        acc = _new_acc()
+        t0 = time.monotonic()
+        _until(lambda: "p-9" in _results(p, acc)["sending"], "producer not released")
+        assert time.monotonic() - t0 < 2.0  # not the 30 s lease
+        assert not p.agent.holding()
+    finally:
+        c.close()
+        p.close()
+
+
+def test_a_load_from_a_vanished_producer_fails_with_its_blocks_invalid() -> None:
+    p, c, ps, cs = _pair("pull")
+    try:
+        prod_req = FakeRequest("p-7", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
+        _, params = ps.request_finished(prod_req, [[2, 3]])
+        assert params is not None
+        p.start_step(ps.build_step_plan())
+        p.close()  # the producer process is gone
+        cons_req = FakeRequest("d-7", params, num_prompt_tokens=40)
+        cs.update_state_after_alloc(cons_req, [[6, 7]], 40, 0)
+        c.start_step(cs.build_step_plan())
+        acc = _new_acc()
+        _until(lambda: "d-7" in _results(c, acc)["recving"], "failure not reported", 10)
+        # vLLM's contract: the failed request in both sets, its blocks invalid.
+        assert acc["failed"] == {"d-7"} and acc["invalid"] == {"6", "7"}
+        stats = c.interval_stats()
+        assert stats is not None and stats["num_failed"] == 1
+    finally:
+        c.close()
+
+
+def test_a_load_that_cannot_start_is_a_failed_load_not_an_exception() -> None:
+    c = _worker("kv_consumer", "pull", _caches(fill=False))
+    try:
+        bad = LoadSpec(
+            request_id="d-1",
+            transfer_id="t",
+            remote_params={"remote_engine_id": "x"},  # no address: cannot even start
+            local_blocks=((1, 2),),
+            skip_blocks=0,
+            num_tokens=40,
+        )
+        c.start_step(StepPlan(loads=[bad]))
+        _, recving, failed = c.transfer_results()
+        assert recving == failed == {"d-1"} and c.block_ids_with_load_errors() == {1, 2}
+    finally:
+        c.close()
+
+
+# --- start-up checks ---------------------------------------------------------------------
+
+
+def _cfg(**extra: Any) -> Any:
+    return parse_kv_transfer_config(
+        {
+            "kv_connector": "RblnNixlPullConnector",
+            "kv_role": "kv_producer",
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def test_rails_none_without_rdma_devices_and_r_rail_2_when_none_qualifies(
+    tmp_path: Path,
+) -> None:
+    no_rdma = tmp_path / "empty"
+    no_rdma.mkdir()
+    assert data_plane_rails(_cfg(), sysfs_root=str(no_rdma), runner=_no_ip, pyverbs=False) == ()
+    # One RoCE NIC, but on the wrong NUMA node and with its port down.
+    root = build_sysfs(
+        tmp_path / "sys", [FakeNic(device="mlx5_0", netdev="eth9", numa=1, state="DOWN")]
+    )
+    with pytest.raises(RailError, match=r"no usable data-plane RoCE NIC on numa=0"):
+        data_plane_rails(_cfg(), sysfs_root=str(root), runner=_no_ip, pyverbs=False, numa_node=0)
+
+
+def _no_ip(args: Any) -> str:
+    return "[]"
+
+
+def test_model_support_refuses_hybrid_caches() -> None:
+    @dataclasses.dataclass
+    class Spec:
+        pass
+
+    @dataclasses.dataclass
+    class Group:
+        kv_cache_spec: Any
+
+    @dataclasses.dataclass
+    class Cache:
+        kv_cache_groups: list[Group]
+
+    check_model_support(_cfg(), Cache([Group(Spec())]))
+    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
+        check_model_support(_cfg(), Cache([Group(Spec()), Group(Spec())]))
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "30", None])
+def test_adapter_keys_are_type_checked(value: Any) -> None:
+    cfg = _cfg(transfer_timeout_s=value)
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config.transfer_timeout_s"):
+        positive_seconds(cfg, "transfer_timeout_s", 30.0)
+    assert positive_seconds(_cfg(transfer_timeout_s=2), "transfer_timeout_s", 30.0) == 2.0
+
+
+# --- with vLLM imported (no server) ---------------------------------------------------
 
 
 @pytest.mark.e2e
@@ -160,26 +538,31 @@ def test_module_path_loads_each_connector() -> None:
 
 
 @pytest.mark.e2e
+def test_stats_aggregate_across_ranks_and_reduce() -> None:
+    pytest.importorskip("vllm")
+    from kvxfer.adapters.vllm.connector import KvxferConnectorStats, RblnNixlPullConnector
+
+    rank0 = {"num_transfers": 2, "bytes": 3 << 20, "transfer_s": [0.002, 0.004]}
+    rank1 = {"num_transfers": 1, "num_failed": 1, "failed_timeout": 1}
+    stats = RblnNixlPullConnector.build_kv_connector_stats(rank0)
+    assert stats is not None
+    merged = stats.aggregate(KvxferConnectorStats(data=rank1))
+    out = merged.reduce()
+    assert out["num_transfers"] == 3 and out["num_failed"] == 1 and out["failed_timeout"] == 1
+    assert out["MiB"] == 3.0 and out["avg_transfer_ms"] == 3.0 and out["max_transfer_ms"] == 4.0
+    assert not merged.is_empty() and KvxferConnectorStats(data={}).is_empty()
+
+
+@pytest.mark.e2e
 def test_cpu_kv_cache_shape_describes_as_one_region_per_layer() -> None:
-    torch = pytest.importorskip("torch")
     from kvxfer.adapters.vllm.worker import describe_kv_caches
 
-    # As vLLM 0.32 allocates it on CPU: one buffer, a contiguous view per layer of
-    # (num_blocks, num_kv_heads, block_size, 2 * head_size), bf16.
-    num_blocks, heads, head_size = 16, 2, 32
-    per_layer = num_blocks * heads * BS * 2 * head_size
-    buf = torch.zeros(2 * per_layer, dtype=torch.bfloat16)
-    caches = {
-        f"model.layers.{i}.self_attn.attn": buf[i * per_layer : (i + 1) * per_layer].view(
-            num_blocks, heads, BS, 2 * head_size
-        )
-        for i in range(2)
-    }
+    caches = _caches(fill=False)
     caches["shared"] = caches["model.layers.1.self_attn.attn"]  # KV sharing: once
-    layout = describe_kv_caches(caches, block_size=BS, num_blocks=num_blocks, kv_layout="HND")
+    layout = describe_kv_caches(caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="HND")
     assert layout.num_regions == 2
-    block_bytes = heads * BS * 2 * head_size * 2
+    block_bytes = HEADS * BS * 2 * HEAD * 2
     assert {(r.block_len, r.stride, r.num_blocks) for r in layout.regions} == {
-        (block_bytes, block_bytes, num_blocks)
+        (block_bytes, block_bytes, NUM_BLOCKS)
     }
-    assert layout.regions[1].base - layout.regions[0].base == per_layer * 2
+    assert layout.regions[1].base - layout.regions[0].base == NUM_BLOCKS * block_bytes

@@ -1,129 +1,131 @@
 """Prefill/decode through the pull connector on real vLLM engines, against the
-unified instance (R-VLLM-5), with a negative control and recompute evidence.
+unified instance (R-VLLM-5), with a negative control, recompute evidence, the
+operator's log lines and metrics, and a prefill instance killed under decode.
 
-This drives the two instances the way upstream's toy proxy does (prefill with
-``max_tokens: 1`` and ``do_remote_decode``, copy the returned ``kv_transfer_params``
-into the decode request); the proxy itself is tested elsewhere.
+This drives the two instances the way upstream's toy proxy does (see ``pd.py``); the
+proxy itself is tested elsewhere.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from .servers import VllmServer, free_port, start_server, wait_all_healthy
-from .test_unified_baseline import MAX_TOKENS, PROMPTS
+from .pd import PDPair, decode, prefill, prompt_ids, reference, start_prefill, through_pd
+from .servers import HttpError, VllmServer
+from .test_unified_baseline import PROMPTS
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("kvxfer.agent") is None,
-        reason="the kvxfer Agent (kvxfer.agent) is not in this tree yet",
-    ),
-]
+pytestmark = pytest.mark.e2e
 
-
-def _kv_config(role: str, connector: str = "RblnNixlPullConnector") -> dict[str, Any]:
-    return {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
-
-
-@pytest.fixture(scope="module")
-def pd_pair(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    servers = [
-        start_server(
-            name,
-            tiny_model_dir,
-            e2e_log_dir,
-            kv_transfer_config=_kv_config(role),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-            wait=False,
-        )
-        for name, role in (("prefill-pull", "kv_producer"), ("decode-pull", "kv_consumer"))
-    ]
-    wait_all_healthy(servers)
-    try:
-        yield servers[0], servers[1]
-    finally:
-        for s in servers:
-            s.stop()
-
-
-def _tokens(out: dict[str, Any]) -> list[int]:
-    return list(out["choices"][0]["token_ids"])
-
-
-def _through_pd(
-    pair: tuple[VllmServer, VllmServer], prefill_prompt: Any, decode_prompt: Any
-) -> list[int]:
-    prefill, decode = pair
-    first = prefill.complete(
-        prefill_prompt,
-        max_tokens=1,
-        logprobs=None,
-        kv_transfer_params={"do_remote_decode": True},
-    )
-    params = first.get("kv_transfer_params")
-    assert params and params.get("do_remote_prefill"), f"prefill returned {params!r}"
-    out = decode.complete(
-        decode_prompt,
-        max_tokens=MAX_TOKENS,
-        logprobs=None,
-        return_token_ids=True,
-        kv_transfer_params=params,
-    )
-    return _tokens(out)
-
-
-def _reference(unified: VllmServer, prompt: Any) -> list[int]:
-    return _tokens(
-        unified.complete(prompt, max_tokens=MAX_TOKENS, logprobs=None, return_token_ids=True)
-    )
+SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_pd_output_equals_unified(
-    name: str, pd_pair: tuple[VllmServer, VllmServer], unified_server: VllmServer
-) -> None:
+def test_pd_output_equals_unified(name: str, pull_pair: PDPair, unified_server: VllmServer) -> None:
     prompt = PROMPTS[name]
-    assert _through_pd(pd_pair, prompt, prompt) == _reference(unified_server, prompt)
+    assert through_pd(pull_pair, prompt, prompt) == reference(unified_server, prompt)
 
 
 def test_decode_does_not_recompute_the_prompt(
-    pd_pair: tuple[VllmServer, VllmServer], unified_server: VllmServer
+    pull_pair: PDPair, unified_server: VllmServer
 ) -> None:
-    decode = pd_pair[1]
+    d = pull_pair.decode
     prompt = "Seven golden lanterns cross the quiet harbor while the engine decodes " * 3
-    ids = unified_server.complete(prompt, max_tokens=1, logprobs=None, return_token_ids=True)[
-        "choices"
-    ][0]["prompt_token_ids"]
-    name = "vllm:prompt_tokens_by_source_total"
-    local0 = decode.metric(name, source="local_compute")
-    remote0 = decode.metric(name, source="external_kv_transfer")
-    assert _through_pd(pd_pair, prompt, prompt) == _reference(unified_server, prompt)
-    local = decode.metric(name, source="local_compute") - local0
-    remote = decode.metric(name, source="external_kv_transfer") - remote0
+    ids = prompt_ids(unified_server, prompt)
+    local0 = d.metric(SOURCE, source="local_compute")
+    remote0 = d.metric(SOURCE, source="external_kv_transfer")
+    loads0 = d.metric("vllm:kvxfer_transfers_total")
+    assert through_pd(pull_pair, prompt, prompt) == reference(unified_server, prompt)
+    local = d.metric(SOURCE, source="local_compute") - local0
+    remote = d.metric(SOURCE, source="external_kv_transfer") - remote0
     # vLLM recomputes only the last prompt token itself (it needs its logits).
     assert local <= 1, f"decode computed {local} prompt tokens locally"
     assert remote >= len(ids) - 1, f"only {remote} of {len(ids)} prompt tokens came remotely"
+    assert d.metric("vllm:kvxfer_transfers_total") - loads0 == 1
 
 
 def test_negative_control_decode_continues_the_transferred_prompt(
-    pd_pair: tuple[VllmServer, VllmServer], unified_server: VllmServer
+    pull_pair: PDPair, unified_server: VllmServer
 ) -> None:
     """Decode asked for prompt A but given B's KV must continue B: proof that it used
     the transferred KV instead of recomputing A. A and B are token lists of equal
     length differing in their first token only, never sent to decode before (a local
     prefix-cache hit on A would legitimately win over the remote KV)."""
     text = "Ancient river valleys remember the northern harbor and its silver islands " * 2
-    a = unified_server.complete(text, max_tokens=1, logprobs=None, return_token_ids=True)[
-        "choices"
-    ][0]["prompt_token_ids"]
+    a = prompt_ids(unified_server, text)
     b = [(a[0] + 1) % 500 or 1, *a[1:]]
-    ref_a, ref_b = _reference(unified_server, a), _reference(unified_server, b)
+    ref_a, ref_b = reference(unified_server, a), reference(unified_server, b)
     assert ref_a != ref_b, "the control needs prompts whose continuations differ"
-    out = _through_pd(pd_pair, b, a)
-    assert out == ref_b, "decode did not continue the prompt whose KV it was given"
+    assert through_pd(pull_pair, b, a) == ref_b, "decode did not use the transferred KV"
+
+
+def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
+    """R-VLLM-4 lines reach vLLM's log; per-request transfer stats reach vLLM's stats
+    logger and Prometheus; the producer's blocks were all handed back."""
+    p, d = pull_pair.prefill, pull_pair.decode
+    p_log = p.log_text()
+    assert "RBLN NIXL: nixl-rbln not available" in p_log  # host bounce fell back to UCX
+    assert "kvxfer: registered" in p_log
+    params = prefill(p, "A lease for the log lines")
+    decode(d, "A lease for the log lines", params, max_tokens=2)
+    engine = params["remote_engine_id"]
+    # The initiating side of a pull (decode) announces the producer's descriptors.
+    assert re.search(rf"remote descriptor\(s\) for engine {re.escape(engine)}\b", d.log_text())
+    assert d.metric("vllm:kvxfer_transfer_time_seconds_count") >= 1
+    assert d.metric("vllm:kvxfer_bytes_total") > 0
+    assert d.metric("vllm:kvxfer_failed_transfers_total") == 0
+    deadline = time.monotonic() + 10  # stats are logged each second (PD_ENV)
+    while "KV Transfer metrics: num_transfers=" not in d.log_text():
+        assert time.monotonic() < deadline, "no 'KV Transfer metrics' line on decode"
+        time.sleep(0.25)
+    # Every hold ended with the consumer's notice, none by lease expiry.
+    assert p.metric("vllm:kvxfer_leases_released_total") >= 1
+    assert p.metric("vllm:kvxfer_leases_expired_total") == 0
+
+
+# --- a prefill instance dies under its decode instance (keep these last) ---------------
+
+
+@pytest.fixture(scope="module")
+def doomed_prefill(
+    tiny_model_dir: Path, e2e_log_dir: Path, pull_pair: PDPair
+) -> Iterator[VllmServer]:
+    """A second pull producer that the test kills (the shared one stays up)."""
+    server = start_prefill("prefill-pull-doomed", "pull", tiny_model_dir, e2e_log_dir)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_killed_prefill_fails_the_load_and_decode_keeps_serving(
+    doomed_prefill: VllmServer, pull_pair: PDPair, unified_server: VllmServer
+) -> None:
+    """kv_load_failure_policy "fail" (vLLM's default): the request whose producer died
+    fails (HTTP 500), the failure is in decode's log and metrics, and decode serves
+    the next requests, P/D ones included."""
+    d = pull_pair.decode
+    prompt = PROMPTS["multi_block_partial"]
+    # Decode has handshaken with the doomed producer once (a cached peer).
+    assert decode(d, prompt, prefill(doomed_prefill, prompt)) == reference(unified_server, prompt)
+    other = "Winter rivers carry a thousand silver lanterns to the quiet eastern harbor"
+    params = prefill(doomed_prefill, other)
+    doomed_prefill.kill()
+    failed0 = d.metric("vllm:kvxfer_failed_transfers_total")
+    t0 = time.monotonic()
+    with pytest.raises(HttpError) as err:
+        decode(d, other, params)
+    assert err.value.status == 500
+    assert time.monotonic() - t0 < 15, "the failed load took longer than transfer_timeout_s"
+    log = d.log_text()
+    assert "due to KV load failure" in log, "vLLM did not apply its load-failure policy"
+    assert re.search(r"kvxfer: KV load of \S+ failed", log)
+    assert d.metric("vllm:kvxfer_failed_transfers_total") - failed0 == 1
+    # Decode keeps serving: a plain request and a P/D request through the live producer.
+    assert d.complete("still serving", max_tokens=4)["choices"][0]["text"] is not None
+    short = PROMPTS["sub_block"]
+    assert through_pd(pull_pair, short, short) == reference(unified_server, short)

@@ -1,0 +1,156 @@
+"""Prefill/decode pairs on real vLLM engines, driven the way upstream's toy proxy does.
+
+The proxy's flow (R-VLLM-3): send the request to prefill with ``max_tokens: 1`` and
+``kv_transfer_params: {"do_remote_decode": true}``, copy the ``kv_transfer_params``
+it returns into the decode request, return decode's output. Push mode can also
+dispatch both at once (decode learns only the producer's address; the two engines
+match on the shared ``X-Request-Id``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .servers import VllmServer, free_port, start_server, wait_all_healthy
+
+MAX_TOKENS = 16
+
+CONNECTORS = {"pull": "RblnNixlPullConnector", "push": "RblnNixlPushConnector"}
+
+# Every P/D instance logs stats each second, so the "KV Transfer metrics" line shows
+# up within a test; transfers that fail are not left waiting for the default 30 s.
+PD_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
+PD_EXTRA = {"transfer_timeout_s": 10}
+
+
+def kv_config(
+    role: str,
+    mode: str = "pull",
+    *,
+    buffer_device: str | None = "cpu",
+    extra: Mapping[str, Any] | None = None,
+    **top: Any,
+) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for one of kvxfer's connectors."""
+    cfg: dict[str, Any] = {"kv_connector": CONNECTORS[mode], "kv_role": role, **top}
+    if buffer_device is not None:
+        cfg["kv_buffer_device"] = buffer_device
+    cfg["kv_connector_extra_config"] = {**PD_EXTRA, **(extra or {})}
+    return cfg
+
+
+@dataclasses.dataclass
+class PDPair:
+    """A prefill and a decode instance of one mode."""
+
+    mode: str
+    prefill: VllmServer
+    decode: VllmServer
+
+    def stop(self) -> None:
+        for s in (self.prefill, self.decode):
+            s.stop()
+
+
+def start_prefill(
+    name: str, mode: str, model_dir: Path, log_dir: Path, *, wait: bool = True
+) -> VllmServer:
+    return start_server(
+        name,
+        model_dir,
+        log_dir,
+        kv_transfer_config=kv_config("kv_producer", mode),
+        env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        wait=wait,
+    )
+
+
+def start_pair(mode: str, model_dir: Path, log_dir: Path) -> PDPair:
+    """Start both instances at once (cold start overlaps) and wait for both."""
+    prefill = start_prefill(f"prefill-{mode}", mode, model_dir, log_dir, wait=False)
+    decode = start_server(
+        f"decode-{mode}",
+        model_dir,
+        log_dir,
+        kv_transfer_config=kv_config("kv_consumer", mode),
+        env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        wait=False,
+    )
+    wait_all_healthy([prefill, decode])
+    pair = PDPair(mode, prefill, decode)
+    try:
+        # One-off costs (first handshake, kernel selection) outside the tests' timings.
+        through_pd(pair, "warm up the pair", "warm up the pair", max_tokens=2)
+    except BaseException:
+        pair.stop()
+        raise
+    return pair
+
+
+def tokens(out: Mapping[str, Any]) -> list[int]:
+    return list(out["choices"][0]["token_ids"])
+
+
+def prompt_ids(unified: VllmServer, prompt: str) -> list[int]:
+    out = unified.complete(prompt, max_tokens=1, logprobs=None, return_token_ids=True)
+    return list(out["choices"][0]["prompt_token_ids"])
+
+
+def prefill(
+    server: VllmServer, prompt: str | Sequence[int], request_id: str | None = None
+) -> dict[str, Any]:
+    """The prefill step of the proxy flow; returns the ``kv_transfer_params``."""
+    headers = {"X-Request-Id": request_id} if request_id else None
+    first = server.complete(
+        list(prompt) if not isinstance(prompt, str) else prompt,
+        max_tokens=1,
+        logprobs=None,
+        kv_transfer_params={"do_remote_decode": True},
+        headers=headers,
+    )
+    params = first.get("kv_transfer_params")
+    assert isinstance(params, dict) and params.get("do_remote_prefill"), f"prefill: {params!r}"
+    return params
+
+
+def decode(
+    server: VllmServer,
+    prompt: str | Sequence[int],
+    params: Mapping[str, Any],
+    *,
+    max_tokens: int = MAX_TOKENS,
+    request_id: str | None = None,
+) -> list[int]:
+    """The decode step of the proxy flow; returns the generated token ids."""
+    headers = {"X-Request-Id": request_id} if request_id else None
+    out = server.complete(
+        list(prompt) if not isinstance(prompt, str) else prompt,
+        max_tokens=max_tokens,
+        logprobs=None,
+        return_token_ids=True,
+        kv_transfer_params=dict(params),
+        headers=headers,
+    )
+    return tokens(out)
+
+
+def through_pd(
+    pair: PDPair,
+    prefill_prompt: str | Sequence[int],
+    decode_prompt: str | Sequence[int],
+    *,
+    max_tokens: int = MAX_TOKENS,
+) -> list[int]:
+    """Prefill ``prefill_prompt`` on P, then decode ``decode_prompt`` on D with its KV."""
+    rid = f"e2e-{uuid.uuid4().hex[:12]}"  # one id for both, as a proxy sends
+    params = prefill(pair.prefill, prefill_prompt, rid)
+    return decode(pair.decode, decode_prompt, params, max_tokens=max_tokens, request_id=rid)
+
+
+def reference(unified: VllmServer, prompt: str | Sequence[int]) -> list[int]:
+    p = list(prompt) if not isinstance(prompt, str) else prompt
+    return tokens(unified.complete(p, max_tokens=MAX_TOKENS, logprobs=None, return_token_ids=True))
