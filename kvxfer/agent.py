@@ -308,6 +308,7 @@ class Agent:
         self.stats_counters = AgentStats()
         self._closed = False
         self._wake = threading.Event()
+        self._idle_nap = True  # the progress thread sleeps its long idle interval
         self._thread: threading.Thread | None = None
         self._pusher: ThreadPoolExecutor | None = None
         self._io_pool: ThreadPoolExecutor | None = None
@@ -467,7 +468,7 @@ class Agent:
             lease.ready = True
             if self.config.direction is Direction.PUSH and lease.target is not None:
                 self._start_push(lease)
-        self._wake.set()
+        self._nudge()
         return self._ticket(request_id, groups, num_tokens, expiry, host, port)
 
     def _ticket(
@@ -798,7 +799,12 @@ class Agent:
         transfer.stats.post_s = time.perf_counter() - t1
         transfer.meta["handle"] = handle
         transfer.meta["peer"] = peer
-        self._wake.set()
+        if self.backend.status(handle) is XferStatus.DONE:
+            # Moved inside post (UCX over CMA copies synchronously): settle now rather
+            # than hand the completion to the progress thread (a GIL hand-off per pull).
+            self._landed(transfer)
+            return
+        self._nudge()
 
     def _fail(self, transfer: Transfer, kind: FailureKind, error: BaseException) -> None:
         transfer.stats.failure = kind
@@ -824,6 +830,16 @@ class Agent:
                 err,
                 _describe_blocks(transfer.invalid_blocks),
             )
+
+    def _landed(self, t: Transfer) -> None:
+        """The backend reports every byte of ``t`` moved: settle it."""
+        expiry = t.meta.get("lease_expiry")
+        if expiry is not None and self._lease_over(expiry):
+            # Landed after the producer was free to reuse the blocks:
+            # the bytes may be another request's, so they are not valid.
+            self._fail(t, FailureKind.LEASE_EXPIRED, self._expired_error(t.request_id))
+        else:
+            self._succeed(t)
 
     def _succeed(self, transfer: Transfer) -> None:
         if transfer.meta.get("stage_in"):
@@ -851,6 +867,13 @@ class Agent:
                 )
                 self._thread.start()
 
+    def _nudge(self) -> None:
+        """Wake the progress thread only from its long idle sleep: waking it costs a GIL
+        hand-off (a few hundred µs on a busy host) on every hold and pull, and from the
+        short sleeps it comes back within a millisecond anyway."""
+        if self._idle_nap:
+            self._wake.set()
+
     def _run(self) -> None:
         # Sleeps between ticks: short while anything is in flight, long when idle, so
         # an idle agent costs nothing (NIXL's own progress thread would spin a core).
@@ -859,6 +882,7 @@ class Agent:
                 self._tick()
             except Exception:  # never let the progress thread die silently
                 log.exception("kvxfer progress thread")
+            self._idle_nap = True  # before reading the state: see _nudge
             if self._transfers:
                 interval = self.config.progress_interval_s
             elif self._leases:
@@ -868,6 +892,7 @@ class Agent:
                 interval = _LEASE_TICK_S
             else:
                 interval = 0.05
+            self._idle_nap = interval == 0.05
             self._wake.wait(interval)
             self._wake.clear()
 
@@ -882,15 +907,7 @@ class Agent:
                 if handle is not None:
                     state = self.backend.status(handle)
                     if state is XferStatus.DONE:
-                        expiry = t.meta.get("lease_expiry")
-                        if expiry is not None and self._lease_over(expiry):
-                            # Landed after the producer was free to reuse the blocks:
-                            # the bytes may be another request's, so they are not valid.
-                            self._fail(
-                                t, FailureKind.LEASE_EXPIRED, self._expired_error(t.request_id)
-                            )
-                        else:
-                            self._succeed(t)
+                        self._landed(t)
                         continue
                     if state is XferStatus.FAILED:
                         peer = t.meta.get("peer")
