@@ -1,0 +1,323 @@
+"""The pure parts of ``kvxfer bench``: model shapes, the case matrix, block lists,
+memory estimates, the bytes the descriptor algebra must move, and the ratio math.
+
+Nothing here starts a process or touches NIXL, so all of it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.testing.kvcache import QWEN3_0_6B, ModelShape
+
+__all__ = [
+    "BACKENDS",
+    "DIRECTIONS",
+    "MODES",
+    "PATTERNS",
+    "QWEN",
+    "SHAPES",
+    "THIN",
+    "Case",
+    "build_matrix",
+    "case_blocks",
+    "case_memory",
+    "chunk_tokens_for",
+    "expected_bytes",
+    "gbps",
+    "median",
+    "num_blocks_for",
+    "order_cases",
+    "ratio",
+    "request_blocks",
+    "trim_to_budget",
+]
+
+QWEN = "qwen3-0.6b"
+#: Same regions and descriptor count as Qwen3-0.6B, 1/64 of the bytes: planning cost
+#: of very long prompts without holding their KV.
+THIN = "qwen3-0.6b-thin"
+
+#: Model shapes of the matrix: KV heads × head dim in bf16 per layer, K and V regions.
+SHAPES: dict[str, ModelShape] = {
+    "qwen3-0.6b": QWEN3_0_6B,  # 28 layers × 8 KV heads × 128
+    "qwen2.5-32b": ModelShape(name="qwen2.5-32b", layers=64, kv_heads=8, head_dim=128),
+    # gpt-oss-20b-like: every odd layer attends over a 128-token sliding window.
+    "gpt-oss-20b": ModelShape(
+        name="gpt-oss-20b", layers=24, kv_heads=8, head_dim=64, sliding_window=128
+    ),
+    THIN: ModelShape(name=THIN, layers=28, kv_heads=1, head_dim=16),
+}
+BACKENDS = ("ucx", "host_bounce", "nixl_rbln")
+#: whole: every listed block whole; chunk: chunk_mode; window: swa_window_mode.
+MODES = ("whole", "chunk", "window")
+#: contiguous: runs with a hole every 64 blocks, phase-shifted between the two sides
+#: (a paged allocator's free list); scattered: independent random permutations.
+PATTERNS = ("contiguous", "scattered")
+DIRECTIONS = ("pull", "push")
+#: Backends that move device memory directly (chunk_mode / swa_window_mode need one).
+DEVICE_TO_DEVICE = frozenset({"nixl_rbln"})
+
+_HOLE_EVERY = 64
+
+
+class Case(msgspec.Struct, frozen=True, kw_only=True):
+    """One measured configuration."""
+
+    model: str
+    block_size: int
+    tokens: int
+    pattern: str
+    direction: str
+    backend: str
+    mode: str = "whole"
+    chunk_tokens: int = 0  # chunk mode's lower bound (0 elsewhere)
+
+    @property
+    def shape(self) -> ModelShape:
+        return SHAPES[self.model]
+
+    @property
+    def label(self) -> str:
+        mode = "" if self.mode == "whole" else f" {self.mode}"
+        return (
+            f"{self.model} bs{self.block_size} {self.tokens}t {self.pattern} {self.direction} "
+            f"{self.backend}{mode}"
+        )
+
+    @property
+    def cache_key(self) -> tuple[str, int, int]:
+        """Cases sharing this key share one KV cache per process."""
+        return (self.model, self.block_size, self.tokens)
+
+    @property
+    def agent_key(self) -> tuple[str, int, int, str, str, int]:
+        """Cases sharing this key share one pair of kvxfer agents per direction."""
+        return (
+            self.model,
+            self.block_size,
+            self.tokens,
+            self.backend,
+            self.mode,
+            self.chunk_tokens,
+        )
+
+    def fields(self) -> dict[str, Any]:
+        """The case's identity as JSON fields."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        out["layers"] = self.shape.layers
+        out["label"] = self.label
+        return out
+
+
+def chunk_tokens_for(block_size: int) -> int:
+    """The chunk bound the bench uses: a quarter block (a prefill step below one block)."""
+    return max(1, block_size // 4)
+
+
+def build_matrix(
+    *,
+    models: Sequence[str],
+    block_sizes: Sequence[int],
+    tokens: Sequence[int],
+    patterns: Sequence[str],
+    directions: Sequence[str],
+    backends: Sequence[str],
+    modes: Sequence[str],
+) -> tuple[list[Case], list[tuple[Case, str]]]:
+    """All cases, ordered so that caches and agents are reused, plus impossible ones.
+
+    chunk/window cases exist only on device-to-device backends, window cases only on
+    sliding-window models; a window that does not divide the block size is returned
+    in the second list with the reason.
+    """
+    for name, values, allowed in (
+        ("model", models, SHAPES),
+        ("pattern", patterns, PATTERNS),
+        ("direction", directions, DIRECTIONS),
+        ("backend", backends, BACKENDS),
+        ("mode", modes, MODES),
+    ):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise ValueError(f"unknown {name} {bad[0]!r}; choose from {', '.join(allowed)}")
+    for v in (*block_sizes, *tokens):
+        if v < 1:
+            raise ValueError(f"block sizes and token counts must be positive, got {v}")
+    cases: list[Case] = []
+    impossible: list[tuple[Case, str]] = []
+    for model in models:
+        window = SHAPES[model].sliding_window
+        for bs in block_sizes:
+            for n in tokens:
+                for backend in backends:
+                    for mode in modes:
+                        if mode != "whole" and backend not in DEVICE_TO_DEVICE:
+                            continue
+                        if mode == "window" and not window:
+                            continue
+                        ct = chunk_tokens_for(bs) if mode == "chunk" else 0
+                        for pattern in patterns:
+                            for direction in directions:
+                                case = Case(
+                                    model=model,
+                                    block_size=bs,
+                                    tokens=n,
+                                    pattern=pattern,
+                                    direction=direction,
+                                    backend=backend,
+                                    mode=mode,
+                                    chunk_tokens=ct,
+                                )
+                                if mode == "window" and bs % window:
+                                    impossible.append(
+                                        (
+                                            case,
+                                            f"swa_window_mode needs block_size a multiple of "
+                                            f"the {window}-token window",
+                                        )
+                                    )
+                                else:
+                                    cases.append(case)
+    return cases, impossible
+
+
+def order_cases(cases: Iterable[Case]) -> list[Case]:
+    """Cases grouped by cache, then by agent pair (stable otherwise), so each cache and
+    each agent pair is set up once."""
+    first_cache: dict[tuple[str, int, int], int] = {}
+    first_agents: dict[tuple[str, int, int, str, str, int], int] = {}
+    items = list(cases)
+    for i, c in enumerate(items):
+        first_cache.setdefault(c.cache_key, i)
+        first_agents.setdefault(c.agent_key, i)
+    order = sorted(
+        range(len(items)),
+        key=lambda i: (first_cache[items[i].cache_key], first_agents[items[i].agent_key], i),
+    )
+    return [items[i] for i in order]
+
+
+# -- block lists ------------------------------------------------------------------------
+def request_blocks(case: Case) -> int:
+    """Blocks the request's tokens fill (the last one possibly partly)."""
+    return -(-case.tokens // case.block_size)
+
+
+def num_blocks_for(case: Case) -> int:
+    """Blocks per region: the request, the allocator's holes and a little slack."""
+    n = request_blocks(case)
+    return n + n // (_HOLE_EVERY - 1) + 8
+
+
+def case_blocks(case: Case, side: str) -> npt.NDArray[np.int64]:
+    """The block ids the request occupies on ``side`` ("local" consumer, "remote" producer)."""
+    n, total = request_blocks(case), num_blocks_for(case)
+    remote = side == "remote"
+    if case.pattern == "scattered":
+        rng = np.random.default_rng(7 if remote else 11)
+        picked: npt.NDArray[np.int64] = rng.permutation(total)[:n].astype(np.int64)
+        return picked
+    # A free list that hands out runs: one hole every 64 blocks, phase-shifted between
+    # the sides, so runs contiguous on both sides average about half the hole spacing.
+    start, phase = (1, 0) if remote else (3, 24)
+    ids: npt.NDArray[np.int64] = np.arange(start, total, dtype=np.int64)
+    ids = ids[(ids + phase) % _HOLE_EVERY != _HOLE_EVERY - 1]
+    if len(ids) < n:  # pragma: no cover - num_blocks_for leaves room
+        raise ValueError("num_blocks_for left no room for the request")
+    return ids[:n]
+
+
+# -- bytes the algebra must move ------------------------------------------------------------
+def _chunk(range_tokens: int, bound: int) -> int:
+    # Smallest s >= bound dividing range_tokens (restated here, independently of
+    # kvxfer.descriptors, so the bench checks the algebra rather than trusting it).
+    if bound >= range_tokens:
+        return range_tokens
+    return next(s for s in range(bound, range_tokens + 1) if range_tokens % s == 0)
+
+
+def expected_bytes(case: Case) -> tuple[int, int]:
+    """``(bytes the mode moves, bytes whole blocks would move)`` for the request."""
+    shape = case.shape
+    tb, bs, n_tok = shape.token_bytes(), case.block_size, case.tokens
+    n = request_blocks(case)
+    regions = 2 * shape.layers
+    whole = regions * n * bs * tb
+    if case.mode == "whole":
+        return whole, whole
+    per_region: list[int] = []
+    for layer in range(shape.layers):
+        sliding = bool(shape.sliding_window) and layer % 2 == 1
+        if case.mode == "window" and sliding:
+            w = shape.sliding_window
+            lo, hi = max(n_tok - w, 0) // w, (n_tok - 1) // w
+            per_region.append((hi - lo + 1) * w * tb)
+        elif case.mode == "chunk":
+            c = _chunk(bs, case.chunk_tokens)
+            in_last = n_tok - (n - 1) * bs
+            per_region.append(((n - 1) * bs + -(-in_last // c) * c) * tb)
+        else:
+            per_region.append(n * bs * tb)
+    return 2 * sum(per_region), whole
+
+
+# -- memory --------------------------------------------------------------------------------
+#: The consumer's memcpy scratch never exceeds this.
+MEMCPY_SCRATCH = 256 << 20
+
+
+def case_memory(case: Case) -> int:
+    """Bytes both processes hold together for this case (caches, staging, scratch).
+
+    Each process holds one cache of ``num_blocks`` blocks per region; host bounce adds
+    a staging copy of it; the consumer adds the memcpy scratch and the verification's
+    temporaries (about six times one region).
+    """
+    shape = case.shape
+    region = num_blocks_for(case) * case.block_size * shape.token_bytes()
+    cache = 2 * shape.layers * region
+    staging = cache if case.backend == "host_bounce" else 0
+    moved, _ = expected_bytes(case)
+    return 2 * (cache + staging) + min(moved, MEMCPY_SCRATCH) + 6 * region
+
+
+def trim_to_budget(cases: Iterable[Case], budget: int) -> tuple[list[Case], list[tuple[Case, str]]]:
+    """Split cases into those that fit ``budget`` bytes and those skipped, with the reason."""
+    keep: list[Case] = []
+    skipped: list[tuple[Case, str]] = []
+    for case in cases:
+        need = case_memory(case)
+        if need > budget:
+            skipped.append(
+                (case, f"needs {need / 2**30:.1f} GiB > memory budget {budget / 2**30:.1f} GiB")
+            )
+        else:
+            keep.append(case)
+    return keep, skipped
+
+
+# -- ratio math ----------------------------------------------------------------------------
+def median(samples: Sequence[float]) -> float | None:
+    """Median of the samples, None when there are none."""
+    return statistics.median(samples) if samples else None
+
+
+def gbps(nbytes: int, seconds: float | None) -> float | None:
+    """Decimal GB/s, None when the time is missing or zero."""
+    if seconds is None or seconds <= 0:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, None when either is missing or ``b`` is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b

@@ -1,0 +1,222 @@
+"""What a bench process measures and checks: block lists and plans of a case, byte
+verification, the host-bounce copies done directly, raw NIXL transfers, memcpy, and
+the planning cost. Mixed into the bench process class of :mod:`._bench_worker`.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.tools import _bench_cases as bc
+from kvxfer.tools._bench_data import MemcpyBench, verify_regions, zero_rows
+from kvxfer.tools._bench_raw import RawNixl
+
+__all__ = ["DONE_NOTICE", "Measure"]
+
+DONE_NOTICE = b"raw-done" * 16  # about the size of kvxfer's signed DONE notice
+
+
+class Measure:
+    """State the measurements read (set up by the bench process's commands)."""
+
+    conn: Connection
+    side: str
+    raw: RawNixl
+    raw_peer: str | None
+    cache: Any
+    peer_layout: Any
+    memcpy: MemcpyBench | None
+    agents: dict[str, Any]
+    exposed: Any
+    dlists: tuple[Any, Any] | None
+    tables: tuple[Any, Any] | None
+    verify_tables: tuple[Any, Any] | None
+    last_runs: int
+    _block_cache: dict[tuple[bc.Case, bool], npt.NDArray[np.int64]]
+
+    # -- helpers ----------------------------------------------------------------------
+    def _blocks(self, case: bc.Case, *, own: bool) -> npt.NDArray[np.int64]:
+        """The case's block ids on this side (``own``) or the other; computed once, so
+        that generating them never lands inside a timed region."""
+        mine = "remote" if self.side == "producer" else "local"
+        theirs = "local" if self.side == "producer" else "remote"
+        key = (case, own)
+        if key not in self._block_cache:
+            self._block_cache[key] = bc.case_blocks(case, mine if own else theirs)
+        return self._block_cache[key]
+
+    def _groups(self, blocks: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
+        return [blocks] * len(self.exposed.groups)
+
+    def _plan(self, case: bc.Case, tables: tuple[Any, Any]) -> Any:
+        from kvxfer.descriptors import build_plan
+
+        mine, theirs = self._blocks(case, own=True), self._blocks(case, own=False)
+        return build_plan(
+            tables[0], tables[1], self._groups(mine), self._groups(theirs), case.tokens
+        )
+
+    def _prepare_verify(self, case: bc.Case, verify: bool) -> None:
+        if verify:
+            blocks = self._blocks(case, own=True)
+            zero_rows(self.cache.regions, blocks)
+            if case.backend == "host_bounce":
+                # Staging still holds the last transfer's bytes: clear it as well, so a
+                # transfer that moved nothing cannot pass on its predecessor's bytes.
+                from kvxfer.backends.host_bounce import host_block_view
+
+                for agent in self.agents.values():
+                    for region in agent.exposed_layout.regions:
+                        host_block_view(region)[blocks] = 0
+        if self.side == "consumer":
+            self.raw.forget_notifs()
+
+    def _verify(self, case: bc.Case) -> int:
+        assert self.verify_tables is not None
+        plan = self._plan(case, self.verify_tables)
+        runs = plan.runs(*self.verify_tables, merge=False)
+        rows = [self._blocks(case, own=True)] * len(self.cache.regions)
+        return verify_regions(
+            self.cache.regions,
+            runs.local_addr,
+            runs.remote_addr,
+            runs.length,
+            self.peer_layout,
+            rows,
+        )
+
+    def _stage(self, case: bc.Case, out: bool) -> float:
+        """The two host-bounce copies, done directly (the raw baseline's share)."""
+        from kvxfer.backends.host_bounce import host_block_view
+
+        t0 = time.perf_counter()
+        blocks = self._blocks(case, own=True)
+        for eng, stg in zip(self.cache.layout().regions, self.exposed.regions):
+            e, s = host_block_view(eng), host_block_view(stg)
+            if out:
+                s[blocks] = e[blocks]
+            else:
+                e[blocks] = s[blocks]
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _stats(transfer: Any) -> dict[str, Any]:
+        s = transfer.stats
+        return {
+            "bytes": s.bytes,
+            "descriptors": s.descriptors,
+            "plan_s": s.plan_s,
+            "post_s": s.post_s,
+            "transfer_s": s.transfer_s,
+        }
+
+    # -- raw NIXL ---------------------------------------------------------------------
+    def _raw_ids(self, case: bc.Case) -> tuple[Any, Any, int, int]:
+        assert self.tables is not None
+        plan = self._plan(case, self.tables)
+        self.last_runs = len(plan.runs(*self.tables))
+        return (
+            plan.local_ids.astype(np.int32),
+            plan.remote_ids.astype(np.int32),
+            plan.num_descriptors,
+            plan.nbytes,
+        )
+
+    def cmd_raw_read(self, payload: dict[str, Any]) -> dict[str, Any]:
+        case = msgspec.convert(payload["case"], bc.Case)
+        self._prepare_verify(case, payload["verify"])
+        lids, rids, n, nbytes = self._raw_ids(case)
+        assert self.dlists is not None
+        t0 = time.perf_counter()
+        # The DONE notice rides with the READ, as kvxfer's pull sends it.
+        s, make_s = self.raw.xfer(
+            "READ", self.dlists[0], lids, self.dlists[1], rids, DONE_NOTICE, 300
+        )
+        if case.backend == "host_bounce":
+            self._stage(case, out=False)
+        s = time.perf_counter() - t0
+        bad = self._verify(case) if payload["verify"] else None
+        return {
+            "s": s,
+            "make_s": make_s,
+            "bad": bad,
+            "descriptors": n,
+            "bytes": nbytes,
+            "runs": self.last_runs,
+        }
+
+    def cmd_raw_stage_out(self, payload: dict[str, Any]) -> float:
+        return self._stage(msgspec.convert(payload["case"], bc.Case), out=True)
+
+    def cmd_raw_expect(self, payload: dict[str, Any]) -> dict[str, Any]:
+        case = msgspec.convert(payload["case"], bc.Case)
+        self._prepare_verify(case, payload["verify"])
+        self.conn.send(("ok", "ready"))
+        t1 = self.raw.wait_notif(payload["tag"].encode(), 300)
+        if case.backend == "host_bounce":
+            self._stage(case, out=False)
+            t1 = time.perf_counter()
+        bad = self._verify(case) if payload["verify"] else None
+        return {"t1": t1, "bad": bad}
+
+    def cmd_raw_write(self, payload: dict[str, Any]) -> dict[str, Any]:
+        case = msgspec.convert(payload["case"], bc.Case)
+        lids, rids, n, nbytes = self._raw_ids(case)
+        assert self.dlists is not None
+        t0 = time.perf_counter()
+        if case.backend == "host_bounce":
+            self._stage(case, out=True)
+        tag = payload["tag"].encode()
+        s, make_s = self.raw.xfer("WRITE", self.dlists[0], lids, self.dlists[1], rids, tag, 300)
+        return {"t0": t0, "s": s, "make_s": make_s, "descriptors": n, "bytes": nbytes}
+
+    def cmd_memcpy(self, nbytes: int) -> float:
+        assert self.memcpy is not None
+        return self.memcpy.run(nbytes)
+
+    def cmd_plan_cost(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Engine block list → ids → coalesced runs → NIXL request, each timed."""
+        from kvxfer.descriptors import build_plan
+
+        case = msgspec.convert(payload["case"], bc.Case)
+        assert self.tables is not None and self.dlists is not None
+        mine = self._blocks(case, own=True).tolist()  # as an engine hands them over
+        theirs = self._blocks(case, own=False).tolist()
+        ids_s, runs_s, make_s, n_runs, n = [], [], [], 0, 0
+        for _ in range(payload["reps"]):
+            t0 = time.perf_counter()
+            plan = build_plan(
+                self.tables[0],
+                self.tables[1],
+                self._groups(np.asarray(mine, dtype=np.int64)),
+                self._groups(np.asarray(theirs, dtype=np.int64)),
+                case.tokens,
+            )
+            t1 = time.perf_counter()
+            runs = plan.runs(*self.tables)
+            t2 = time.perf_counter()
+            lids, rids = plan.local_ids.astype(np.int32), plan.remote_ids.astype(np.int32)
+            with self.raw._lock:
+                t3 = time.perf_counter()
+                h = self.raw._nixl.make_prepped_xfer(
+                    "READ", self.dlists[0], lids, self.dlists[1], rids, b""
+                )
+                t4 = time.perf_counter()
+                h.release()
+            ids_s.append(t1 - t0)
+            runs_s.append(t2 - t1)
+            make_s.append(t4 - t3)
+            n_runs, n = len(runs), plan.num_descriptors
+        return {
+            "ids_s": bc.median(ids_s),
+            "runs_s": bc.median(runs_s),
+            "make_s": bc.median(make_s),
+            "runs": n_runs,
+            "descriptors": n,
+        }

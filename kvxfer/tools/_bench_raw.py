@@ -1,0 +1,189 @@
+"""Raw NIXL for ``kvxfer bench``: the same memory and descriptors, no kvxfer in the loop.
+
+One :class:`RawNixl` per bench process: a plain ``nixl_agent`` with the UCX plugin that
+registers the very buffers the kvxfer agent registered, prepares descriptor lists from
+the same :class:`~kvxfer.descriptors.DescriptorTable` arrays and posts
+``make_prepped_xfer`` with the same index arrays :func:`~kvxfer.descriptors.build_plan`
+produced. A background thread keeps its UCX worker progressing (connection set-up and
+notifications need the passive side to progress, as kvxfer's progress thread does);
+every NIXL call goes through one lock because NIXL agents without a listener thread
+are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.backends.ucx import import_nixl, merged_intervals
+from kvxfer.descriptors import DescriptorTable
+from kvxfer.layout import KVLayout
+
+__all__ = ["RawNixl"]
+
+
+def _extents(layout: KVLayout) -> list[tuple[int, int]]:
+    starts = np.array([r.base for r in layout.regions], dtype=np.uint64)
+    ends = np.array([r.end for r in layout.regions], dtype=np.uint64)
+    return merged_intervals(starts, ends)
+
+
+def _rows(table: DescriptorTable) -> npt.NDArray[np.uint64]:
+    rows = np.stack([table.addr, table.length, table.device.astype(np.uint64)], axis=1)
+    return np.ascontiguousarray(rows, dtype=np.uint64)
+
+
+class RawNixl:
+    """A bare NIXL agent (UCX, host memory) with a polling thread."""
+
+    def __init__(self, name: str, poll_interval_s: float = 0.001) -> None:
+        nixl_agent, nixl_agent_config = import_nixl()
+        conf = nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
+        )
+        self.name = name
+        self._nixl: Any = nixl_agent(name, conf)
+        self._lock = threading.Lock()
+        self._notifs: list[bytes] = []
+        self._peers: set[str] = set()
+        self._closed = False
+        self._interval = poll_interval_s
+        # Cleared while the main thread busy-polls itself: the poller then sleeps without
+        # asking for the GIL, so it cannot slow the measured loop down.
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._poll, name="raw-nixl-poll", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._closed:
+            self._idle.wait()
+            with self._lock:
+                if self._closed:
+                    return
+                self._drain_locked()
+            time.sleep(self._interval)
+
+    def _drain_locked(self) -> None:
+        for msgs in self._nixl.get_new_notifs().values():
+            self._notifs.extend(msgs)
+        del self._notifs[:-256]  # nobody waits for old ones
+
+    # -- memory and peers -----------------------------------------------------------
+    def register(self, layout: KVLayout) -> Any:
+        """Register the layout's memory (as DRAM); returns the handle for deregister."""
+        descs = [(s, e - s, 0, "") for s, e in _extents(layout)]
+        with self._lock:
+            return self._nixl.register_memory(descs, "DRAM", ["UCX"])
+
+    def deregister(self, handle: Any) -> None:
+        with self._lock:
+            self._nixl.deregister_memory(handle)
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            blob: bytes = self._nixl.get_agent_metadata()
+            return blob
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Add (or refresh, after new registrations) a peer; returns its name."""
+        with self._lock:
+            raw = self._nixl.add_remote_agent(metadata)
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            self._peers.add(name)
+            return name
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            if name in self._peers:
+                self._peers.discard(name)
+                self._nixl.remove_remote_agent(name)
+
+    def prep(self, peer: str | None, table: DescriptorTable) -> Any:
+        """A prepared descriptor list of ``table`` (local when ``peer`` is None)."""
+        with self._lock:
+            return self._nixl.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", _rows(table), "DRAM")
+
+    def release(self, dlist: Any) -> None:
+        with self._lock:
+            dlist.release()
+
+    # -- transfers ------------------------------------------------------------------
+    def xfer(
+        self,
+        op: str,
+        local: Any,
+        local_ids: npt.NDArray[np.int32],
+        remote: Any,
+        remote_ids: npt.NDArray[np.int32],
+        notif: bytes,
+        timeout_s: float,
+    ) -> tuple[float, float]:
+        """Post one transfer (``notif`` rides with it) and busy-poll it to completion.
+
+        Returns:
+            ``(seconds from make_prepped_xfer to DONE, seconds of make_prepped_xfer)``.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._idle.clear()
+        try:
+            with self._lock:
+                t0 = time.perf_counter()
+                handle = self._nixl.make_prepped_xfer(
+                    op, local, local_ids, remote, remote_ids, notif
+                )
+                t1 = time.perf_counter()
+                state = self._nixl.transfer(handle)
+                while state == "PROC":
+                    state = self._nixl.check_xfer_state(handle)
+                    if time.monotonic() > deadline:
+                        break
+                t2 = time.perf_counter()
+                handle.release()
+        finally:
+            self._idle.set()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL {op} ended in state {state}")
+        return t2 - t0, t1 - t0
+
+    def wait_notif(self, tag: bytes, timeout_s: float, poll_s: float = 0.0002) -> float:
+        """Poll for a notification carrying ``tag``; returns when it was seen."""
+        deadline = time.monotonic() + timeout_s
+        self._idle.clear()
+        try:
+            while True:
+                with self._lock:
+                    self._drain_locked()
+                    if tag in self._notifs:
+                        seen = time.perf_counter()
+                        self._notifs = [m for m in self._notifs if m != tag]
+                        return seen
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"raw NIXL notification {tag!r} did not arrive")
+                # A short sleep, not a spin: on a small box a spinning receiver steals
+                # the core the writer copies with.
+                time.sleep(poll_s)
+        finally:
+            self._idle.set()
+
+    def forget_notifs(self) -> None:
+        with self._lock:
+            self._drain_locked()
+            self._notifs.clear()
+
+    def close(self) -> None:
+        """Stop polling and drop the agent (peers first)."""
+        self._idle.set()
+        with self._lock:
+            self._closed = True
+            for name in list(self._peers):
+                with contextlib.suppress(Exception):  # a peer already gone: nothing to undo
+                    self._nixl.remove_remote_agent(name)
+            self._peers.clear()
+        self._thread.join(timeout=2)
+        self._nixl = None

@@ -1,0 +1,236 @@
+"""Results of ``kvxfer bench``: cross-case figures, the bar, the table and the plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["check_bars", "format_table", "plot", "relate"]
+
+Result = dict[str, Any]
+
+#: Targets of issue 6 / R-CLI-3 (ratios from one run).
+NIXL_BAR = 0.95
+MEMCPY_BAR_BS16 = 0.6
+BOUNCE_BAR = 2.0
+
+
+def _key(r: Result, **override: Any) -> tuple[Any, ...]:
+    f = {**r, **override}
+    return (
+        f["model"],
+        f["block_size"],
+        f["tokens"],
+        f["pattern"],
+        f["direction"],
+        f["backend"],
+        f["mode"],
+    )
+
+
+def _ok(r: Result) -> bool:
+    return r.get("status") == "ok" and r.get("kind") == "transfer"
+
+
+def relate(results: Sequence[Result]) -> None:
+    """Add figures that need a sibling case of the same run, in place.
+
+    ``time_saved_s`` / ``whole_mode_s`` for chunk and window modes (against the same
+    case moving whole blocks); ``direct_s`` / ``bounce_vs_direct`` for host bounce
+    (against the same case on ucx).
+    """
+    index = {_key(r): r for r in results if _ok(r)}
+    for r in results:
+        if not _ok(r):
+            continue
+        if r["mode"] != "whole":
+            whole = index.get(_key(r, mode="whole"))
+            if whole is not None:
+                r["whole_mode_s"] = whole["kvxfer_s"]
+                r["time_saved_s"] = whole["kvxfer_s"] - r["kvxfer_s"]
+        if r["backend"] == "host_bounce":
+            direct = index.get(_key(r, backend="ucx"))
+            if direct is not None and direct["kvxfer_s"]:
+                r["direct_s"] = direct["kvxfer_s"]
+                r["bounce_cost_s"] = r["kvxfer_s"] - direct["kvxfer_s"]
+                r["bounce_vs_direct"] = r["kvxfer_s"] / direct["kvxfer_s"]
+                # Two extra copies of the bytes at best memcpy speed each, on a box whose
+                # memory bandwidth one copy already saturates: the best bounce can do.
+                if direct.get("kvxfer_vs_memcpy"):
+                    r["bounce_floor"] = 1 + 2 * direct["kvxfer_vs_memcpy"]
+
+
+def _worst(rows: list[tuple[float, str]], lowest: bool = True) -> tuple[float, str] | None:
+    if not rows:
+        return None
+    return min(rows) if lowest else max(rows)
+
+
+def check_bars(results: Sequence[Result]) -> list[Result]:
+    """The issue's targets, each with the worst value of this run and whether it holds."""
+    ok = [r for r in results if _ok(r)]
+    checks: list[Result] = []
+
+    def add(name: str, target: str, worst: tuple[float, str] | None, holds: bool | None) -> None:
+        checks.append(
+            {
+                "kind": "bar",
+                "bar": name,
+                "target": target,
+                "worst": None if worst is None else round(worst[0], 4),
+                "worst_case": None if worst is None else worst[1],
+                "holds": holds if worst is not None else None,
+            }
+        )
+
+    nixl = _worst([(r["kvxfer_vs_nixl"], r["label"]) for r in ok if r["kvxfer_vs_nixl"]])
+    add(
+        "kvxfer vs raw NIXL, same descriptors",
+        f">= {NIXL_BAR}",
+        nixl,
+        nixl is not None and nixl[0] >= NIXL_BAR,
+    )
+    bs16 = _worst(
+        [
+            (r["kvxfer_vs_memcpy"], r["label"])
+            for r in ok
+            if r["block_size"] == 16
+            and r["pattern"] == "contiguous"
+            and r["backend"] != "host_bounce"
+            and r["mode"] == "whole"
+            and r["kvxfer_vs_memcpy"]
+        ]
+    )
+    add(
+        "contiguous bs16 vs memcpy (coalescing)",
+        f">= {MEMCPY_BAR_BS16}",
+        bs16,
+        bs16 is not None and bs16[0] >= MEMCPY_BAR_BS16,
+    )
+    modes = [r for r in ok if r["mode"] != "whole"]
+    exact = all(r["bytes_moved"] == r["bytes_expected"] <= r["whole_block_bytes"] for r in modes)
+    saved = _worst(
+        [(r["bytes_moved"] / r["whole_block_bytes"], r["label"]) for r in modes], lowest=False
+    )
+    add(
+        "chunk/window bytes exactly as the algebra (moved/whole)",
+        "== algebra",
+        saved,
+        exact if modes else None,
+    )
+    bounce = _worst(
+        [(r["bounce_vs_direct"], r["label"]) for r in ok if "bounce_vs_direct" in r], lowest=False
+    )
+    add(
+        "host_bounce time vs direct ucx",
+        f"< {BOUNCE_BAR}",
+        bounce,
+        bounce is not None and bounce[0] < BOUNCE_BAR,
+    )
+    again = _worst(
+        [(float(r["handshakes_in_timed_reps"] or 0), r["label"]) for r in ok], lowest=False
+    )
+    add("handshakes after the first transfer", "== 0", again, again is not None and again[0] == 0)
+    return checks
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
+    """A human-readable report: one line per case, planning cost, then the bar."""
+    head = (
+        f"{'case':<58} {'kvxfer':>7} {'nixl':>7} {'memcpy':>7} {'x nixl':>6} "
+        f"{'x mcpy':>6} {'descs':>7} {'runs':>6} {'moved/whole':>11} {'first ms':>8}"
+    )
+    lines = ["GB/s (decimal), medians of the timed reps; x = ratio of GB/s", head]
+    for r in results:
+        if r.get("kind") == "bar":
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"{r['label']:<58} {r.get('status', '?').upper()}: {r.get('reason', '')}")
+            continue
+        frac = r["bytes_moved"] / r["whole_block_bytes"] if r["whole_block_bytes"] else 0
+        lines.append(
+            f"{r['label']:<58} {_f(r['kvxfer_gbps']):>7} {_f(r['nixl_gbps']):>7} "
+            f"{_f(r['memcpy_gbps']):>7} {_f(r['kvxfer_vs_nixl']):>6} "
+            f"{_f(r['kvxfer_vs_memcpy']):>6} {r['descriptors_posted']:>7} {_f(r['runs'], '{}'):>6} "
+            f"{frac:>11.3f} {_f(r['first_transfer_s'] * 1e3, '{:.1f}'):>8}"
+        )
+    plans = [r for r in results if r.get("kind") == "planning" and r.get("status") == "ok"]
+    if plans:
+        lines += [
+            "",
+            "planning cost per request (engine block list -> posted transfer), ms:",
+            f"{'case':<58} {'ids':>7} {'runs':>7} {'nixl prep':>9} {'plan+prep':>9} "
+            f"{'transfer':>9}",
+        ]
+        for r in plans:
+            lines.append(
+                f"{r['label']:<58} {r['plan_ids_s'] * 1e3:>7.2f} {r['plan_runs_s'] * 1e3:>7.2f} "
+                f"{r['nixl_make_xfer_s'] * 1e3:>9.2f} {r['planning_s'] * 1e3:>9.2f} "
+                f"{r['kvxfer_s'] * 1e3:>9.1f}"
+            )
+    bounce = [r for r in results if "bounce_vs_direct" in r]
+    if bounce:
+        lines += ["", "host_bounce over direct ucx (same case):"]
+        lines += [
+            f"  {r['label']:<58} {r['bounce_vs_direct']:.2f}x "
+            f"(+{r['bounce_cost_s'] * 1e3:.1f} ms; two copies at memcpy speed: "
+            f"{_f(r.get('bounce_floor'))}x)"
+            for r in bounce
+        ]
+    saved = [r for r in results if "time_saved_s" in r]
+    if saved:
+        lines += ["", "chunk/window modes against whole blocks (same case):"]
+        lines += [
+            f"  {r['label']:<58} bytes {r['bytes_moved']:,}/{r['whole_block_bytes']:,}, "
+            f"time saved {r['time_saved_s'] * 1e3:+.1f} ms"
+            for r in saved
+        ]
+    lines += ["", "bar:"]
+    for b in bars:
+        verdict = {True: "holds", False: "MISSED", None: "n/a"}[b["holds"]]
+        lines.append(
+            f"  {b['bar']:<56} {b['target']:>11}  worst {_f(b['worst'], '{:.3f}'):>7}"
+            f"  {verdict}  {b['worst_case'] or ''}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], path: str) -> str | None:
+    """GB/s against block size, one panel per direction; returns an error or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (
+            "--plot needs matplotlib: pip install 'kvxfer[bench]' (or matplotlib); no plot written"
+        )
+    ok = [r for r in results if _ok(r)]
+    directions = sorted({r["direction"] for r in ok}) or ["pull"]
+    fig, axes = plt.subplots(1, len(directions), figsize=(7 * len(directions), 5), squeeze=False)
+    for ax, d in zip(axes[0], directions):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in ok:
+            if r["direction"] != d:
+                continue
+            for who in ("kvxfer", "nixl", "memcpy"):
+                tag = f"{r['model']} {r['pattern']} {r['backend']}/{r['mode']} {r['tokens']}t"
+                series.setdefault((who, tag), []).append((r["block_size"], r[f"{who}_gbps"]))
+        for (who, tag), pts in sorted(series.items()):
+            pts.sort()
+            style = {"kvxfer": "-o", "nixl": "--x", "memcpy": ":"}[who]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{who} {tag}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"kvxfer bench: {d}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

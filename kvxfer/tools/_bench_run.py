@@ -1,0 +1,372 @@
+"""The parent side of ``kvxfer bench``: two bench processes and the script of each case.
+
+Cases arrive ordered by cache (model, block size, tokens) and then by agent pair
+(backend, mode); each cache and each agent pair is set up once for all the cases that
+share it. Per case, the same run measures, interleaved rep by rep (alternating which
+goes first): kvxfer (``hold`` + ``pull``, or ``expect_push`` + ``hold``), raw NIXL on
+the same descriptors, and a memcpy of the same bytes. The first kvxfer and the first
+raw transfer are verified byte for byte and kept out of the medians.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing as mp
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+from kvxfer.tools import _bench_cases as bc
+from kvxfer.tools._bench_netns import NetnsPair
+from kvxfer.tools._bench_worker import worker_main
+
+__all__ = ["RESULT_FIELDS", "BenchError", "Runner", "assemble", "failed"]
+
+#: Fields every measured case's JSON object carries (besides the case's identity).
+RESULT_FIELDS = (
+    "kind",
+    "status",
+    "reason",
+    "reps",
+    "bytes_moved",
+    "bytes_expected",
+    "whole_block_bytes",
+    "bytes_saved",
+    "descriptors_posted",
+    "nixl_descriptors",
+    "runs",
+    "verified",
+    "mismatched_words",
+    "kvxfer_s",
+    "nixl_s",
+    "memcpy_s",
+    "kvxfer_gbps",
+    "nixl_gbps",
+    "memcpy_gbps",
+    "kvxfer_vs_nixl",
+    "kvxfer_vs_memcpy",
+    "kvxfer_vs_nixl_of_medians",
+    "kvxfer_vs_memcpy_of_medians",
+    "nixl_vs_memcpy",
+    "plan_s",
+    "post_s",
+    "hold_s",
+    "handshake_s",
+    "first_transfer_s",
+    "nixl_first_transfer_s",
+    "handshakes_in_timed_reps",
+    "samples",
+)
+
+
+class BenchError(RuntimeError):
+    """A bench process failed a command (alive) or died (``dead``)."""
+
+    def __init__(self, message: str, *, dead: bool = False) -> None:
+        super().__init__(message)
+        self.dead = dead
+
+
+class Runner:
+    """Two bench processes (optionally each in its own network namespace)."""
+
+    def __init__(
+        self,
+        *,
+        reps: int,
+        timeout_s: float,
+        netns: NetnsPair | None = None,
+        planning: bool = False,
+    ) -> None:
+        self.reps = reps
+        self.planning = planning
+        self.timeout_s = timeout_s
+        self.netns = netns
+        self._procs: dict[str, Any] = {}
+        self._conns: dict[str, Connection] = {}
+        self._rid = itertools.count()
+        self._done: set[bc.Case] = set()
+
+    # -- processes ----------------------------------------------------------------------
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        for side in ("producer", "consumer"):
+            ns = host = None
+            if self.netns is not None:
+                p = side == "producer"
+                ns = self.netns.producer_ns if p else self.netns.consumer_ns
+                host = self.netns.producer_addr if p else self.netns.consumer_addr
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(child, side, ns, host or "127.0.0.1"),
+                name=f"kvxfer-bench-{side}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs[side], self._conns[side] = proc, parent
+        for side in self._conns:
+            self._recv(side, 120)
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            with contextlib.suppress(OSError):
+                conn.send(("stop", None))
+        for proc in self._procs.values():
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns.values():
+            conn.close()
+        self._procs, self._conns = {}, {}
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    def _recv(self, side: str, timeout: float | None = None) -> Any:
+        conn = self._conns[side]
+        limit = self.timeout_s if timeout is None else timeout
+        if not conn.poll(limit):
+            raise BenchError(f"the {side} process did not answer within {limit:g}s", dead=True)
+        try:
+            status, value = conn.recv()
+        except (EOFError, OSError):
+            code = self._procs[side].exitcode
+            raise BenchError(f"the {side} process exited (status {code})", dead=True) from None
+        if status != "ok":
+            raise BenchError(f"{side}: {value}")
+        return value
+
+    def _send(self, side: str, cmd: str, payload: Any = None) -> None:
+        try:
+            self._conns[side].send((cmd, payload))
+        except OSError as exc:
+            raise BenchError(f"the {side} process is gone: {exc}", dead=True) from None
+
+    def call(self, side: str, cmd: str, payload: Any = None) -> Any:
+        self._send(side, cmd, payload)
+        return self._recv(side)
+
+    # -- cases --------------------------------------------------------------------------
+    def run(self, cases: Sequence[bc.Case], on_result: Callable[[dict[str, Any]], None]) -> None:
+        """Run every case (ordered as :func:`build_matrix` orders them)."""
+        for _, group in itertools.groupby(cases, key=lambda c: c.cache_key):
+            members = list(group)
+            try:
+                with self._cache(members[0]):
+                    for _, agent_group in itertools.groupby(members, key=lambda c: c.agent_key):
+                        self._run_agent_group(list(agent_group), on_result)
+            except BenchError as exc:
+                for case in members:
+                    if case not in self._done:
+                        on_result(failed(case, str(exc)))
+                if exc.dead:
+                    self.restart()
+
+    @contextlib.contextmanager
+    def _cache(self, case: bc.Case) -> Iterator[None]:
+        self._done = set()
+        cb = msgspec.to_builtins(case)
+        prod = self.call("producer", "cache", cb)
+        cons = self.call("consumer", "cache", cb)
+        self.call("producer", "peer", {"layout": cons["layout"], "raw": cons["raw"]})
+        self.call("consumer", "peer", {"layout": prod["layout"], "raw": prod["raw"]})
+        try:
+            yield
+        finally:
+            for side in ("producer", "consumer"):
+                with contextlib.suppress(BenchError):
+                    self.call(side, "close_cache")
+
+    def _run_agent_group(
+        self, cases: list[bc.Case], on_result: Callable[[dict[str, Any]], None]
+    ) -> None:
+        cb = msgspec.to_builtins(cases[0])
+        prod = self.call("producer", "agents", cb)
+        cons = self.call("consumer", "agents", cb)
+        self.call("producer", "agents_peer", {"exposed": cons["exposed"], "raw": cons["raw"]})
+        self.call("consumer", "agents_peer", {"exposed": prod["exposed"], "raw": prod["raw"]})
+        peers: dict[str, float] = {}
+        for d in sorted({c.direction for c in cases}):
+            # One explicit handshake per peer; every later transfer reuses it.
+            if d == "pull":
+                peers[d] = self.call("consumer", "connect", {"direction": d, **prod[d]})
+            else:
+                peers[d] = self.call("producer", "connect", {"direction": d, **cons[d]})
+        try:
+            for case in cases:
+                try:
+                    result = self._run_case(case, prod, peers[case.direction])
+                    if self.planning:
+                        result = self._plan_cost(case, result)
+                except BenchError as exc:
+                    if exc.dead:
+                        raise
+                    result = failed(case, str(exc))
+                self._done.add(case)
+                on_result(result)
+        finally:
+            for side in ("producer", "consumer"):
+                with contextlib.suppress(BenchError):
+                    if self._procs[side].is_alive():
+                        self.call(side, "close_agents")
+
+    # one transfer of each kind -----------------------------------------------------------
+    def _kvxfer(self, case: bc.Case, prod: dict[str, Any], verify: bool) -> dict[str, Any]:
+        cb = msgspec.to_builtins(case)
+        rid = f"bench-{next(self._rid)}"
+        if case.direction == "pull":
+            held = self.call("producer", "hold", {"case": cb, "direction": "pull", "rid": rid})
+            got = self.call(
+                "consumer", "pull", {"case": cb, "ticket": held["ticket"], "verify": verify}
+            )
+            freed = self.call("producer", "freed", rid)
+            return {**got, "s": held["hold_s"] + got["s"], "hold_s": held["hold_s"], "freed": freed}
+        self._send(
+            "consumer", "expect_push", {"case": cb, "rid": rid, "verify": verify, **prod["push"]}
+        )
+        self._recv("consumer")  # registered with the producer
+        pushed = self.call("producer", "hold", {"case": cb, "direction": "push", "rid": rid})
+        got = self._recv("consumer")
+        # The writer's side of the push: its post time (plan time is not exported).
+        stats = {**got["stats"], "plan_s": None, "post_s": pushed["post_s"]}
+        return {
+            **got,
+            "stats": stats,
+            "s": got["t1"] - pushed["t0"],
+            "hold_s": pushed["hold_s"],
+            "handshakes": pushed["handshakes"],
+            "freed": True,
+        }
+
+    def _raw(self, case: bc.Case, verify: bool) -> dict[str, Any]:
+        cb = msgspec.to_builtins(case)
+        if case.direction == "pull":
+            staged = 0.0
+            if case.backend == "host_bounce":
+                staged = self.call("producer", "raw_stage_out", {"case": cb})
+            got = self.call("consumer", "raw_read", {"case": cb, "verify": verify})
+            return {**got, "s": staged + got["s"]}
+        tag = f"raw-{next(self._rid)}"
+        self._send("consumer", "raw_expect", {"case": cb, "verify": verify, "tag": tag})
+        self._recv("consumer")  # polling for the tag
+        wrote = self.call("producer", "raw_write", {"case": cb, "tag": tag})
+        got = self._recv("consumer")
+        return {**wrote, **got, "s": got["t1"] - wrote["t0"]}
+
+    def _run_case(self, case: bc.Case, prod: dict[str, Any], handshake_s: float) -> dict[str, Any]:
+        first = self._kvxfer(case, prod, verify=True)
+        raw_first = self._raw(case, verify=True)
+        nbytes = first["stats"]["bytes"]
+        kv: list[float] = []
+        raw: list[float] = []
+        memcpy: list[float] = []
+        details: list[dict[str, Any]] = []
+        for i in range(self.reps):
+            if i % 2 == 0:
+                details.append(self._kvxfer(case, prod, verify=False))
+                raw.append(self._raw(case, verify=False)["s"])
+            else:
+                raw.append(self._raw(case, verify=False)["s"])
+                details.append(self._kvxfer(case, prod, verify=False))
+            kv.append(details[-1]["s"])
+            memcpy.append(self.call("consumer", "memcpy", nbytes))
+        return assemble(case, first, raw_first, details, kv, raw, memcpy, handshake_s)
+
+    def _plan_cost(self, case: bc.Case, result: dict[str, Any]) -> dict[str, Any]:
+        """Planning cost beside the transfer: block list → ids → runs → NIXL request."""
+        cost = self.call(
+            "consumer", "plan_cost", {"case": msgspec.to_builtins(case), "reps": self.reps}
+        )
+        return {
+            **result,
+            "kind": "planning",
+            "plan_ids_s": cost["ids_s"],
+            "plan_runs_s": cost["runs_s"],
+            "nixl_make_xfer_s": cost["make_s"],
+            "planning_s": cost["ids_s"] + cost["make_s"],
+            "runs": cost["runs"],
+        }
+
+
+def failed(case: bc.Case, reason: str, status: str = "failed") -> dict[str, Any]:
+    """A result object for a case that did not produce numbers."""
+    return {"kind": "transfer", **case.fields(), "status": status, "reason": reason}
+
+
+def assemble(
+    case: bc.Case,
+    first: dict[str, Any],
+    raw_first: dict[str, Any],
+    details: list[dict[str, Any]],
+    kv: list[float],
+    raw: list[float],
+    memcpy: list[float],
+    handshake_s: float,
+) -> dict[str, Any]:
+    """The JSON object of one measured case (medians, ratios, checks)."""
+    stats = first["stats"]
+    moved = int(stats["bytes"])
+    expected, whole = bc.expected_bytes(case)
+    kv_s, raw_s, mc_s = bc.median(kv), bc.median(raw), bc.median(memcpy)
+    kv_g, raw_g, mc_g = bc.gbps(moved, kv_s), bc.gbps(moved, raw_s), bc.gbps(moved, mc_s)
+    # Each timed rep runs kvxfer and raw NIXL back to back (alternating which goes
+    # first) and the memcpy right after: per-rep ratios cancel the slow drifts of a
+    # shared machine that independent medians keep.
+    paired = [r / k for k, r in zip(kv, raw) if k > 0]
+    paired_mc = [m / k for k, m in zip(kv, memcpy) if k > 0]
+    verified = first["bad"] == 0 and raw_first["bad"] == 0
+    same = raw_first["descriptors"] == stats["descriptors"]
+    hs = [d["handshakes"] for d in (first, *details) if d.get("handshakes") is not None]
+    ok = verified and same and moved == expected and all(d.get("freed", True) for d in details)
+    return {
+        "kind": "transfer",
+        **case.fields(),
+        "status": "ok" if ok else "failed",
+        "reason": "" if ok else _why(verified, same, moved, expected),
+        "reps": len(kv),
+        "bytes_moved": moved,
+        "bytes_expected": expected,
+        "whole_block_bytes": whole,
+        "bytes_saved": whole - moved,
+        "descriptors_posted": stats["descriptors"],
+        "nixl_descriptors": raw_first["descriptors"],
+        "runs": raw_first.get("runs"),
+        "verified": verified,
+        "mismatched_words": {"kvxfer": first["bad"], "nixl": raw_first["bad"]},
+        "kvxfer_s": kv_s,
+        "nixl_s": raw_s,
+        "memcpy_s": mc_s,
+        "kvxfer_gbps": kv_g,
+        "nixl_gbps": raw_g,
+        "memcpy_gbps": mc_g,
+        "kvxfer_vs_nixl": bc.median(paired),
+        "kvxfer_vs_memcpy": bc.median(paired_mc),
+        "kvxfer_vs_nixl_of_medians": bc.ratio(kv_g, raw_g),
+        "kvxfer_vs_memcpy_of_medians": bc.ratio(kv_g, mc_g),
+        "nixl_vs_memcpy": bc.median([m / r for r, m in zip(raw, memcpy) if r > 0]),
+        "plan_s": bc.median([d["stats"]["plan_s"] for d in details if d["stats"]["plan_s"]]),
+        "post_s": bc.median([d["stats"]["post_s"] for d in details]),
+        "hold_s": bc.median([d["hold_s"] for d in details]),
+        "handshake_s": handshake_s,
+        "first_transfer_s": first["s"],
+        "nixl_first_transfer_s": raw_first["s"],
+        "handshakes_in_timed_reps": (max(hs) - min(hs)) if hs else None,
+        "samples": {"kvxfer": kv, "nixl": raw, "memcpy": memcpy},
+    }
+
+
+def _why(verified: bool, same: bool, moved: int, expected: int) -> str:
+    if not verified:
+        return "bytes did not verify"
+    if not same:
+        return "kvxfer and raw NIXL posted different descriptor counts"
+    if moved != expected:
+        return f"moved {moved} bytes, the algebra says {expected}"
+    return "a lease was not released"

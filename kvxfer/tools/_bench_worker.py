@@ -1,0 +1,314 @@
+"""The two bench processes (producer and consumer) of ``kvxfer bench``.
+
+Each owns a model-shaped host KV cache, the kvxfer agents of the current case group,
+and one :class:`~kvxfer.tools._bench_raw.RawNixl` on the same memory. The parent sends
+``(command, payload)`` tuples of plain values and gets ``("ok", value)`` or
+``("error", text)`` back; a command may send an intermediate ``("ok", ...)`` before its
+final reply (``expect_push`` and ``raw_expect`` say when they are waiting).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+from kvxfer.tools import _bench_cases as bc
+from kvxfer.tools._bench_data import MemcpyBench, fill_regions
+from kvxfer.tools._bench_measure import Measure
+
+__all__ = ["worker_main"]
+
+_SECRET = "kvxfer-bench-shared-secret"
+
+
+def _options(case: bc.Case) -> Any:
+    from kvxfer.descriptors import PlanOptions
+
+    if case.mode == "chunk":
+        return PlanOptions(chunk_mode=True, chunk_tokens=case.chunk_tokens)
+    if case.mode == "window":
+        return PlanOptions(swa_window_mode=True)
+    return PlanOptions()
+
+
+def _as_device(layout: Any) -> Any:
+    """The layout with its regions marked device memory (the RBLN emulation's view)."""
+    from kvxfer.layout import MemKind
+
+    regions = tuple(msgspec.structs.replace(r, mem=MemKind.VRAM) for r in layout.regions)
+    return msgspec.structs.replace(layout, regions=regions)
+
+
+class _Worker(Measure):
+    def __init__(self, conn: Connection, side: str, host: str) -> None:
+        from kvxfer.tools._bench_raw import RawNixl
+
+        self.conn, self.side, self.host = conn, side, host
+        self.raw = RawNixl(f"bench-raw-{side}-{os.getpid()}")
+        self.raw_peer: str | None = None
+        self.cache: Any = None
+        self.cache_reg: Any = None
+        self.peer_layout: Any = None  # the other side's cache layout
+        self.memcpy: MemcpyBench | None = None
+        self.case: bc.Case | None = None
+        self.agents: dict[str, Any] = {}
+        self.staging_reg: Any = None
+        self.exposed: Any = None
+        self.dlists: tuple[Any, Any] | None = None
+        self.tables: tuple[Any, Any] | None = None
+        self.verify_tables: tuple[Any, Any] | None = None
+        self.last_runs = 0
+        self._block_cache = {}
+
+    # -- set-up -----------------------------------------------------------------------
+    def cmd_cache(self, case: bc.Case) -> dict[str, Any]:
+        from kvxfer.testing.kvcache import HostKVCache
+
+        self.cmd_close_cache(None)
+        self.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
+        if self.side == "producer":
+            fill_regions(self.cache.regions)
+        else:
+            for r in self.cache.regions:
+                r.fill(0)  # touch every page: no first-touch faults in the timings
+            moved, _ = bc.expected_bytes(case)
+            self.memcpy = MemcpyBench(self.cache.regions, min(moved, bc.MEMCPY_SCRATCH))
+        self.cache_reg = self.raw.register(self.cache.layout())
+        return {"layout": msgspec.to_builtins(self.cache.layout()), "raw": self.raw.metadata()}
+
+    def cmd_peer(self, payload: dict[str, Any]) -> None:
+        from kvxfer.layout import KVLayout
+
+        if payload.get("layout") is not None:
+            self.peer_layout = msgspec.convert(payload["layout"], KVLayout)
+        if self.raw_peer is not None:  # new registrations: the peer's metadata changed
+            self.raw.remove_peer(self.raw_peer)
+        self.raw_peer = self.raw.add_peer(payload["raw"])
+
+    def cmd_agents(self, case: bc.Case) -> dict[str, Any]:
+        from kvxfer.agent import Agent, AgentConfig
+        from kvxfer.compat import Fingerprint
+        from kvxfer.config import Direction, Role
+
+        self.cmd_close_agents(None)
+        self.case = case
+        layout = self.cache.layout()
+        if case.backend == "nixl_rbln":
+            layout = _as_device(layout)
+        role = Role.PRODUCER if self.side == "producer" else Role.CONSUMER
+        extra = {"rbln_adapter": "emulated"} if case.backend == "nixl_rbln" else {}
+        if case.backend == "host_bounce":
+            extra = {"transport": "ucx"}
+        out: dict[str, Any] = {}
+        for d in ("pull", "push"):
+            direction = Direction(d)
+            agent = Agent(
+                AgentConfig(
+                    engine_id=f"bench-{self.side}-{d}",
+                    fingerprint=Fingerprint(
+                        model=f"bench/{case.model}",
+                        dtype="bfloat16",
+                        kv_cache_dtype="auto",
+                        attention_backend="bench",
+                        direction=direction,
+                    ),
+                    role=role,
+                    direction=direction,
+                    backend=case.backend,
+                    side_channel_host=self.host,
+                    plan=_options(case),
+                    lease_s=300.0,
+                    transfer_timeout_s=300.0,
+                    auth_secret=_SECRET,
+                    backend_extra=extra,
+                )
+            )
+            self.agents[d] = agent
+            agent.register(layout)
+            host, port = agent.serve()
+            out[d] = {"host": host, "port": port, "engine_id": agent.config.engine_id}
+        self.exposed = self.agents["pull"].exposed_layout
+        if case.backend == "host_bounce":
+            # Raw NIXL moves the same staging buffers the kvxfer backend moves.
+            self.staging_reg = self.raw.register(self.exposed)
+        out["exposed"] = msgspec.to_builtins(self.exposed)
+        out["raw"] = self.raw.metadata()
+        return out
+
+    def cmd_agents_peer(self, payload: dict[str, Any]) -> None:
+        from kvxfer.descriptors import DescriptorTable
+        from kvxfer.layout import KVLayout
+
+        assert self.case is not None and self.cache is not None
+        self.cmd_peer({"raw": payload["raw"]})
+        opts = _options(self.case)
+        peer_exposed = msgspec.convert(payload["exposed"], KVLayout)
+        local = DescriptorTable.build(self.exposed, opts)
+        remote = DescriptorTable.build(peer_exposed, opts)
+        self.tables = (local, remote)
+        self.dlists = (self.raw.prep(None, local), self.raw.prep(self.raw_peer, remote))
+        if self.case.backend == "host_bounce":
+            vt = (
+                DescriptorTable.build(self.cache.layout(), opts),
+                DescriptorTable.build(self.peer_layout, opts),
+            )
+            self.verify_tables = vt
+        else:
+            self.verify_tables = self.tables
+
+    def cmd_connect(self, payload: dict[str, Any]) -> float:
+        t0 = time.perf_counter()
+        self.agents[payload["direction"]].connect(
+            payload["host"], payload["port"], payload["engine_id"]
+        )
+        return time.perf_counter() - t0
+
+    def cmd_close_agents(self, _: Any) -> None:
+        if self.dlists is not None:
+            for d in self.dlists:
+                self.raw.release(d)
+            self.dlists = None
+        for agent in self.agents.values():
+            agent.close()
+        self.agents = {}
+        if self.staging_reg is not None:
+            self.raw.deregister(self.staging_reg)
+            self.staging_reg = None
+        self.tables = self.verify_tables = None
+
+    def cmd_close_cache(self, _: Any) -> None:
+        self.cmd_close_agents(None)
+        if self.raw_peer is not None:
+            self.raw.remove_peer(self.raw_peer)
+            self.raw_peer = None
+        if self.cache_reg is not None:
+            self.raw.deregister(self.cache_reg)
+            self.cache_reg = None
+        self.cache = self.memcpy = None
+
+    # -- kvxfer -----------------------------------------------------------------------
+    def cmd_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
+        case = msgspec.convert(payload["case"], bc.Case)
+        agent = self.agents[payload["direction"]]
+        if payload["direction"] == "push":
+            # The consumer registers from a worker thread: start the clock only once
+            # its registration is here (it opens the lease), as a real prefill would
+            # find it after computing the prompt.
+            deadline = time.monotonic() + 60
+            while payload["rid"] not in agent.holding():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the consumer never registered {payload['rid']}")
+                time.sleep(0.0005)
+        blocks = self._blocks(case, own=True)
+        before = agent.stats()
+        t0 = time.perf_counter()
+        ticket = agent.hold(payload["rid"], blocks, case.tokens)
+        t1 = time.perf_counter()
+        if payload["direction"] == "pull":
+            return {"ticket": msgspec.to_builtins(ticket), "hold_s": t1 - t0}
+        deadline = time.monotonic() + 300
+        while payload["rid"] not in agent.freed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"push of {payload['rid']} did not complete")
+            time.sleep(0.0005)
+        after = agent.stats()
+        return {
+            "t0": t0,
+            "hold_s": t1 - t0,
+            "done_s": time.perf_counter() - t0,
+            "handshakes": after.handshakes,
+            "post_s": after.post_s_total - before.post_s_total,
+            "descriptors": after.descriptors_posted - before.descriptors_posted,
+        }
+
+    def cmd_freed(self, rid: str) -> bool:
+        deadline = time.monotonic() + 30
+        while rid not in self.agents["pull"].freed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    def cmd_pull(self, payload: dict[str, Any]) -> dict[str, Any]:
+        from kvxfer.agent import Ticket
+
+        case = msgspec.convert(payload["case"], bc.Case)
+        ticket = msgspec.convert(payload["ticket"], Ticket)
+        self._prepare_verify(case, payload["verify"])
+        agent = self.agents["pull"]
+        blocks = self._blocks(case, own=True)
+        t0 = time.perf_counter()
+        transfer = agent.pull(ticket, blocks)
+        transfer.wait(300)
+        s = time.perf_counter() - t0
+        bad = self._verify(case) if payload["verify"] else None
+        return {
+            "s": s,
+            "bad": bad,
+            "stats": self._stats(transfer),
+            "handshakes": agent.stats().handshakes,
+        }
+
+    def cmd_expect_push(self, payload: dict[str, Any]) -> dict[str, Any]:
+        from kvxfer.agent import Ticket
+
+        case = msgspec.convert(payload["case"], bc.Case)
+        self._prepare_verify(case, payload["verify"])
+        stub = Ticket(
+            engine_id=payload["engine_id"],
+            host=payload["host"],
+            port=payload["port"],
+            request_id=payload["rid"],
+            block_ids=((),),
+            num_tokens=case.tokens,
+        )
+        transfer = self.agents["push"].expect_push(stub, self._blocks(case, own=True))
+        self.conn.send(("ok", "registered"))
+        transfer.wait(300)
+        t1 = time.perf_counter()
+        bad = self._verify(case) if payload["verify"] else None
+        return {"t1": t1, "bad": bad, "stats": self._stats(transfer)}
+
+
+def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> None:
+    """Entry point of a bench process (``multiprocessing`` spawn target)."""
+    if netns:
+        from kvxfer.tools._bench_netns import enter_netns
+
+        enter_netns(netns)  # first, before any socket or thread exists
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("KVXFER_RBLN_ADAPTER", "emulated")
+    try:
+        worker = _Worker(conn, side, host)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", "ready"))
+    try:
+        while True:
+            try:
+                cmd, payload = conn.recv()
+            except EOFError:
+                break
+            if cmd == "stop":
+                break
+            handler = getattr(worker, f"cmd_{cmd}", None)
+            try:
+                if handler is None:
+                    raise ValueError(f"unknown bench command {cmd!r}")
+                if cmd in ("cache", "agents"):
+                    payload = msgspec.convert(payload, bc.Case)
+                conn.send(("ok", handler(payload)))
+            except Exception as exc:
+                detail = traceback.format_exc(limit=4)
+                conn.send(("error", f"{type(exc).__name__}: {exc}\n{detail}"))
+    finally:
+        try:
+            worker.cmd_close_cache(None)
+        finally:
+            worker.raw.close()

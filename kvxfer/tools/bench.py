@@ -1,0 +1,287 @@
+"""``kvxfer bench``: model-shaped KV transfers, kvxfer beside raw NIXL and memcpy (R-CLI-3).
+
+Two processes (a producer and a consumer, on loopback or with ``--netns`` in two
+network namespaces joined by a veth pair) hold model-shaped KV caches in host memory.
+For every case of the matrix (model shape × block size × prompt length × allocation
+pattern × direction × backend × mode) the same run measures kvxfer (``Agent.pull`` /
+push), raw NIXL on exactly the same registered memory and descriptor indices, and a
+memcpy of the same bytes; it reports medians, the ratios, the bytes each mode moves,
+handshake and first-transfer latency, and the planning cost per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvxfer.tools import _bench_cases as bc
+from kvxfer.tools import _bench_report as report
+
+__all__ = ["QUICK", "main"]
+
+_ALL: dict[str, str] = {
+    "models": ",".join(m for m in bc.SHAPES if m != bc.THIN),
+    "block_sizes": "16,128,1024",
+    "tokens": "1000,4000,32000",
+    "patterns": ",".join(bc.PATTERNS),
+    "directions": ",".join(bc.DIRECTIONS),
+    "backends": ",".join(bc.BACKENDS),
+    "modes": ",".join(bc.MODES),
+}
+#: The --quick preset, a union of small matrices (under a minute on a 2-core box): the
+#: bs16 bar case both ways on every backend, bs1024 for the plot, the modes on a
+#: sliding-window model.
+QUICK: tuple[dict[str, str], ...] = (
+    {
+        **_ALL,
+        "models": bc.QWEN,
+        "block_sizes": "16",
+        "tokens": "4000",
+        "backends": "ucx",
+        "modes": "whole",
+    },
+    {
+        **_ALL,
+        "models": bc.QWEN,
+        "block_sizes": "16,1024",
+        "tokens": "4000",
+        "patterns": "contiguous",
+        "backends": "ucx,host_bounce",
+        "modes": "whole",
+    },
+    {
+        **_ALL,
+        "models": "gpt-oss-20b",
+        "block_sizes": "1024",
+        "tokens": "4000",
+        "patterns": "contiguous",
+        "directions": "pull",
+        "backends": "nixl_rbln",
+    },
+)
+#: Planning cost: a Qwen3-0.6B-shaped 4k prompt, and a 128k one on the thin shape
+#: (same regions and descriptor count, a fraction of the bytes).
+PLANNING = ((bc.QWEN, 4000), (bc.THIN, 128000))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small matrix (under a minute)")
+    for key, text in (
+        ("models", f"model shapes ({', '.join(bc.SHAPES)})"),
+        ("block-sizes", "tokens per block"),
+        ("tokens", "prompt lengths in tokens"),
+        ("patterns", "block allocation patterns (contiguous, scattered)"),
+        ("directions", "pull, push"),
+        ("backends", "ucx, host_bounce, nixl_rbln (nixl_rbln on its EMULATED adapter)"),
+        ("modes", "whole, chunk (chunk_mode), window (swa_window_mode)"),
+    ):
+        p.add_argument(f"--{key}", help=f"comma list of {text}")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (7; quick 5)")
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="run the two processes in two network namespaces joined by a veth pair",
+    )
+    p.add_argument(
+        "--mem-budget",
+        type=float,
+        default=None,
+        help="GiB both processes may hold (default: 75%% of MemAvailable)",
+    )
+    p.add_argument("--no-planning", action="store_true", help="skip the planning-cost cases")
+    p.add_argument("--json", action="store_true", help="print one JSON object per case")
+    p.add_argument("--plot", metavar="PNG", help="plot GB/s against block size (matplotlib)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 3 when a target of the bar is missed (default: report only)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds one bench step may take before it counts as hung (900)",
+    )
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _strs(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def mem_available() -> int:
+    """MemAvailable in bytes (Linux); a conservative 8 GiB elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def unavailable_backends(names: Sequence[str]) -> dict[str, str]:
+    """Backends of the selection that cannot run here, with the reason."""
+    out: dict[str, str] = {}
+    try:
+        importlib.import_module("nixl._api")
+    except ImportError as exc:
+        return {n: f"NIXL is not importable ({exc}): pip install 'kvxfer[nixl]'" for n in names}
+    for name in names:
+        try:
+            importlib.import_module(f"kvxfer.backends.{name}")
+            if name == "nixl_rbln":
+                importlib.import_module("kvxfer.testing.rbln_emulation")
+        except ImportError as exc:
+            out[name] = f"backend {name} is not importable here ({exc})"
+    return out
+
+
+def plan_cases(args: argparse.Namespace) -> tuple[list[bc.Case], list[Result]]:
+    """The cases to run and the result objects of those that will not run.
+
+    Selectors given on the command line replace the preset's (every sub-matrix of
+    ``--quick``, or the full matrix).
+    """
+    cases: list[bc.Case] = []
+    impossible: list[tuple[bc.Case, str]] = []
+    for preset in QUICK if args.quick else (_ALL,):
+        pick = {k: getattr(args, k) or preset[k] for k in preset}
+        more, bad = bc.build_matrix(
+            models=_strs(pick["models"]),
+            block_sizes=_ints(pick["block_sizes"]),
+            tokens=_ints(pick["tokens"]),
+            patterns=_strs(pick["patterns"]),
+            directions=_strs(pick["directions"]),
+            backends=_strs(pick["backends"]),
+            modes=_strs(pick["modes"]),
+        )
+        cases += [c for c in more if c not in cases]
+        impossible += [(c, why) for c, why in bad if (c, why) not in impossible]
+    cases = bc.order_cases(cases)
+    from kvxfer.tools._bench_run import failed
+
+    skipped = [failed(c, why, "skipped") for c, why in impossible]
+    missing = unavailable_backends(sorted({c.backend for c in cases}))
+    skipped += [failed(c, missing[c.backend], "unavailable") for c in cases if c.backend in missing]
+    cases = [c for c in cases if c.backend not in missing]
+    budget = int((args.mem_budget * 2**30) if args.mem_budget else 0.75 * mem_available())
+    cases, too_big = bc.trim_to_budget(cases, budget)
+    skipped += [failed(c, why, "skipped") for c, why in too_big]
+    return cases, skipped
+
+
+Result = dict[str, Any]
+
+
+def _progress(total: int, enabled: bool) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """A tqdm bar on stderr when tqdm is importable, else a plain counter."""
+    if not enabled or total == 0:
+        return (lambda _label: None), (lambda: None)
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="case", file=sys.stderr, dynamic_ncols=True)
+
+        def step(label: str) -> None:
+            bar.set_postfix_str(label, refresh=False)
+            bar.update(1)
+
+        return step, bar.close
+    except ImportError:
+        done = [0]
+
+        def count(label: str) -> None:
+            done[0] += 1
+            print(f"\r[{done[0]}/{total}] {label:<70}", end="", file=sys.stderr, flush=True)
+
+        return count, (lambda: print(file=sys.stderr))
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    """Run the bench; the result objects in matrix order, planning last."""
+    from kvxfer.tools._bench_netns import netns_pair
+    from kvxfer.tools._bench_run import Runner
+
+    cases, skipped = plan_cases(args)
+    planning: list[bc.Case] = []
+    if not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
+        patterns = ("contiguous",) if args.quick else bc.PATTERNS
+        planning = [
+            bc.Case(model=m, block_size=16, tokens=n, pattern=p, direction="pull", backend="ucx")
+            for m, n in PLANNING
+            for p in patterns
+        ]
+    reps = args.reps or (5 if args.quick else 7)
+    results: list[Result] = []
+    step, finish = _progress(len(cases) + len(planning), sys.stderr.isatty() or True)
+
+    def collect(result: Result) -> None:
+        results.append(result)
+        step(result["label"])
+
+    ctx = netns_pair() if args.netns else None
+    pair = ctx.__enter__() if ctx is not None else None
+    try:
+        runner = Runner(reps=reps, timeout_s=args.timeout, netns=pair)
+        runner.start()
+        try:
+            runner.run(cases, collect)
+            runner.planning = True
+            runner.run(planning, collect)
+        finally:
+            runner.close()
+    finally:
+        finish()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    results += skipped
+    report.relate(results)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvxfer bench``; 0 when every case ran and verified (see ``--check``)."""
+    args = _parser().parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        print("kvxfer bench: --reps must be >= 1", file=sys.stderr)
+        return 2
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    started = time.time()
+    try:
+        results = run(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvxfer bench: {exc}", file=sys.stderr)
+        return 2
+    bars = report.check_bars(results)
+    if args.json:
+        for r in [*results, *bars]:
+            print(json.dumps(r, sort_keys=True))
+    else:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(started))
+        print(
+            f"kvxfer bench — {when}, {os.cpu_count()} CPUs, "
+            f"{'two network namespaces' if args.netns else 'loopback'}"
+        )
+        print(report.format_table(results, bars))
+    if args.plot:
+        err = report.plot(results, args.plot)
+        print(err or f"plot written to {args.plot}", file=sys.stderr)
+    bad = [r for r in results if r.get("status") == "failed"]
+    if bad:
+        return 1
+    if args.check and any(b["holds"] is False for b in bars):
+        return 3
+    return 0

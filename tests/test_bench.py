@@ -1,0 +1,420 @@
+"""``kvxfer bench`` (R-CLI-3): the pure parts directly, then one tiny real two-process run.
+
+Nothing here asserts a speed: the machines are shared and noisy. Timings only have to
+exist and be positive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.testing.kvcache import HostKVCache
+from kvxfer.tools import _bench_cases as bc
+from kvxfer.tools import _bench_report as report
+from kvxfer.tools import bench
+from kvxfer.tools._bench_data import MemcpyBench, fill_regions, verify_regions, zero_rows
+from kvxfer.tools._bench_run import RESULT_FIELDS, assemble, failed
+
+ALL: dict[str, Any] = {
+    "models": list(bc.SHAPES),
+    "block_sizes": [16, 128, 1024],
+    "tokens": [1000, 4000],
+    "patterns": list(bc.PATTERNS),
+    "directions": list(bc.DIRECTIONS),
+    "backends": list(bc.BACKENDS),
+    "modes": list(bc.MODES),
+}
+
+
+def _case(**kw: Any) -> bc.Case:
+    base: dict[str, Any] = {
+        "model": bc.QWEN,
+        "block_size": 16,
+        "tokens": 1000,
+        "pattern": "contiguous",
+        "direction": "pull",
+        "backend": "ucx",
+    }
+    base.update(kw)
+    if base.get("mode") == "chunk" and "chunk_tokens" not in kw:
+        base["chunk_tokens"] = bc.chunk_tokens_for(base["block_size"])
+    return bc.Case(**base)
+
+
+def _options(case: bc.Case) -> PlanOptions:
+    if case.mode == "chunk":
+        return PlanOptions(chunk_mode=True, chunk_tokens=case.chunk_tokens)
+    if case.mode == "window":
+        return PlanOptions(swa_window_mode=True)
+    return PlanOptions()
+
+
+# -- the case matrix ---------------------------------------------------------------------
+def test_matrix_modes_only_where_the_backend_and_model_allow() -> None:
+    cases, impossible = bc.build_matrix(**ALL)
+    assert cases
+    for c in cases:
+        if c.mode != "whole":
+            assert c.backend == "nixl_rbln"  # chunk/window need device-to-device
+        if c.mode == "window":
+            assert c.shape.sliding_window and c.block_size % c.shape.sliding_window == 0
+        assert (c.chunk_tokens > 0) == (c.mode == "chunk")
+    # A 128-token window does not divide 16-token blocks: listed with the reason.
+    assert impossible
+    for c, why in impossible:
+        assert c.mode == "window" and c.block_size == 16 and "multiple" in why
+    labels = [c.label for c in cases]
+    assert len(labels) == len(set(labels))
+
+
+def test_matrix_groups_caches_and_agent_pairs_contiguously() -> None:
+    cases, _ = bc.build_matrix(**ALL)
+    shuffled = [cases[i] for i in np.random.default_rng(3).permutation(len(cases))]
+    for ordered in (cases, bc.order_cases(shuffled)):
+        seen_cache: list[Any] = []
+        seen_agents: list[Any] = []
+        for c in ordered:
+            if not seen_cache or seen_cache[-1] != c.cache_key:
+                assert c.cache_key not in seen_cache
+                seen_cache.append(c.cache_key)
+            if not seen_agents or seen_agents[-1] != c.agent_key:
+                assert c.agent_key not in seen_agents
+                seen_agents.append(c.agent_key)
+    assert sorted(bc.order_cases(shuffled), key=lambda c: c.label) == sorted(
+        cases, key=lambda c: c.label
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("models", ["llama-7b"]), ("backends", ["rdma"]), ("modes", ["half"]), ("tokens", [0])],
+)
+def test_matrix_rejects_unknown_values(key: str, value: list[Any]) -> None:
+    with pytest.raises(ValueError):
+        bc.build_matrix(**{**ALL, key: value})
+
+
+def test_quick_preset_covers_the_bar_and_every_backend_and_mode() -> None:
+    args = bench._parser().parse_args(["--quick", "--mem-budget", "64"])
+    cases, skipped = bench.plan_cases(args)
+    assert not [r for r in skipped if r["status"] == "skipped"]
+    assert len(cases) <= 16
+    assert {c.mode for c in cases} == set(bc.MODES)
+    assert {c.direction for c in cases} == set(bc.DIRECTIONS)
+    assert any(c.block_size == 16 and c.pattern == "contiguous" for c in cases)
+    assert len({c.block_size for c in cases}) >= 2  # something to plot
+    backends = {c.backend for c in cases} | {r["backend"] for r in skipped}
+    assert backends == set(bc.BACKENDS)
+
+
+def test_selectors_override_the_preset() -> None:
+    args = bench._parser().parse_args(
+        ["--quick", "--backends", "ucx", "--directions", "pull", "--mem-budget", "64"]
+    )
+    cases, _ = bench.plan_cases(args)
+    assert cases and {(c.backend, c.direction) for c in cases} == {("ucx", "pull")}
+
+
+# -- block lists and the algebra ----------------------------------------------------------
+@pytest.mark.parametrize("pattern", bc.PATTERNS)
+@pytest.mark.parametrize(("bs", "tokens"), [(16, 1000), (16, 4000), (128, 1000), (1024, 32000)])
+def test_block_lists(pattern: str, bs: int, tokens: int) -> None:
+    case = _case(pattern=pattern, block_size=bs, tokens=tokens)
+    n, total = bc.request_blocks(case), bc.num_blocks_for(case)
+    local, remote = bc.case_blocks(case, "local"), bc.case_blocks(case, "remote")
+    for ids in (local, remote):
+        assert len(ids) == n == len(np.unique(ids))
+        assert ids.min() >= 0 and ids.max() < total
+    assert np.array_equal(local, bc.case_blocks(case, "local"))  # deterministic
+    joint = np.count_nonzero((np.diff(local) == 1) & (np.diff(remote) == 1))
+    if pattern == "contiguous" and n > 64:
+        assert joint > n // 2  # mostly runs contiguous on both sides
+    if pattern == "scattered" and n > 64:
+        assert joint < n // 8
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _case(),
+        _case(tokens=4000, block_size=128, mode="chunk", backend="nixl_rbln"),
+        _case(tokens=1000, mode="chunk", backend="nixl_rbln"),
+        _case(tokens=32000, block_size=1024, mode="chunk", backend="nixl_rbln"),
+        _case(model="gpt-oss-20b", tokens=4000, block_size=1024, mode="window"),
+        _case(model="gpt-oss-20b", tokens=1000, block_size=128, mode="window"),
+        _case(model="gpt-oss-20b", tokens=100, block_size=128, mode="window"),
+        _case(model="gpt-oss-20b", tokens=4000, block_size=16),
+    ],
+    ids=lambda c: c.label,
+)
+def test_expected_bytes_match_kvxfers_plan(case: bc.Case) -> None:
+    """The bench's independent restatement of the algebra equals kvxfer's plan."""
+    cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
+    table = DescriptorTable.build(cache.layout(), _options(case))
+    groups = len(cache.layout().groups)
+    plan = build_plan(
+        table,
+        table,
+        [bc.case_blocks(case, "local")] * groups,
+        [bc.case_blocks(case, "remote")] * groups,
+        case.tokens,
+    )
+    moved, whole = bc.expected_bytes(case)
+    assert plan.nbytes == moved <= whole
+    assert whole == 2 * case.shape.layers * bc.request_blocks(case) * (
+        case.block_size * case.shape.token_bytes()
+    )
+    if case.mode == "window" and case.tokens > case.shape.sliding_window:
+        assert moved < whole
+
+
+def test_chunk_mode_saves_the_unfilled_chunks_of_the_last_block() -> None:
+    # 32000 tokens in 1024-token blocks: the last block holds 256 tokens, one chunk of 4.
+    case = _case(tokens=32000, block_size=1024, mode="chunk", backend="nixl_rbln")
+    moved, whole = bc.expected_bytes(case)
+    per_region_chunk = 256 * case.shape.token_bytes()
+    assert whole - moved == 2 * case.shape.layers * 3 * per_region_chunk
+
+
+# -- memory budget -----------------------------------------------------------------------------
+def test_memory_estimate_and_trimming() -> None:
+    small = _case()
+    big = _case(model="qwen2.5-32b", tokens=32000)
+    bounce = _case(backend="host_bounce")
+    region = bc.num_blocks_for(small) * 16 * small.shape.token_bytes()
+    assert bc.case_memory(small) >= 2 * 2 * small.shape.layers * region
+    assert bc.case_memory(bounce) > bc.case_memory(small)  # staging doubles each side
+    assert bc.case_memory(big) > 15 * 2**30
+    keep, skipped = bc.trim_to_budget([small, big, bounce], 4 * 2**30)
+    assert keep == [small, bounce]
+    assert [c for c, _ in skipped] == [big]
+    assert "memory budget 4.0 GiB" in skipped[0][1]
+
+
+def test_plan_cases_reports_what_will_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "unavailable_backends", lambda names: {"host_bounce": "gone"})
+    args = bench._parser().parse_args(
+        [
+            "--models",
+            "qwen2.5-32b,gpt-oss-20b",
+            "--block-sizes",
+            "16",
+            "--tokens",
+            "32000",
+            "--mem-budget",
+            "10",
+        ]
+    )
+    cases, skipped = bench.plan_cases(args)
+    assert all(c.backend != "host_bounce" and c.model != "qwen2.5-32b" for c in cases)
+    by = {(r["status"], r["backend"]) for r in skipped}
+    assert ("unavailable", "host_bounce") in by and ("skipped", "ucx") in by
+    for r in skipped:
+        assert r["reason"] and r["kind"] == "transfer" and r["label"]
+
+
+# -- ratio math and the JSON object --------------------------------------------------------
+def test_ratio_math() -> None:
+    assert bc.median([3.0, 1.0, 2.0]) == 2.0
+    assert bc.median([]) is None
+    assert bc.gbps(2_000_000_000, 0.5) == 4.0
+    assert bc.gbps(1, 0.0) is None and bc.gbps(1, None) is None
+    assert bc.ratio(3.0, 4.0) == 0.75
+    assert bc.ratio(None, 1.0) is None and bc.ratio(1.0, 0.0) is None
+
+
+def _fake_run(case: bc.Case, *, bad: int = 0, descriptors: int = 100) -> dict[str, Any]:
+    moved, _ = bc.expected_bytes(case)
+    stats = {
+        "bytes": moved,
+        "descriptors": 100,
+        "plan_s": 0.001,
+        "post_s": 0.01,
+        "transfer_s": 0.02,
+    }
+    first = {"s": 0.5, "bad": bad, "stats": stats, "handshakes": 1}
+    raw_first = {"s": 0.4, "bad": 0, "descriptors": descriptors, "runs": 10}
+    details = [
+        {"s": t, "stats": stats, "hold_s": 0.0001, "handshakes": 1, "freed": True}
+        for t in (0.2, 0.1, 0.3)
+    ]
+    return assemble(
+        case, first, raw_first, details, [0.2, 0.1, 0.3], [0.1, 0.1, 0.3], [0.15, 0.08, 0.25], 0.01
+    )
+
+
+def test_assemble_medians_paired_ratios_and_schema() -> None:
+    case = _case()
+    r = _fake_run(case)
+    for key in (*RESULT_FIELDS, "model", "block_size", "tokens", "label", "layers"):
+        assert key in r, key
+    assert r["status"] == "ok" and r["verified"] is True
+    assert r["kvxfer_s"] == 0.2 and r["nixl_s"] == 0.1 and r["memcpy_s"] == 0.15
+    assert r["kvxfer_gbps"] == pytest.approx(r["bytes_moved"] / 0.2 / 1e9)
+    assert r["kvxfer_vs_nixl_of_medians"] == pytest.approx(0.5)
+    # paired per rep: 0.1/0.2, 0.1/0.1, 0.3/0.3 -> median 1.0
+    assert r["kvxfer_vs_nixl"] == pytest.approx(1.0)
+    assert r["kvxfer_vs_memcpy"] == pytest.approx(0.8)  # 0.75, 0.8, 0.833
+    assert r["handshakes_in_timed_reps"] == 0
+    assert r["bytes_moved"] == r["bytes_expected"] == r["whole_block_bytes"]
+    json.dumps(r)  # plain JSON
+
+
+def test_assemble_fails_a_case_that_did_not_verify_or_differs_from_nixl() -> None:
+    assert _fake_run(_case(), bad=3)["reason"] == "bytes did not verify"
+    assert "descriptor" in _fake_run(_case(), descriptors=99)["reason"]
+    gone = failed(_case(), "the producer process exited", "failed")
+    assert gone["status"] == "failed" and gone["label"] == _case().label
+
+
+def test_relate_and_bars() -> None:
+    direct = _fake_run(_case(block_size=16))
+    bounce = _fake_run(_case(backend="host_bounce"))
+    bounce["kvxfer_s"] = 0.3
+    whole = _fake_run(_case(model="gpt-oss-20b", block_size=1024, backend="nixl_rbln"))
+    window = _fake_run(
+        _case(model="gpt-oss-20b", block_size=1024, backend="nixl_rbln", mode="window")
+    )
+    window["kvxfer_s"] = 0.15
+    results = [direct, bounce, whole, window, failed(_case(tokens=7), "x")]
+    report.relate(results)
+    assert bounce["bounce_vs_direct"] == pytest.approx(1.5)
+    assert bounce["bounce_floor"] == pytest.approx(1 + 2 * direct["kvxfer_vs_memcpy"])
+    assert window["time_saved_s"] == pytest.approx(0.05)
+    assert window["whole_mode_s"] == 0.2
+    bars = {b["bar"]: b for b in report.check_bars(results)}
+    assert all(b["holds"] is True for b in bars.values()), bars
+    bounce["kvxfer_s"] = 0.5
+    report.relate(results)
+    bars = {b["bar"]: b for b in report.check_bars(results)}
+    missed = [b for b in bars.values() if b["holds"] is False]
+    assert [b["worst_case"] for b in missed] == [bounce["label"]]
+    text = report.format_table(results, list(bars.values()))
+    assert "MISSED" in text and direct["label"] in text and "FAILED" in text
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    err = report.plot([_fake_run(_case())], str(tmp_path / "x.png"))
+    assert err is not None and "matplotlib" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="no matplotlib")
+def test_plot_writes_a_png(tmp_path: Any) -> None:
+    rs = [_fake_run(_case(block_size=b)) for b in (16, 1024)]
+    assert report.plot(rs, str(tmp_path / "p.png")) is None
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- bytes: fill, verify, memcpy -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "case",
+    [
+        _case(pattern="scattered"),
+        _case(model="gpt-oss-20b", block_size=128, mode="window"),
+        _case(block_size=128, tokens=1000, mode="chunk", backend="nixl_rbln"),
+    ],
+    ids=lambda c: c.label,
+)
+def test_verify_is_exact_and_catches_corruption(case: bc.Case) -> None:
+    shape = bc.SHAPES[case.model]
+    nb = bc.num_blocks_for(case)
+    prod = HostKVCache(shape, case.block_size, nb)
+    cons = HostKVCache(shape, case.block_size, nb)
+    fill_regions(prod.regions)
+    lt = DescriptorTable.build(cons.layout(), _options(case))
+    rt = DescriptorTable.build(prod.layout(), _options(case))
+    groups = len(cons.layout().groups)
+    local, remote = bc.case_blocks(case, "local"), bc.case_blocks(case, "remote")
+    plan = build_plan(lt, rt, [local] * groups, [remote] * groups, case.tokens)
+    runs = plan.runs(lt, rt, merge=False)
+
+    def check() -> int:
+        rows = [local] * len(cons.regions)
+        return verify_regions(
+            cons.regions, runs.local_addr, runs.remote_addr, runs.length, prod.layout(), rows
+        )
+
+    assert check() > 0  # nothing moved yet
+    for la, ra, n in zip(runs.local_addr.tolist(), runs.remote_addr.tolist(), runs.length.tolist()):
+        ctypes.memmove(la, ra, n)
+    assert check() == 0
+    cons.regions[3][local[2], 17] ^= 1
+    assert check() == 1
+    cons.regions[3][local[2], 17] ^= 1
+    a, b = cons.regions[0][local[0]].copy(), cons.regions[0][local[1]].copy()
+    cons.regions[0][local[0]], cons.regions[0][local[1]] = b, a  # two blocks swapped
+    assert check() > 0
+    zero_rows(cons.regions, local)
+    assert check() > 0
+
+
+def test_memcpy_bench_copies_the_bytes_asked() -> None:
+    src = [np.arange(1 << 16, dtype=np.uint16).reshape(16, -1) for _ in range(3)]
+    m = MemcpyBench(src, scratch_bytes=1 << 15)
+    assert m.run(5 * (1 << 17) + 123) > 0
+
+
+# -- one real run ---------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL not installed")
+def test_smoke_tiny_case_through_two_processes() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.cli",
+            "bench",
+            "--models",
+            bc.QWEN,
+            "--block-sizes",
+            "16",
+            "--tokens",
+            "100",
+            "--patterns",
+            "contiguous",
+            "--directions",
+            "pull",
+            "--backends",
+            "ucx",
+            "--reps",
+            "2",
+            "--no-planning",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    objs = [json.loads(line) for line in out.stdout.splitlines()]
+    cases = [o for o in objs if o["kind"] == "transfer"]
+    assert len(cases) == 1
+    r = cases[0]
+    assert r["status"] == "ok", r
+    for key in (
+        "kvxfer_gbps",
+        "nixl_gbps",
+        "memcpy_gbps",
+        "kvxfer_vs_nixl",
+        "kvxfer_vs_memcpy",
+        "descriptors_posted",
+        *RESULT_FIELDS,
+    ):
+        assert key in r, key
+    assert r["verified"] is True and r["mismatched_words"] == {"kvxfer": 0, "nixl": 0}
+    assert r["bytes_moved"] == bc.expected_bytes(_case(tokens=100))[0]
+    assert r["descriptors_posted"] == r["nixl_descriptors"] == 7 * 2 * 28
+    assert r["reps"] == 2 and r["handshakes_in_timed_reps"] == 0
+    for key in ("kvxfer_gbps", "nixl_gbps", "memcpy_gbps", "handshake_s", "first_transfer_s"):
+        assert r[key] > 0
+    assert {o["bar"] for o in objs if o["kind"] == "bar"}
