@@ -130,7 +130,7 @@ class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
             if seconds > 0:
                 out["avg_MiB_per_s"] = round(float(d.get("bytes", 0)) / 2**20 / seconds, 1)
         for key in sorted(d):
-            if key.startswith(("failed_", "num_leases_", "num_handshakes")):
+            if key.startswith(("failed_", "num_leases_", "num_handshakes", "num_push_")):
                 out[key] = int(d[key])
         return out
 
@@ -146,7 +146,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ``vllm:kvxfer_transfers`` / ``vllm:kvxfer_failed_transfers`` (counters, consumer
     loads), ``vllm:kvxfer_bytes`` (counter), ``vllm:kvxfer_transfer_time_seconds``
     (histogram per request) and, on producers, ``vllm:kvxfer_leases_released`` /
-    ``vllm:kvxfer_leases_expired``.
+    ``vllm:kvxfer_leases_expired`` (and ``vllm:kvxfer_push_writes`` in push mode).
     """
 
     def __init__(
@@ -198,6 +198,14 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 labelnames=labelnames,
             )
         )
+        self.push_writes = per_engine(
+            counter(
+                name="vllm:kvxfer_push_writes",
+                documentation="Push producer: KV WRITEs completed (push_stream: several "
+                "per request).",
+                labelnames=labelnames,
+            )
+        )
         self.transfer_time = per_engine(
             histogram(
                 name="vllm:kvxfer_transfer_time_seconds",
@@ -215,6 +223,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             (self.bytes, "bytes"),
             (self.leases_released, "num_leases_released"),
             (self.leases_expired, "num_leases_expired"),
+            (self.push_writes, "num_push_writes"),
         ):
             value = d.get(key, 0)
             if value:
@@ -280,6 +289,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
                 lease_s=self._lease_s,
                 tp_size=self._tp_size,
                 stage_early=not self.cfg.device_to_device,
+                push_stream=self.cfg.push_stream,
             )
         else:
             self._tp_rank = _tp_rank()

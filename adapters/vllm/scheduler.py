@@ -8,6 +8,8 @@ upstream-compatible ``kv_transfer_params``:
 * **stage** (producer, host bounce, pull): after the forward that completes a
   prompt, copy its blocks into the staging buffers, so they are readable before the
   ticket can reach a consumer (the hold comes one step later);
+* **stream** (producer, push with ``push_stream``): after each forward of a chunked
+  prefill, write the blocks it closed to a consumer that already registered;
 * **hold** (producer): keep a finished prompt's blocks for the consumer under a
   lease (pull: the consumer reads them; push: the Agent writes them once the
   consumer registered its blocks);
@@ -59,6 +61,7 @@ __all__ = [
     "SchedulerSide",
     "StageSpec",
     "StepPlan",
+    "StreamSpec",
     "base_request_id",
     "is_remote_prefill",
 ]
@@ -141,6 +144,16 @@ class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: Groups
 
 
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Producer, push_stream: after this step's forward, write the prompt's closed
+    blocks to a consumer that already registered (``num_tokens`` computed so far)."""
+
+    request_id: str
+    lease_id: str
+    block_ids: Groups
+    num_tokens: int
+
+
 class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Consumer: tell the producer named in ``remote_params`` to free ``transfer_id``."""
 
@@ -157,10 +170,11 @@ class StepPlan(msgspec.Struct, kw_only=True):
     loads: list[LoadSpec] = msgspec.field(default_factory=list)
     holds: list[HoldSpec] = msgspec.field(default_factory=list)
     stages: list[StageSpec] = msgspec.field(default_factory=list)
+    streams: list[StreamSpec] = msgspec.field(default_factory=list)
     releases: list[ReleaseSpec] = msgspec.field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.loads or self.holds or self.stages or self.releases)
+        return not (self.loads or self.holds or self.stages or self.streams or self.releases)
 
 
 class _Consumer(enum.Enum):
@@ -205,6 +219,8 @@ class SchedulerSide:
         tp_size: Tensor-parallel size advertised in tickets.
         stage_early: Producer with host bounce in pull mode: stage a prompt's blocks
             right after the forward that completed it (see the module docstring).
+        push_stream: Producer in push mode: write each prompt block to a registered
+            consumer in the step that closes it (chunked prefill), not only at the end.
     """
 
     def __init__(
@@ -217,6 +233,7 @@ class SchedulerSide:
         lease_s: float = 30.0,
         tp_size: int = 1,
         stage_early: bool = False,
+        push_stream: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.role = role
@@ -225,6 +242,7 @@ class SchedulerSide:
         self.lease_s = lease_s
         self.tp_size = tp_size
         self.stage_early = stage_early and direction is Direction.PULL
+        self.push_stream = push_stream and direction is Direction.PUSH
         # Filled from the workers' handshake metadata (set_xfer_handshake_metadata).
         self.host = ""
         self.port = 0
@@ -342,20 +360,43 @@ class SchedulerSide:
         cache manager's ``get_block_ids``) let a host-bounce producer stage a prompt's
         blocks in the step whose forward completes it.
         """
-        if self.stage_early and num_scheduled_tokens and block_ids_of is not None:
+        if (self.stage_early or self.push_stream) and num_scheduled_tokens and block_ids_of:
             for rid, n in num_scheduled_tokens.items():
                 req = self._producing.get(rid)
-                if req is None:
-                    continue
-                prompt = int(req.num_prompt_tokens)
-                if int(req.num_computed_tokens) + int(n) < prompt:
-                    continue
-                del self._producing[rid]  # staged once; hold() restages at the end
-                need = -(-prompt // self.block_size)
-                groups = tuple(tuple(int(b) for b in g[:need]) for g in block_ids_of(rid))
-                self._plan.stages.append(StageSpec(request_id=rid, block_ids=groups))
+                if req is not None:
+                    self._after_forward(req, int(n), block_ids_of)
         plan, self._plan = self._plan, StepPlan(step=self._plan.step + 1)
         return plan
+
+    def _after_forward(
+        self,
+        req: RequestLike,
+        n: int,
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]],
+    ) -> None:
+        """A producing request computes ``n`` more tokens this step: stage or stream."""
+        rid = req.request_id
+        prompt = int(req.num_prompt_tokens)
+        end = min(int(req.num_computed_tokens) + n, prompt)
+        if self.push_stream:
+            closed = end // self.block_size
+            if end < prompt and closed > 0:  # the last part goes with the hold
+                groups = tuple(tuple(int(b) for b in g[:closed]) for g in block_ids_of(rid))
+                self._plan.streams.append(
+                    StreamSpec(
+                        request_id=rid,
+                        lease_id=base_request_id(rid),
+                        block_ids=groups,
+                        num_tokens=end,
+                    )
+                )
+            return
+        if end < prompt:
+            return
+        del self._producing[rid]  # staged once; hold() restages at the end
+        need = -(-prompt // self.block_size)
+        groups = tuple(tuple(int(b) for b in g[:need]) for g in block_ids_of(rid))
+        self._plan.stages.append(StageSpec(request_id=rid, block_ids=groups))
 
     def update_connector_output(
         self,

@@ -141,7 +141,7 @@ class WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
         self._producer = config.role is not Role.CONSUMER
-        self._interval = _Interval()
+        self._interval = _Interval(push=config.direction is Direction.PUSH)
 
     # -- set-up ------------------------------------------------------------------------
     def register_kv_caches(
@@ -200,16 +200,23 @@ class WorkerSide:
             self._release_remote(rel.transfer_id, rel.remote_params, rel.reason)
 
     def after_forward(self, plan: StepPlan) -> None:
-        """Host bounce, producer: stage the prompts the forward just completed."""
-        if not plan.stages or self.agent is None or self.agent.registered is False:
+        """Producer, after the step's forward: stage the prompts it completed (host
+        bounce) or write the blocks it closed (push_stream). Never raises."""
+        agent = self.agent
+        if agent is None or not agent.registered or not (plan.stages or plan.streams):
             return
-        backend = self.agent.backend
         try:
             for stage in plan.stages:
-                backend.stage_out([np.asarray(g, dtype=np.int64) for g in stage.block_ids])
+                agent.backend.stage_out([np.asarray(g, dtype=np.int64) for g in stage.block_ids])
         except Exception:
             # hold() stages again; only the (unlikely) early reader is exposed.
             log.exception("kvxfer: early staging failed")
+        for stream in plan.streams:
+            try:
+                agent.stream(stream.lease_id, stream.block_ids, stream.num_tokens)
+            except Exception:
+                # hold() writes whatever streaming did not.
+                log.exception("kvxfer: streaming %s failed", stream.request_id)
 
     def _start_load(self, load: LoadSpec) -> None:
         mode = load.remote_params.get("transfer_mode")
@@ -329,12 +336,16 @@ class _Interval:
 
     Keys: ``num_transfers``, ``num_failed``, ``failed_<kind>``, ``bytes``,
     ``descriptors``, ``transfer_s`` / ``post_s`` (one entry per transfer), and on
-    producers the lease counters of :data:`_PRODUCER_COUNTERS`.
+    producers the lease counters of :data:`_PRODUCER_COUNTERS` (push producers also
+    ``num_push_writes``: WRITEs done, several per request with push_stream).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, push: bool = False) -> None:
         self.data: dict[str, Any] = {}
         self._last: dict[str, int] = {}
+        self._counters = dict(_PRODUCER_COUNTERS)
+        if push:  # a push producer's own transfers are its WRITEs
+            self._counters["transfers_done"] = "num_push_writes"
 
     def _add(self, key: str, value: int) -> None:
         if value:
@@ -359,7 +370,7 @@ class _Interval:
         self._add("failed_start", 1)
 
     def producer(self, agent_stats: Any) -> None:
-        for attr, key in _PRODUCER_COUNTERS.items():
+        for attr, key in self._counters.items():
             now = int(getattr(agent_stats, attr, 0))
             self._add(key, now - self._last.get(attr, 0))
             self._last[attr] = now

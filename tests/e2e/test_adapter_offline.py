@@ -202,6 +202,24 @@ def test_host_bounce_producer_stages_a_prompt_after_its_last_forward() -> None:
     assert not push.build_step_plan({"p-2": 70}, blocks.get).stages  # push stages on hold
 
 
+def test_push_stream_producer_streams_closed_blocks_until_the_last_step() -> None:
+    s = _side(Role.PRODUCER, Direction.PUSH, push_stream=True)
+    req = FakeRequest("cmpl-s-0-01234567", {"do_remote_decode": True}, num_prompt_tokens=150)
+    s.on_new_request(req)
+    blocks = {req.request_id: [[10, 11, 12, 13, 14]]}
+    (first,) = s.build_step_plan({req.request_id: 64}, blocks.__getitem__).streams
+    assert (first.lease_id, first.block_ids, first.num_tokens) == ("cmpl-s-0", ((10, 11),), 64)
+    req.num_computed_tokens = 64
+    (second,) = s.build_step_plan({req.request_id: 64}, blocks.__getitem__).streams
+    assert second.block_ids == ((10, 11, 12, 13),) and second.num_tokens == 128
+    req.num_computed_tokens = 128
+    # The step that completes the prompt streams nothing: the hold writes the rest.
+    assert not s.build_step_plan({req.request_id: 22}, blocks.__getitem__).streams
+    pull = _side(Role.PRODUCER, Direction.PULL, push_stream=True)
+    pull.on_new_request(FakeRequest("p", {"do_remote_decode": True}, num_prompt_tokens=150))
+    assert not pull.build_step_plan({"p": 64}, blocks.get).streams
+
+
 def test_push_producer_holds_under_the_base_id_and_keeps_stepping_until_sent() -> None:
     s = _side(Role.PRODUCER, Direction.PUSH)
     done = FakeRequest("cmpl-q-0-89abcdef", {"do_remote_decode": True}, 70, 70, "FINISHED_STOPPED")
