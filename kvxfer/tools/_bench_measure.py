@@ -189,6 +189,9 @@ class Measure:
         mine = self._blocks(case, own=True).tolist()  # as an engine hands them over
         theirs = self._blocks(case, own=False).tolist()
         ids_s, runs_s, make_s, n_runs, n = [], [], [], 0, 0
+        prepped: list[float] = []
+        merged: list[float] = []
+        merged_prep: list[float] = []
         for _ in range(payload["reps"]):
             t0 = time.perf_counter()
             plan = build_plan(
@@ -213,10 +216,21 @@ class Measure:
             runs_s.append(t2 - t1)
             make_s.append(t4 - t3)
             n_runs, n = len(runs), plan.num_descriptors
+            # The two ways to post: prepared lists + the plan's indices (NIXL merges
+            # contiguous pairs itself), or kvxfer's merged runs as per-request lists.
+            assert self.raw_peer is not None
+            done, _ = self.raw.xfer("READ", self.dlists[0], lids, self.dlists[1], rids, b"", 300)
+            prepped.append(done + (t1 - t0))
+            done, prep = self.raw.xfer_runs("READ", runs, self.raw_peer, b"", 300)
+            merged.append(done + (t2 - t0))
+            merged_prep.append(prep + (t2 - t0))
         return {
             "ids_s": bc.median(ids_s),
             "runs_s": bc.median(runs_s),
             "make_s": bc.median(make_s),
             "runs": n_runs,
             "descriptors": n,
+            "prepped_total_s": bc.median(prepped),
+            "premerged_total_s": bc.median(merged),
+            "premerged_prep_s": bc.median(merged_prep),
         }

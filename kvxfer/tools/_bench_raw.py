@@ -151,6 +151,42 @@ class RawNixl:
             raise RuntimeError(f"raw NIXL {op} ended in state {state}")
         return t2 - t0, t1 - t0
 
+    def xfer_runs(
+        self, op: str, runs: Any, peer: str, notif: bytes, timeout_s: float
+    ) -> tuple[float, float]:
+        """Post pre-merged runs (``Plan.runs``) with ``initialize_xfer`` and wait.
+
+        The alternative to prepared lists + indices: descriptor lists built per request.
+
+        Returns:
+            ``(seconds from building the lists to DONE, seconds to build and initialize)``.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._idle.clear()
+        try:
+            with self._lock:
+                t0 = time.perf_counter()
+                local = np.stack(
+                    [runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], 1
+                )
+                remote = np.stack(
+                    [runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], 1
+                )
+                ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), "DRAM")
+                rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), "DRAM")
+                handle = self._nixl.initialize_xfer(op, ld, rd, peer, notif)
+                t1 = time.perf_counter()
+                state = self._nixl.transfer(handle)
+                while state == "PROC" and time.monotonic() < deadline:
+                    state = self._nixl.check_xfer_state(handle)
+                t2 = time.perf_counter()
+                handle.release()
+        finally:
+            self._idle.set()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL {op} of runs ended in state {state}")
+        return t2 - t0, t1 - t0
+
     def wait_notif(self, tag: bytes, timeout_s: float, poll_s: float = 0.0002) -> float:
         """Poll for a notification carrying ``tag``; returns when it was seen."""
         deadline = time.monotonic() + timeout_s

@@ -162,15 +162,19 @@ def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
     if plans:
         lines += [
             "",
-            "planning cost per request (engine block list -> posted transfer), ms:",
-            f"{'case':<58} {'ids':>7} {'runs':>7} {'nixl prep':>9} {'plan+prep':>9} "
-            f"{'transfer':>9}",
+            "planning cost per request (engine block list -> posted transfer), ms; then",
+            "block list -> DONE: kvxfer; raw NIXL with prepared lists + the plan's indices",
+            "(NIXL merges contiguous pairs); raw NIXL with kvxfer's merged runs as",
+            "per-request lists (initialize_xfer):",
+            f"{'case':<58} {'ids':>6} {'runs':>6} {'nixl prep':>9} {'plan+prep':>9} "
+            f"{'kvxfer':>8} {'prepped':>8} {'premerged':>9}",
         ]
         for r in plans:
             lines.append(
-                f"{r['label']:<58} {r['plan_ids_s'] * 1e3:>7.2f} {r['plan_runs_s'] * 1e3:>7.2f} "
+                f"{r['label']:<58} {r['plan_ids_s'] * 1e3:>6.2f} {r['plan_runs_s'] * 1e3:>6.2f} "
                 f"{r['nixl_make_xfer_s'] * 1e3:>9.2f} {r['planning_s'] * 1e3:>9.2f} "
-                f"{r['kvxfer_s'] * 1e3:>9.1f}"
+                f"{r['kvxfer_s'] * 1e3:>8.1f} {r['prepped_total_s'] * 1e3:>8.1f} "
+                f"{r['premerged_total_s'] * 1e3:>9.1f}"
             )
     bounce = [r for r in results if "bounce_vs_direct" in r]
     if bounce:

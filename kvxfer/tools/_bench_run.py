@@ -292,6 +292,10 @@ class Runner:
             "nixl_make_xfer_s": cost["make_s"],
             "planning_s": cost["ids_s"] + cost["make_s"],
             "runs": cost["runs"],
+            # block list -> DONE, raw NIXL, both posting paths
+            "prepped_total_s": cost["prepped_total_s"],
+            "premerged_total_s": cost["premerged_total_s"],
+            "premerged_prep_s": cost["premerged_prep_s"],
         }
 
 
