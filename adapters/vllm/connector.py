@@ -300,6 +300,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
                 self.cfg,
                 agent_factory=self._make_agent,
                 tp_rank=self._tp_rank,
+                tp_size=self._tp_size,
                 defer_registration=self.cfg.device_to_device,
             )
             self._start_link_monitor()

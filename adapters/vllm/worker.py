@@ -115,6 +115,7 @@ class WorkerSide:
         agent_factory: Builds the Agent once the layout is known (injected so tests
             can pass a small fake): ``agent_factory(layout) -> Agent``.
         tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
+        tp_size: This instance's tensor-parallel size (a producer's must be equal).
         defer_registration: Device-to-device: register only once the engine's warm-up
             is over, at the first real step (device memory may move before).
     """
@@ -125,10 +126,12 @@ class WorkerSide:
         *,
         agent_factory: Callable[[KVLayout], Any],
         tp_rank: int = 0,
+        tp_size: int = 1,
         defer_registration: bool = False,
     ) -> None:
         self.config = config
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self._agent_factory = agent_factory
         self._defer = defer_registration
         self.agent: Any = None
@@ -227,6 +230,16 @@ class WorkerSide:
                 f"the producer {load.remote_params.get('remote_engine_id')} runs the "
                 f"{mode} connector (transfer_mode {mode!r}) but this instance runs the "
                 f"{self.config.direction.value} connector: pair pull with pull, push with push"
+            )
+            log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
+            self._fail_load(load.request_id, load.local_blocks, why)
+            return
+        remote_tp = load.remote_params.get("tp_size")
+        if isinstance(remote_tp, int) and remote_tp != self.tp_size:
+            why = (
+                f"the producer runs tensor-parallel size {remote_tp}, this instance "
+                f"{self.tp_size}: kvxfer's vLLM connectors pair equal TP sizes (rank r "
+                "with rank r)"
             )
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
             self._fail_load(load.request_id, load.local_blocks, why)

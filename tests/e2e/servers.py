@@ -118,6 +118,30 @@ class VllmServer:
         """Resident memory of the server and all its descendants (Linux /proc)."""
         return _tree_rss(self.pid)
 
+    def pids(self) -> list[int]:
+        """The server's process and all its descendants."""
+        return _tree_pids(self.pid)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server and all its descendants so far."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / ticks
+
+    def thread_affinities(self) -> dict[int, set[int]]:
+        """CPU affinity of every thread of the server's processes (tid -> CPUs)."""
+        out: dict[int, set[int]] = {}
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        out[int(tid)] = set(os.sched_getaffinity(int(tid)))
+        return out
+
     # --- HTTP helpers -------------------------------------------------------------
 
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -297,6 +321,24 @@ class VllmServer:
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _tree_pids(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    out, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(children.get(p, []))
+    return out
 
 
 def _tree_rss(pid: int) -> int:

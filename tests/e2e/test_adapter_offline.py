@@ -464,6 +464,24 @@ def test_a_load_that_cannot_start_is_a_failed_load_not_an_exception() -> None:
         c.close()
 
 
+def test_a_producer_of_another_tp_size_is_refused_by_name() -> None:
+    c = _worker("kv_consumer", "pull", _caches(fill=False))
+    try:
+        load = LoadSpec(
+            request_id="d-2",
+            transfer_id="t",
+            remote_params={**_ticket([1, 2], 40), "tp_size": 2},
+            local_blocks=((3, 4),),
+            skip_blocks=0,
+            num_tokens=40,
+        )
+        c.start_step(StepPlan(loads=[load]))
+        _, recving, failed = c.transfer_results()
+        assert recving == failed == {"d-2"} and c.block_ids_with_load_errors() == {3, 4}
+    finally:
+        c.close()
+
+
 # --- start-up checks ---------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ proxy itself is tested elsewhere.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -85,6 +86,23 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     # Every hold ended with the consumer's notice, none by lease expiry.
     assert p.metric("vllm:kvxfer_leases_released_total") >= 1
     assert p.metric("vllm:kvxfer_leases_expired_total") == 0
+
+
+def test_idle_instances_neither_spin_nor_pin_cpus(pull_pair: PDPair) -> None:
+    """No busy-spinning progress thread and no CPU pinning (upstream's connector does
+    both on CPU: ~5x slower decode on the test bed)."""
+    p, d = pull_pair.prefill, pull_pair.decode
+    decode(d, "idle check", prefill(p, "idle check"), max_tokens=2)
+    time.sleep(1.0)  # let the producer's lease settle and both engines go idle
+    before = {s.name: s.cpu_seconds() for s in (p, d)}
+    time.sleep(3.0)
+    for s in (p, d):
+        used = s.cpu_seconds() - before[s.name]
+        assert used < 0.6, f"{s.name} burned {used:.2f} CPU-seconds in 3 s idle"
+    every_cpu = set(os.sched_getaffinity(0))
+    for s in (p, d):
+        pinned = {t: c for t, c in s.thread_affinities().items() if c != every_cpu}
+        assert not pinned, f"{s.name}: threads pinned to CPUs {pinned}"
 
 
 # --- a prefill instance dies under its decode instance (keep these last) ---------------
