@@ -146,7 +146,8 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ``vllm:kvxfer_transfers`` / ``vllm:kvxfer_failed_transfers`` (counters, consumer
     loads), ``vllm:kvxfer_bytes`` (counter), ``vllm:kvxfer_transfer_time_seconds``
     (histogram per request) and, on producers, ``vllm:kvxfer_leases_released`` /
-    ``vllm:kvxfer_leases_expired`` (and ``vllm:kvxfer_push_writes`` in push mode).
+    ``vllm:kvxfer_leases_expired`` / ``vllm:kvxfer_leases_aborted`` (and
+    ``vllm:kvxfer_push_writes`` in push mode).
     """
 
     def __init__(
@@ -198,6 +199,14 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 labelnames=labelnames,
             )
         )
+        self.leases_aborted = per_engine(
+            counter(
+                name="vllm:kvxfer_leases_aborted",
+                documentation="Producer: held requests freed because the consumer gave "
+                "them up before transferring (request aborted, local prefix hit).",
+                labelnames=labelnames,
+            )
+        )
         self.push_writes = per_engine(
             counter(
                 name="vllm:kvxfer_push_writes",
@@ -223,6 +232,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             (self.bytes, "bytes"),
             (self.leases_released, "num_leases_released"),
             (self.leases_expired, "num_leases_expired"),
+            (self.leases_aborted, "num_leases_aborted"),
             (self.push_writes, "num_push_writes"),
         ):
             value = d.get(key, 0)

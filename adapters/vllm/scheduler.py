@@ -438,6 +438,10 @@ class SchedulerSide:
         state = self._consumer.pop(rid, None)
         if self.is_consumer and is_remote_prefill(params, self.direction) and state is None:
             # Finished (aborted) before update_state_after_alloc: nothing was pulled.
+            # Marked in the request's own params (as upstream does): vLLM may report
+            # one abort twice, and the producer needs one release.
+            if request.kv_transfer_params is not None:
+                request.kv_transfer_params["do_remote_prefill"] = False
             self._plan.releases.append(
                 ReleaseSpec(
                     request_id=rid,

@@ -35,7 +35,6 @@ BASE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -54,6 +53,12 @@ BASE_ARGS: tuple[str, ...] = (
     "--max-num-seqs",
     "8",
     "--enforce-eager",
+    # 128 MiB of KV cache (8192 blocks of 32 tokens here) is plenty for the tests and
+    # keeps each instance small: vLLM touches its whole cache, and host bounce
+    # allocates (and faults in) staging of the same size. VLLM_CPU_KVCACHE_SPACE
+    # (whole GiB, 1 at least) would override this flag, so the servers never get it.
+    "--kv-cache-memory-bytes",
+    str(128 << 20),
 )
 # vLLM's CPU default is 128 tokens per block; 32 (the smallest size the CPU attention
 # backend takes) gives the tests multi-block prompts and partial last blocks well
@@ -413,6 +418,8 @@ def start_server(
         args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     args += list(extra_args)
     full_env = {**os.environ, **BASE_ENV, **(env or {})}
+    if "VLLM_CPU_KVCACHE_SPACE" not in (env or {}):
+        full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     pythonpath = [str(REPO_ROOT), *filter(None, full_env.get("PYTHONPATH", "").split(os.pathsep))]
     full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
     with open(log_path, "wb") as log:

@@ -114,6 +114,7 @@ def test_consumer_releases_the_producer_when_nothing_is_pulled() -> None:
     s = _side(Role.CONSUMER)
     aborted = FakeRequest("d-3", _ticket([1, 2, 3, 4]))
     assert s.request_finished(aborted, [[]]) == (False, None)
+    assert s.request_finished(aborted, [[]]) == (False, None)  # reported twice: one release
     full_hit = FakeRequest("d-4", _ticket([1, 2, 3, 4]))
     s.update_state_after_alloc(full_hit, [[5]], 0, 96)
     plan = s.build_step_plan()

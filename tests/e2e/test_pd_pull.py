@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,41 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     # Every hold ended with the consumer's notice, none by lease expiry.
     assert p.metric("vllm:kvxfer_leases_released_total") >= 1
     assert p.metric("vllm:kvxfer_leases_expired_total") == 0
+
+
+def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
+    pull_pair: PDPair,
+) -> None:
+    """Decode is full (--max-num-seqs 8 busy), so the P/D request waits unscheduled; the
+    client gives up, vLLM aborts it, and the producer's blocks are freed now (a
+    Release over the side channel), not at the 30 s lease expiry."""
+    p, d = pull_pair.prefill, pull_pair.decode
+    params = prefill(p, "a request nobody waits for")
+    aborted0 = p.metric("vllm:kvxfer_leases_aborted_total")
+    expired0 = p.metric("vllm:kvxfer_leases_expired_total")
+    busy = [
+        threading.Thread(
+            target=d.complete, args=(f"keep decode busy {i}",), kwargs={"max_tokens": 300}
+        )
+        for i in range(8)
+    ]
+    for t in busy:
+        t.start()
+    time.sleep(0.5)  # the 8 are running; the next request must wait
+    with pytest.raises(OSError):  # urllib's timeout: the client hangs up
+        d.complete(
+            "a request nobody waits for",
+            kv_transfer_params=params,
+            max_tokens=4,
+            timeout=0.5,
+        )
+    deadline = time.monotonic() + 10
+    while p.metric("vllm:kvxfer_leases_aborted_total") - aborted0 < 1:
+        assert time.monotonic() < deadline, "the producer still holds the aborted request"
+        time.sleep(0.2)
+    assert p.metric("vllm:kvxfer_leases_expired_total") == expired0
+    for t in busy:
+        t.join(timeout=60)
 
 
 def test_idle_instances_neither_spin_nor_pin_cpus(pull_pair: PDPair) -> None:
