@@ -149,6 +149,10 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             elif cmd == "check":
                 local, remote, seed = args
                 value = cache.mismatches(local, remote, seed)
+            elif cmd == "check_tokens":
+                # mismatched tokens among the request's first `tokens` tokens
+                local, remote, seed, tokens = args
+                value = _token_mismatches(cache, local, remote, seed, tokens)
             elif cmd == "token_map":
                 local, remote, seed = args
                 value = _token_map(cache, local, remote, seed)
@@ -183,6 +187,19 @@ def _token_map(cache: Any, local: list[int], remote: list[int], seed: int) -> li
         return out
     finally:
         cache.fill_seed = saved
+
+
+def _token_mismatches(
+    cache: Any, local: list[int], remote: list[int], seed: int, tokens: int
+) -> int:
+    """Tokens below ``tokens`` (request order) whose bytes differ from the producer's."""
+    bad = 0
+    for index, region in enumerate(_token_map(cache, local, remote, seed)):
+        first = (index % cache.shards) * cache.region_tokens  # the shard's first token
+        for j, block in enumerate(region):
+            base = j * cache.block_size + first
+            bad += sum(1 for k, ok in enumerate(block) if base + k < tokens and not ok)
+    return bad
 
 
 class AgentProc:
