@@ -5,10 +5,12 @@ from decode's connector stats.
     .venv/bin/python -m benchmarks.vllm_pd [--modes pull push] [--requests 12]
         [--prompt-tokens 320] [--max-tokens 64] [--json out.json]
 
-Single stream (one request at a time) and a concurrent burst. TTFT through P/D is
-measured the way a client sees it through a proxy: from sending the prefill request
-(``max_tokens: 1``, ``do_remote_decode``) to decode's first streamed token; through
-``kvxfer proxy`` too. Every prompt is new to every instance (no prefix-cache hits).
+Single stream (one request at a time) and bursts of ``--concurrency``; the unified
+instance and the P/D pair run side by side and get the prompts interleaved, so both
+see the same background load. TTFT through P/D is what a client of the toy proxy's
+flow sees: from sending the prefill request (``max_tokens: 1``,
+``do_remote_decode``) to decode's first streamed token; ``--proxy`` adds the same
+through ``kvxfer proxy``. Every prompt is new to every instance (no prefix hits).
 Numbers from a 2-core CPU box with three engines sharing it are indicative only: the
 tiny model makes prefill nearly free, so P/D cannot win here (SPEC: P/D is for long
 inputs on real models).
@@ -97,42 +99,52 @@ def _direct(server: VllmServer) -> Callable[[list[int], int], tuple[float, float
 
 
 def _measure(
-    run: Callable[[list[int], int], tuple[float, float, int]],
+    runs: dict[str, Callable[[list[int], int], tuple[float, float, int]]],
     prompts: Sequence[list[int]],
     max_tokens: int,
     concurrency: int,
-) -> dict[str, float]:
-    results: list[tuple[float, float, int]] = []
-    lock = threading.Lock()
-    queue = list(prompts)
-    t0 = time.perf_counter()
+) -> dict[str, dict[str, float]]:
+    """Send every prompt through every setup in ``runs``, interleaved (the setups see
+    the same background load), ``concurrency`` requests at a time per setup."""
+    results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in runs}
+    walls: dict[str, float] = dict.fromkeys(runs, 0.0)
+    for start in range(0, len(prompts), concurrency):
+        batch = prompts[start : start + concurrency]
+        for k, (name, run) in enumerate(runs.items()):
+            lock = threading.Lock()
+            out: list[tuple[float, float, int]] = []
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if not queue:
-                    return
-                prompt = queue.pop()
-            r = run(prompt, max_tokens)
-            with lock:
-                results.append(r)
+            def one(
+                prompt: list[int], run: Any = run, out: Any = out, lock: Any = lock, k: int = k
+            ) -> None:
+                # Each setup gets its own variant: P and D serve two setups (direct and
+                # through the proxy), and a repeated prompt would be a prefix hit.
+                r = run([(t + 37 * k) % 500 + 3 for t in prompt], max_tokens)
+                with lock:
+                    out.append(r)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    ttfts = [r[0] for r in results]
-    decode_rates = [(r[2] - 1) / (r[1] - r[0]) for r in results if r[2] > 1 and r[1] > r[0]]
-    return {
-        "requests": len(results),
-        "ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 1),
-        "ttft_ms_p50": round(1e3 * statistics.median(ttfts), 1),
-        "ttft_ms_max": round(1e3 * max(ttfts), 1),
-        "decode_tok_s_per_request": round(statistics.fmean(decode_rates), 1),
-        "total_tok_s": round(sum(r[2] for r in results) / wall, 1),
-    }
+            threads = [threading.Thread(target=one, args=(p,)) for p in batch]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            walls[name] += time.perf_counter() - t0
+            results[name] += out
+    report: dict[str, dict[str, float]] = {}
+    for name, rs in results.items():
+        ttfts = [r[0] for r in rs]
+        e2e_rates = [r[2] / r[1] for r in rs if r[1] > 0]
+        report[name] = {
+            "requests": len(rs),
+            "ttft_ms_p50": round(1e3 * statistics.median(ttfts), 1),
+            "ttft_ms_mean": round(1e3 * statistics.fmean(ttfts), 1),
+            "ttft_ms_max": round(1e3 * max(ttfts), 1),
+            "latency_ms_p50": round(1e3 * statistics.median(r[1] for r in rs), 1),
+            "tok_s_per_request_p50": round(statistics.median(e2e_rates), 1),
+            "total_tok_s": round(sum(r[2] for r in rs) / walls[name], 1),
+        }
+    return report
 
 
 def _transfer_stats(decode: VllmServer) -> tuple[float, float]:
@@ -171,47 +183,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     unified = start_server("unified", model, logs)
     try:
         _stream(unified.url, _prompt(99999, 16), 4)
-        report["unified"] = {
-            "serial": _measure(_direct(unified), fresh(serial), args.max_tokens, 1),
-            f"concurrent_{args.concurrency}": _measure(
-                _direct(unified), fresh(burst), args.max_tokens, args.concurrency
-            ),
-        }
+        for mode in args.modes:
+            pair = start_pair(mode, model, logs)
+            try:
+                runs = {"unified": _direct(unified), mode: _through_pair(pair)}
+                stop: Callable[[], None] | None = None
+                if args.proxy:
+                    from kvxfer.adapters.vllm.proxy import start_proxy
+
+                    url, stop = start_proxy([pair.prefill.url], [pair.decode.url], mode=mode)
+                    _stream(url, _prompt(88888, 16), 4)  # a push proxy's first is serial
+                    runs[f"{mode}_via_proxy"] = lambda p, m, u=url: _stream(u, p, m)
+                s0, c0 = _transfer_stats(pair.decode)
+                entry: dict[str, Any] = {
+                    "serial": _measure(runs, fresh(serial), args.max_tokens, 1),
+                    f"concurrent_{args.concurrency}": _measure(
+                        runs, fresh(burst), args.max_tokens, args.concurrency
+                    ),
+                }
+                if stop is not None:
+                    stop()
+                s1, c1 = _transfer_stats(pair.decode)
+                entry["transfer_ms_mean"] = round(1e3 * (s1 - s0) / max(c1 - c0, 1), 2)
+                entry["transfers"] = int(c1 - c0)
+                lines = [
+                    line.split("KV Transfer metrics: ", 1)[1]
+                    for line in pair.decode.log_text().splitlines()
+                    if "KV Transfer metrics: " in line
+                ]
+                entry["kv_transfer_metrics_lines"] = lines[-3:]
+                report[mode] = entry
+            finally:
+                pair.stop()
     finally:
         unified.stop()
-    for mode in args.modes:
-        pair = start_pair(mode, model, logs)
-        try:
-            s0, c0 = _transfer_stats(pair.decode)
-            entry: dict[str, Any] = {
-                "serial": _measure(_through_pair(pair), fresh(serial), args.max_tokens, 1),
-                f"concurrent_{args.concurrency}": _measure(
-                    _through_pair(pair), fresh(burst), args.max_tokens, args.concurrency
-                ),
-            }
-            s1, c1 = _transfer_stats(pair.decode)
-            entry["transfer_ms_mean"] = round(1e3 * (s1 - s0) / max(c1 - c0, 1), 2)
-            entry["transfers"] = int(c1 - c0)
-            lines = [
-                line.split("KV Transfer metrics: ", 1)[1]
-                for line in pair.decode.log_text().splitlines()
-                if "KV Transfer metrics: " in line
-            ]
-            entry["last_kv_transfer_metrics_line"] = lines[-1] if lines else None
-            if args.proxy:
-                from kvxfer.adapters.vllm.proxy import start_proxy
-
-                url, stop = start_proxy([pair.prefill.url], [pair.decode.url], mode=mode)
-                try:
-                    _stream(url, _prompt(88888, 16), 4)  # first push request runs serially
-                    entry["proxy_serial"] = _measure(
-                        lambda p, m, u=url: _stream(u, p, m), fresh(serial), args.max_tokens, 1
-                    )
-                finally:
-                    stop()
-            report[mode] = entry
-        finally:
-            pair.stop()
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
