@@ -388,6 +388,8 @@ def test_smoke_tiny_case_through_two_processes() -> None:
             "ucx",
             "--reps",
             "2",
+            "--max-reps",
+            "2",
             "--no-planning",
             "--json",
         ],
@@ -397,6 +399,7 @@ def test_smoke_tiny_case_through_two_processes() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     objs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert objs[0]["kind"] == "run" and objs[0]["cpus"]
     cases = [o for o in objs if o["kind"] == "transfer"]
     assert len(cases) == 1
     r = cases[0]
@@ -418,3 +421,28 @@ def test_smoke_tiny_case_through_two_processes() -> None:
     for key in ("kvxfer_gbps", "nixl_gbps", "memcpy_gbps", "handshake_s", "first_transfer_s"):
         assert r[key] > 0
     assert {o["bar"] for o in objs if o["kind"] == "bar"}
+
+
+def test_from_json_reports_a_saved_run(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [_fake_run(_case(block_size=b)) for b in (16, 1024)]
+    saved = tmp_path / "run.jsonl"
+    header = {"kind": "run", "date": "2026-01-01 00:00 UTC", "cpus": 2, "network": "loopback"}
+    saved.write_text("\n".join(json.dumps(o) for o in [header, *rows, {"kind": "bar"}]) + "\n")
+    assert bench.main(["--from-json", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "2026-01-01" in out and rows[0]["label"] in out and "bar:" in out
+    assert bench.main(["--from-json", str(saved), "--json"]) == 0
+    objs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert objs[0] == header
+    assert [o["kind"] for o in objs].count("bar") == len(report.check_bars(rows))
+    assert bench.main(["--from-json", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_noisy_cases_get_more_reps_until_the_ratio_is_settled() -> None:
+    assert bc.median_ci([1.0] * 4) is None  # too few to say
+    lo, hi = bc.median_ci([0.9, 1.0, 1.1, 1.0, 0.95, 1.05, 1.0]) or (0.0, 0.0)
+    assert lo <= 1.0 <= hi
+    steady = [0.1] * 7
+    assert bc.settled(steady, [0.1, 0.101, 0.099, 0.1, 0.1, 0.1, 0.1])
+    assert not bc.settled(steady, [0.05, 0.2, 0.1, 0.07, 0.15, 0.1, 0.12])
+    assert not bc.settled(steady[:3], steady[:3])

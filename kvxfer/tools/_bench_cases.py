@@ -32,10 +32,13 @@ __all__ = [
     "expected_bytes",
     "gbps",
     "median",
+    "median_ci",
+    "mem_available",
     "num_blocks_for",
     "order_cases",
     "ratio",
     "request_blocks",
+    "settled",
     "trim_to_budget",
 ]
 
@@ -271,21 +274,36 @@ def expected_bytes(case: Case) -> tuple[int, int]:
 # -- memory --------------------------------------------------------------------------------
 #: The consumer's memcpy scratch never exceeds this.
 MEMCPY_SCRATCH = 256 << 20
+#: Python, NIXL, UCX and the side channel of one bench process.
+PROCESS_OVERHEAD = 512 << 20
 
 
 def case_memory(case: Case) -> int:
     """Bytes both processes hold together for this case (caches, staging, scratch).
 
-    Each process holds one cache of ``num_blocks`` blocks per region; host bounce adds
-    a staging copy of it; the consumer adds the memcpy scratch and the verification's
-    temporaries (about six times one region).
+    Each process holds one cache of ``num_blocks`` blocks per region and its own
+    runtime; host bounce adds a staging copy of the cache; the consumer adds the memcpy
+    scratch and the verification's temporaries (about six times one region).
     """
     shape = case.shape
     region = num_blocks_for(case) * case.block_size * shape.token_bytes()
     cache = 2 * shape.layers * region
     staging = cache if case.backend == "host_bounce" else 0
     moved, _ = expected_bytes(case)
-    return 2 * (cache + staging) + min(moved, MEMCPY_SCRATCH) + 6 * region
+    per_process = cache + staging + PROCESS_OVERHEAD
+    return 2 * per_process + min(moved, MEMCPY_SCRATCH) + 6 * region
+
+
+def mem_available() -> int:
+    """MemAvailable in bytes (Linux); a conservative 8 GiB elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
 
 
 def trim_to_budget(cases: Iterable[Case], budget: int) -> tuple[list[Case], list[tuple[Case, str]]]:
@@ -314,6 +332,23 @@ def gbps(nbytes: int, seconds: float | None) -> float | None:
     if seconds is None or seconds <= 0:
         return None
     return nbytes / seconds / 1e9
+
+
+def median_ci(samples: Sequence[float]) -> tuple[float, float] | None:
+    """A distribution-free ~95% confidence interval of the median (order statistics)."""
+    n = len(samples)
+    if n < 5:
+        return None
+    xs = sorted(samples)
+    half = 0.98 * n**0.5  # 1.96 sqrt(n) / 2
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.5))
+    return xs[lo], xs[hi]
+
+
+def settled(kvxfer_s: Sequence[float], nixl_s: Sequence[float], width: float = 0.08) -> bool:
+    """Whether the per-rep ratio nixl/kvxfer is known to within ``width`` (95%)."""
+    ci = median_ci([r / k for k, r in zip(kvxfer_s, nixl_s) if k > 0])
+    return ci is not None and ci[1] - ci[0] <= width
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

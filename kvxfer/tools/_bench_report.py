@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_bars", "format_table", "plot", "relate"]
+__all__ = ["check_bars", "format_summary", "format_table", "plot", "relate"]
 
 Result = dict[str, Any]
 
@@ -193,12 +193,46 @@ def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
             f"time saved {r['time_saved_s'] * 1e3:+.1f} ms"
             for r in saved
         ]
+    summary = format_summary(results)
+    if summary:
+        lines += ["", summary]
     lines += ["", "bar:"]
     for b in bars:
         verdict = {True: "holds", False: "MISSED", None: "n/a"}[b["holds"]]
         lines.append(
             f"  {b['bar']:<56} {b['target']:>11}  worst {_f(b['worst'], '{:.3f}'):>7}"
             f"  {verdict}  {b['worst_case'] or ''}"
+        )
+    return "\n".join(lines)
+
+
+def format_summary(results: Sequence[Result]) -> str:
+    """Ratios aggregated per backend, mode, allocation pattern and block size."""
+    groups: dict[tuple[str, str, str, int], list[Result]] = {}
+    for r in results:
+        if _ok(r):
+            key = (r["backend"], r["mode"], r["pattern"], r["block_size"])
+            groups.setdefault(key, []).append(r)
+    if not groups:
+        return ""
+
+    def med(rows: list[Result], k: str) -> float | None:
+        vals = sorted(v for r in rows if (v := r.get(k)) is not None)
+        return vals[len(vals) // 2] if vals else None
+
+    lines = [
+        "summary over models, prompt lengths and directions (median / worst of the cases):",
+        f"{'backend':<12} {'mode':<7} {'pattern':<11} {'bs':>5} {'cases':>5} "
+        f"{'x nixl med':>10} {'worst':>6} {'x mcpy med':>10} {'worst':>6} {'nixl x mcpy':>11}",
+    ]
+    for (backend, mode, pattern, bs), rows in sorted(groups.items()):
+        xn = [r["kvxfer_vs_nixl"] for r in rows if r.get("kvxfer_vs_nixl") is not None]
+        xm = [r["kvxfer_vs_memcpy"] for r in rows if r.get("kvxfer_vs_memcpy") is not None]
+        lines.append(
+            f"{backend:<12} {mode:<7} {pattern:<11} {bs:>5} {len(rows):>5} "
+            f"{_f(med(rows, 'kvxfer_vs_nixl')):>10} {_f(min(xn) if xn else None):>6} "
+            f"{_f(med(rows, 'kvxfer_vs_memcpy')):>10} {_f(min(xm) if xm else None):>6} "
+            f"{_f(med(rows, 'nixl_vs_memcpy')):>11}"
         )
     return "\n".join(lines)
 

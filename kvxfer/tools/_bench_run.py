@@ -5,7 +5,8 @@ Cases arrive ordered by cache (model, block size, tokens) and then by agent pair
 share it. Per case, the same run measures, interleaved rep by rep (alternating which
 goes first): kvxfer (``hold`` + ``pull``, or ``expect_push`` + ``hold``), raw NIXL on
 the same descriptors, and a memcpy of the same bytes. The first kvxfer and the first
-raw transfer are verified byte for byte and kept out of the medians.
+raw transfer are verified byte for byte and kept out of the medians. A case whose
+kvxfer/raw ratio is still uncertain after ``reps`` gets more reps, up to ``max_reps``.
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ class Runner:
         timeout_s: float,
         netns: NetnsPair | None = None,
         planning: bool = False,
+        max_reps: int | None = None,
     ) -> None:
         self.reps = reps
+        # A noisy case (the paired ratio's confidence interval still wide) gets more
+        # reps, up to this many.
+        self.max_reps = max(reps, max_reps if max_reps is not None else reps)
         self.planning = planning
         self.timeout_s = timeout_s
         self.netns = netns
@@ -158,6 +163,18 @@ class Runner:
         """Run every case (ordered as :func:`build_matrix` orders them)."""
         for _, group in itertools.groupby(cases, key=lambda c: c.cache_key):
             members = list(group)
+            # The machine is shared: check what is free now, not only the budget set at
+            # the start, so the bench never pushes anyone (itself included) into OOM.
+            free = bc.mem_available()
+            fits = [c for c in members if bc.case_memory(c) <= 0.85 * free]
+            for case in members:
+                if case not in fits:
+                    need = bc.case_memory(case) / 2**30
+                    why = f"needs {need:.1f} GiB; {free / 2**30:.1f} GiB available now"
+                    on_result(failed(case, why, "skipped"))
+            members = fits
+            if not members:
+                continue
             try:
                 with self._cache(members[0]):
                     for _, agent_group in itertools.groupby(members, key=lambda c: c.agent_key):
@@ -268,7 +285,8 @@ class Runner:
         raw: list[float] = []
         memcpy: list[float] = []
         details: list[dict[str, Any]] = []
-        for i in range(self.reps):
+        i = 0
+        while i < self.reps or (i < self.max_reps and not bc.settled(kv, raw)):
             if i % 2 == 0:
                 details.append(self._kvxfer(case, prod, verify=False))
                 raw.append(self._raw(case, verify=False)["s"])
@@ -277,6 +295,7 @@ class Runner:
                 details.append(self._kvxfer(case, prod, verify=False))
             kv.append(details[-1]["s"])
             memcpy.append(self.call("consumer", "memcpy", nbytes))
+            i += 1
         return assemble(case, first, raw_first, details, kv, raw, memcpy, handshake_s)
 
     def _plan_cost(self, case: bc.Case, result: dict[str, Any]) -> dict[str, Any]:

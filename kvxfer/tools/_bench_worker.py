@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvxfer.tools import _bench_cases as bc
 from kvxfer.tools._bench_data import MemcpyBench, fill_regions
@@ -42,6 +43,23 @@ def _as_device(layout: Any) -> Any:
 
     regions = tuple(msgspec.structs.replace(r, mem=MemKind.VRAM) for r in layout.regions)
     return msgspec.structs.replace(layout, regions=regions)
+
+
+def _pool(cache: Any) -> None:
+    """Carve the cache's regions out of one allocation, as an engine's KV pool is.
+
+    An engine's per-layer KV tensors are large, so they get transparent huge pages;
+    regions sized to one request (a few MB each) would get 4 KiB pages, which halves
+    what UCX over CMA moves (it pins the peer's pages one by one). HostKVCache's own
+    per-region arrays are never touched, so they cost nothing.
+    """
+    shape = cache.regions[0].shape
+    size = cache.regions[0].nbytes
+    pool = np.zeros(size * len(cache.regions), dtype=np.uint8)
+    cache.regions = [
+        pool[i * size : (i + 1) * size].view(np.uint16).reshape(shape)
+        for i in range(len(cache.regions))
+    ]
 
 
 class _Worker(Measure):
@@ -71,6 +89,7 @@ class _Worker(Measure):
 
         self.cmd_close_cache(None)
         self.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
+        _pool(self.cache)
         if self.side == "producer":
             fill_regions(self.cache.regions)
         else:
