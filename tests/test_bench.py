@@ -7,7 +7,6 @@ exist and be positive.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import subprocess
 import sys
@@ -309,7 +308,6 @@ def test_plot_without_matplotlib_says_so(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="no matplotlib")
 def test_plot_writes_a_png(tmp_path: Any) -> None:
     rs = [_fake_run(_case(block_size=b)) for b in (16, 1024)]
     assert report.plot(rs, str(tmp_path / "p.png")) is None
@@ -366,7 +364,6 @@ def test_memcpy_bench_copies_the_bytes_asked() -> None:
 
 
 # -- one real run ---------------------------------------------------------------------------
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL not installed")
 def test_smoke_tiny_case_through_two_processes() -> None:
     out = subprocess.run(
         [

@@ -107,7 +107,8 @@ def test_token_estimator_with_tokenizer() -> None:
 
 
 def test_tokenizer_file_gives_exact_counts(tmp_path: Any) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
+
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, "[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
