@@ -177,7 +177,14 @@ class Measure:
             self._stage(case, out=True)
         tag = payload["tag"].encode()
         s, make_s = self.raw.xfer("WRITE", self.dlists[0], lids, self.dlists[1], rids, tag, 300)
-        return {"t0": t0, "s": s, "make_s": make_s, "descriptors": n, "bytes": nbytes}
+        return {
+            "t0": t0,
+            "s": s,
+            "make_s": make_s,
+            "descriptors": n,
+            "bytes": nbytes,
+            "runs": self.last_runs,
+        }
 
     def cmd_memcpy(self, nbytes: int) -> float:
         assert self.memcpy is not None
