@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -250,24 +251,37 @@ def plot(results: Sequence[Result], path: str) -> str | None:
         )
     ok = [r for r in results if _ok(r)]
     directions = sorted({r["direction"] for r in ok}) or ["pull"]
-    fig, axes = plt.subplots(1, len(directions), figsize=(7 * len(directions), 5), squeeze=False)
+    fig, axes = plt.subplots(1, len(directions), figsize=(8 * len(directions), 5.5), squeeze=False)
+    colors = plt.get_cmap("tab10")
     for ax, d in zip(axes[0], directions):
-        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        # One line per backend/mode/pattern: the median over models and prompt lengths
+        # at each block size; kvxfer solid, raw NIXL dashed in the same colour.
+        cells: dict[tuple[str, int], dict[str, list[float]]] = {}
+        memcpy: dict[int, list[float]] = {}
         for r in ok:
             if r["direction"] != d:
                 continue
-            for who in ("kvxfer", "nixl", "memcpy"):
-                tag = f"{r['model']} {r['pattern']} {r['backend']}/{r['mode']} {r['tokens']}t"
-                series.setdefault((who, tag), []).append((r["block_size"], r[f"{who}_gbps"]))
-        for (who, tag), pts in sorted(series.items()):
-            pts.sort()
-            style = {"kvxfer": "-o", "nixl": "--x", "memcpy": ":"}[who]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{who} {tag}")
+            tag = f"{r['backend']}/{r['mode']} {r['pattern']}"
+            cell = cells.setdefault((tag, r["block_size"]), {"kvxfer": [], "nixl": []})
+            cell["kvxfer"].append(r["kvxfer_gbps"])
+            cell["nixl"].append(r["nixl_gbps"])
+            memcpy.setdefault(r["block_size"], []).append(r["memcpy_gbps"])
+        tags = sorted({t for t, _ in cells})
+        for n, tag in enumerate(tags):
+            sizes = sorted(b for t, b in cells if t == tag)
+            for who, style in (("kvxfer", "-o"), ("nixl", "--x")):
+                ys = [statistics.median(cells[(tag, b)][who]) for b in sizes]
+                label = f"{tag} ({'kvxfer' if who == 'kvxfer' else 'raw NIXL'})"
+                ax.plot(sizes, ys, style, color=colors(n % 10), label=label)
+        sizes = sorted(memcpy)
+        ys = [statistics.median(memcpy[b]) for b in sizes]
+        ax.plot(sizes, ys, ":", color="gray", label="memcpy of the same bytes")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (tokens)")
-        ax.set_ylabel("GB/s")
+        ax.set_ylabel("GB/s (median over models and prompt lengths)")
         ax.set_title(f"kvxfer bench: {d}")
-        ax.legend(fontsize=6)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

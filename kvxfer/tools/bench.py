@@ -195,9 +195,9 @@ def plan_cases(args: argparse.Namespace) -> tuple[list[bc.Case], list[Result]]:
 Result = dict[str, Any]
 
 
-def _progress(total: int, enabled: bool) -> tuple[Callable[[str], None], Callable[[], None]]:
+def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
     """A tqdm bar on stderr when tqdm is importable, else a plain counter."""
-    if not enabled or total == 0:
+    if total == 0:
         return (lambda _label: None), (lambda: None)
     try:
         from tqdm import tqdm
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace, results: list[Result]) -> None:
             for p in patterns
         ]
     reps = args.reps or (5 if args.quick else 7)
-    step, finish = _progress(len(cases) + len(planning), sys.stderr.isatty() or True)
+    step, finish = _progress(len(cases) + len(planning))
 
     def collect(result: Result) -> None:
         results.append(result)
