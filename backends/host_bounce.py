@@ -3,11 +3,17 @@
 ``kv_buffer_device: "cpu"``. :meth:`HostBounceBackend.register` allocates one host
 staging region per engine region, with the engine's block geometry (``num_blocks``
 blocks of ``block_len`` bytes, contiguous), registers the *staging* memory with an
-inner transport and returns the staging layout: that is what peers address. Around
-each transfer the agent calls :meth:`~HostBounceBackend.stage_out` on the sender
-(engine blocks → staging) and :meth:`~HostBounceBackend.stage_in` on the receiver
-(staging → engine blocks); each is one vectorized index copy per region. Everything
-else is the inner transport's.
+inner transport and returns the staging layout: that is what peers address.
+
+The copies: a pull's producer calls :meth:`~HostBounceBackend.stage_out` when it holds
+the blocks (engine → staging, peers read staging); a push's consumer calls
+:meth:`~HostBounceBackend.stage_in` once the writes landed (staging → engine). Both
+spread the regions over a few copy threads. The initiator's own copy is part of
+:meth:`~HostBounceBackend.post_engine`, which cuts the request into slices and overlaps
+each slice's copy with the transfer of its neighbours (see
+:mod:`kvxfer.backends._bounce`): a READ is DONE only once its bytes are in the
+engine's blocks, a WRITE stages its blocks out itself. :meth:`post` stays the plain
+staging-to-staging transfer of the inner transport.
 
 The inner transport is, by default, :func:`kvxfer.backends.nixl_rbln.host_transport`:
 nixl-rbln's backend when available, otherwise UCX after the log line
@@ -24,7 +30,8 @@ region, so chunk_mode, swa_window_mode and push_stream are not available with it
 from __future__ import annotations
 
 import ctypes
-import enum
+import itertools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,7 +49,14 @@ from kvxfer.backend import (
     XferOp,
     XferStatus,
 )
-from kvxfer.errors import BackendError, PlanError, RegistrationError, missing_dependency
+from kvxfer.backends._bounce import Copier, CopyDirection, CopyTask, Pipelined, slice_ids
+from kvxfer.errors import (
+    BackendError,
+    ConfigError,
+    PlanError,
+    RegistrationError,
+    missing_dependency,
+)
 from kvxfer.layout import MemKind
 
 if TYPE_CHECKING:
@@ -53,13 +67,6 @@ __all__ = ["CopyDirection", "CopyOp", "HostBounceBackend", "host_block_view", "t
 
 IntArray = npt.NDArray[np.int64]
 ByteArray = npt.NDArray[np.uint8]
-
-
-class CopyDirection(enum.Enum):
-    """Which way a staging copy goes."""
-
-    OUT = "d2h"  # engine blocks -> staging (sender, before peers read)
-    IN = "h2d"  # staging -> engine blocks (receiver, after blocks landed)
 
 
 CopyOp = Callable[[CopyDirection, int, IntArray, ByteArray], None]
@@ -140,11 +147,28 @@ def _default_transport(options: BackendOptions) -> Backend:
     raise BackendError(f"host_bounce: extra['transport']={choice!r}: use 'auto' or 'ucx'")
 
 
+def _int_option(options: BackendOptions, key: str, default: int, low: int) -> int:
+    raw = options.extra.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise ConfigError(f"backend_extra.{key}", raw, f"must be an integer >= {low}")
+    return value
+
+
 class HostBounceBackend(Backend):
     """Host staging buffers moved by an inner transport; see the module docstring.
 
     Args:
         options: Common backend options (also given to the default transport).
+            ``extra["copy_threads"]``: threads for staging copies (default: the CPU
+            count, at most 4); ``extra["pipeline_slices"]``: slices an engine-to-engine
+            transfer is cut into so that copies overlap the transfer (default 8; 1
+            copies and moves one after the other).
         transport: The host-to-host backend to use (default: see the module docstring).
             It is owned, and closed, by this backend.
         copy_op: The engine's block copy; default: numpy index copies through the
@@ -161,6 +185,13 @@ class HostBounceBackend(Backend):
         copy_op: CopyOp | None = None,
     ) -> None:
         self._options = options
+        try:
+            threads = _int_option(options, "copy_threads", min(os.cpu_count() or 1, 4), 1)
+            self._slices = _int_option(options, "pipeline_slices", 8, 1)
+        except ConfigError:
+            if transport is not None:
+                transport.close()  # it was handed over to this backend
+            raise
         self._transport = transport if transport is not None else _default_transport(options)
         self._copy_op = copy_op
         self._lock = threading.Lock()
@@ -168,6 +199,9 @@ class HostBounceBackend(Backend):
         self._staging_mem: ByteArray | None = None
         self._staging: list[ByteArray] = []
         self._engine_views: list[ByteArray] | None = None
+        self._copier = Copier(self._copy_region, threads)
+        self._jobs: dict[XferHandle, Pipelined] = {}
+        self._job_ids = itertools.count(-1, -1)  # the transport's handles are positive
         self._closed = False
 
     # -- identity -------------------------------------------------------------------
@@ -239,51 +273,108 @@ class HostBounceBackend(Backend):
         self._transport.prepare_local(table)
 
     # -- staging --------------------------------------------------------------------
-    def _copy(self, direction: CopyDirection, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
+    def _tasks(
+        self, direction: CopyDirection, block_ids: Sequence[npt.NDArray[np.int64]]
+    ) -> list[CopyTask]:
+        """Check one id array per group and return one copy task per touched region."""
         with self._lock:
             if self._engine is None or self._closed:
                 raise RegistrationError(f"stage {direction.value} before register or after close")
             layout = self._engine
-            if len(block_ids) != len(layout.groups):
+        if len(block_ids) != len(layout.groups):
+            raise PlanError(
+                f"stage {direction.value}: {len(block_ids)} block list(s) for "
+                f"{len(layout.groups)} group(s)"
+            )
+        ids = [np.asarray(b, dtype=np.int64) for b in block_ids]
+        for g, b in enumerate(ids):
+            if b.ndim != 1 or (b.size and (b.min() < 0 or b.max() >= layout.num_blocks)):
                 raise PlanError(
-                    f"stage {direction.value}: {len(block_ids)} block list(s) for "
-                    f"{len(layout.groups)} group(s)"
+                    f"stage {direction.value}: group {g} block ids out of range "
+                    f"[0, {layout.num_blocks})"
                 )
-            ids = [np.asarray(b, dtype=np.int64) for b in block_ids]
-            for g, b in enumerate(ids):
-                if b.ndim != 1 or (b.size and (b.min() < 0 or b.max() >= layout.num_blocks)):
-                    raise PlanError(
-                        f"stage {direction.value}: group {g} block ids out of range "
-                        f"[0, {layout.num_blocks})"
-                    )
-            runs = [_runs(b) for b in ids] if self._copy_op is None else []
-            for i, r in enumerate(layout.regions):
-                blocks = ids[r.group]
-                if not blocks.size:
-                    continue
-                staging = self._staging[i]
-                if self._copy_op is not None:
-                    self._copy_op(direction, i, blocks, staging)
-                elif self._engine_views is not None:
-                    engine = self._engine_views[i]
-                    src, dst = (
-                        (engine, staging) if direction is CopyDirection.OUT else (staging, engine)
-                    )
-                    spans = runs[r.group]
-                    if len(spans) * _RUN_BYTES <= len(blocks) * r.block_len:
-                        # Runs of consecutive blocks: one memcpy each, no temporary.
-                        for a, z in spans:
-                            dst[a:z] = src[a:z]
-                    else:  # short runs: one gather + scatter beats a Python loop
-                        dst[blocks] = src[blocks]
+        ids = [np.unique(b) for b in ids]  # sorted: runs of consecutive blocks copy as one
+        return [(i, ids[r.group]) for i, r in enumerate(layout.regions) if ids[r.group].size]
+
+    def _copy_region(self, direction: CopyDirection, task: CopyTask) -> None:
+        """Copy one region's blocks (sorted, unique) between the engine and staging."""
+        i, blocks = task
+        staging = self._staging[i] if i < len(self._staging) else None
+        if staging is None or self._engine is None:
+            raise RegistrationError(f"stage {direction.value} after close")
+        if self._copy_op is not None:
+            self._copy_op(direction, i, blocks, staging)
+            return
+        assert self._engine_views is not None
+        engine = self._engine_views[i]
+        src, dst = (engine, staging) if direction is CopyDirection.OUT else (staging, engine)
+        spans = _runs(blocks)
+        if len(spans) * _RUN_BYTES <= len(blocks) * self._engine.regions[i].block_len:
+            # Runs of consecutive blocks: one memcpy each, no temporary.
+            for a, z in spans:
+                dst[a:z] = src[a:z]
+        else:  # short runs: one gather + scatter beats a Python loop
+            dst[blocks] = src[blocks]
 
     def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
         """Copy engine blocks (one id array per group) into staging for peers to read."""
-        self._copy(CopyDirection.OUT, block_ids)
+        self._copier.run(CopyDirection.OUT, self._tasks(CopyDirection.OUT, block_ids))
 
     def stage_in(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
         """Copy landed staging blocks (one id array per group) into the engine's blocks."""
-        self._copy(CopyDirection.IN, block_ids)
+        self._copier.run(CopyDirection.IN, self._tasks(CopyDirection.IN, block_ids))
+
+    def post_engine(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        """Move engine blocks, the local staging copy overlapped with the transfer.
+
+        READ: DONE once every slice landed *and* was copied into the engine's blocks.
+        WRITE: the local blocks are staged out here (no :meth:`stage_out` needed),
+        slice by slice ahead of the slice's write. The notification goes once every
+        slice moved.
+        """
+        with self._lock:
+            if self._engine is None or self._closed:
+                raise RegistrationError(f"{op.value} before register or after close")
+            layout = self._engine
+        nb, nregions = layout.num_blocks, len(layout.regions)
+        local_ids = np.asarray(local_ids, dtype=np.int64)
+        remote_ids = np.asarray(remote_ids, dtype=np.int64)
+        if len(local_ids) != len(remote_ids):
+            raise PlanError(
+                f"{op.value}: {len(local_ids)} local but {len(remote_ids)} remote descriptor ids"
+            )
+        if len(local_ids) and (local_ids.min() < 0 or local_ids.max() >= nb * nregions):
+            # Staging holds whole blocks only: any other descriptor is not ours.
+            raise PlanError(f"{op.value}: local descriptor ids outside the whole-block section")
+        cuts = slice_ids(local_ids, nb, self._slices)
+        tasks = []
+        for a, z in cuts:
+            ids = local_ids[a:z]
+            regions, first = np.unique(ids // nb, return_index=True)
+            bounds = [*first.tolist(), len(ids)]
+            tasks.append(
+                [
+                    (int(r), np.unique(ids[lo:hi] % nb))
+                    for r, lo, hi in zip(regions.tolist(), bounds, bounds[1:])
+                ]
+            )
+        job = Pipelined(op, peer, notification, tasks)
+        job.post(
+            self._transport,
+            self._copier,
+            [(local_ids[a:z], remote_ids[a:z]) for a, z in cuts],
+        )
+        handle = XferHandle(next(self._job_ids))
+        with self._lock:
+            self._jobs[handle] = job
+        return handle
 
     # -- delegated ------------------------------------------------------------------
     def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
@@ -303,10 +394,18 @@ class HostBounceBackend(Backend):
         return self._transport.post(op, peer, local_ids, remote_ids, notification)
 
     def status(self, handle: XferHandle) -> XferStatus:
-        return self._transport.status(handle)
+        job = self._jobs.get(handle)
+        if job is None:
+            return self._transport.status(handle)
+        return job.status(self._transport, self._copier)
 
     def release(self, handle: XferHandle) -> None:
-        self._transport.release(handle)
+        with self._lock:
+            job = self._jobs.pop(handle, None)
+        if job is None:
+            self._transport.release(handle)
+        else:
+            job.release(self._transport)
 
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         self._transport.notify(peer, payload)
@@ -321,6 +420,7 @@ class HostBounceBackend(Backend):
             if self._closed:
                 return
             self._closed = True
+        self._copier.close()  # no copy may touch staging once it is deregistered
         self._transport.close()
         with self._lock:
             self._engine_views = None

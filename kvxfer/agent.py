@@ -449,8 +449,10 @@ class Agent:
         groups = _as_groups(block_ids, len(layout.groups))
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
         host, port = self.address if self._server is not None else ("", 0)
-        # host bounce: the consumer reads the staging buffers, so fill them first.
-        self.backend.stage_out([np.asarray(g, dtype=np.int64) for g in groups])
+        if self.config.direction is Direction.PULL:
+            # host bounce: the consumer reads the staging buffers, so fill them first
+            # (a push stages each slice as it writes it: Backend.post_engine).
+            self.backend.stage_out([np.asarray(g, dtype=np.int64) for g in groups])
         with self._lock:
             if self._early.pop(request_id, None) is not None:
                 # The consumer finished (or gave up) before the engine got here.
@@ -550,7 +552,6 @@ class Agent:
         groups = _as_groups(local_blocks, len(layout.groups))
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         transfer = self._new_transfer(ticket.request_id, groups)
-        transfer.meta["stage_in"] = True  # host bounce copies landed blocks in
         if ticket.lease_expiry:
             transfer.meta["lease_expiry"] = ticket.lease_expiry
             if self._lease_over(ticket.lease_expiry):
@@ -790,7 +791,9 @@ class Agent:
         transfer.stats.descriptors = plan.num_descriptors
         notif = notification(plan.nbytes) if callable(notification) else notification
         try:
-            handle = self.backend.post(op, peer.handle, plan.local_ids, plan.remote_ids, notif)
+            handle = self.backend.post_engine(
+                op, peer.handle, plan.local_ids, plan.remote_ids, notif
+            )
         except KvxferError as exc:
             self._peers.mark_suspect(peer)
             kind = FailureKind.PEER_GONE if isinstance(exc, PeerError) else FailureKind.POST

@@ -162,6 +162,21 @@ class Backend(ABC):
         only after every byte landed. Raises :class:`~kvxfer.errors.BackendError` when
         the transport refuses the request."""
 
+    def post_engine(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        """Post a transfer whose local end is the engine's own blocks (what the agent
+        calls): as :meth:`post`, and a READ is DONE only once its bytes are in the
+        engine's blocks, a WRITE takes its bytes from them. Backends that move engine
+        memory directly inherit this (it is :meth:`post`); staging backends overlap
+        their local copy with the transfer here."""
+        return self.post(op, peer, local_ids, remote_ids, notification)
+
     @abstractmethod
     def status(self, handle: XferHandle) -> XferStatus:
         """Non-blocking state of a posted transfer (drives the transport's progress)."""
@@ -179,10 +194,12 @@ class Backend(ABC):
         """Return and forget the notifications received so far as (agent name, payload)."""
 
     def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
-        """Make device blocks readable by peers (host staging copies them out)."""
+        """Make device blocks readable by peers before they READ them (host staging
+        copies them out; a WRITE's own blocks are staged by :meth:`post_engine`)."""
 
     def stage_in(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
-        """Move landed blocks into device memory (host staging copies them in)."""
+        """Move blocks a peer WROTE into device memory (host staging copies them in;
+        a READ's blocks are staged in by :meth:`post_engine`)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 from kvxfer.backend import BackendOptions, XferOp, XferStatus
+from kvxfer.backends._bounce import slice_ids
 from kvxfer.backends.host_bounce import CopyOp, HostBounceBackend, host_block_view, torch_copy_op
 from kvxfer.backends.nixl_rbln import ADAPTER_ENV, NOT_AVAILABLE
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import BackendError, PlanError, RegistrationError
+from kvxfer.errors import BackendError, ConfigError, PlanError, RegistrationError
 from kvxfer.layout import KVLayout, MemKind, split_kv
 from kvxfer.testing.conformance import BackendConformance, BackendSpec
-from kvxfer.testing.fake_backend import FakeBackend
+from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.patterns import CacheShape, PatternCache
 
 _names = itertools.count()
@@ -203,3 +204,132 @@ def test_with_an_rbln_adapter_host_bounce_rides_it(emulated_env: None) -> None:
         assert be.capabilities.device_to_device is False  # host bounce all the same
     finally:
         be.close()
+
+
+# -- engine-to-engine transfers: staging copies overlapped with the transfer ------------
+
+
+def _bounce_pair(
+    slices: int, faults: Any = None
+) -> tuple[HostBounceBackend, HostBounceBackend, PatternCache, PatternCache, Any, Any]:
+    """A producer and a consumer over the in-process fake fabric (which moves bytes
+    only when polled, as an RDMA transport completes asynchronously)."""
+    shape = CacheShape(num_blocks=12, window=0)
+    pcache, ccache = PatternCache(shape), PatternCache(shape)
+    pcache.fill(5)
+    ends = []
+    for _ in range(2):
+        options = BackendOptions(
+            agent_name=_options().agent_name,
+            extra={"pipeline_slices": str(slices), "copy_threads": "2"},
+        )
+        ends.append(HostBounceBackend(options, transport=FakeBackend(options)))
+    producer, consumer = ends
+    ptable = DescriptorTable.build(producer.register(pcache.layout))
+    ctable = DescriptorTable.build(consumer.register(ccache.layout))
+    producer.prepare_local(ptable)
+    consumer.prepare_local(ctable)
+    if faults is not None:
+        consumer.transport.faults = faults  # type: ignore[attr-defined]
+    return producer, consumer, pcache, ccache, ptable, ctable
+
+
+def _settle(be: HostBounceBackend, handle: Any) -> XferStatus:
+    for _ in range(10_000):
+        state = be.status(handle)
+        if state is not XferStatus.PENDING:
+            return state
+    raise AssertionError("transfer never settled")
+
+
+@pytest.mark.parametrize("slices", [1, 3, 8, 64])
+def test_post_engine_read_lands_in_the_engine_blocks(slices: int) -> None:
+    producer, consumer, pcache, ccache, ptable, ctable = _bounce_pair(slices)
+    try:
+        remote, local = [9, 2, 3, 7], [0, 5, 6, 11]
+        producer.stage_out([np.array(remote)])
+        peer = consumer.add_peer(producer.metadata(), ptable)
+        plan = build_plan(ctable, ptable, local, remote, 4 * 16)
+        h = consumer.post_engine(XferOp.READ, peer, plan.local_ids, plan.remote_ids, b"done")
+        assert _settle(consumer, h) is XferStatus.DONE
+        for i, view in enumerate(ccache.views):
+            assert np.array_equal(view[local], pcache.pattern(5, i, remote))
+            rest = [b for b in range(12) if b not in local]
+            assert not view[rest].any()  # nothing else of the engine was touched
+        # The notice went once, after every slice moved.
+        assert producer.drain_notifications() == [(consumer.agent_name, b"done")]
+        consumer.release(h)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize("slices", [1, 5])
+def test_post_engine_write_stages_its_own_blocks(slices: int) -> None:
+    producer, consumer, pcache, ccache, ptable, ctable = _bounce_pair(slices)
+    try:
+        local, remote = [1, 2, 8], [4, 5, 10]
+        peer = producer.add_peer(consumer.metadata(), ctable)
+        plan = build_plan(ptable, ctable, local, remote, 3 * 16)
+        # No stage_out: the write stages the producer's blocks itself.
+        h = producer.post_engine(XferOp.WRITE, peer, plan.local_ids, plan.remote_ids, b"pushed")
+        assert _settle(producer, h) is XferStatus.DONE
+        assert consumer.drain_notifications() == [(producer.agent_name, b"pushed")]
+        consumer.stage_in([np.array(remote)])
+        for i, view in enumerate(ccache.views):
+            assert np.array_equal(view[remote], pcache.pattern(5, i, local))
+        producer.release(h)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_post_engine_failure_sends_no_notice_and_reports_failed() -> None:
+    producer, consumer, _, _, ptable, ctable = _bounce_pair(4, Faults(fail_midway=0.5))
+    try:
+        producer.stage_out([np.array([0, 1, 2])])
+        peer = consumer.add_peer(producer.metadata(), ptable)
+        plan = build_plan(ctable, ptable, [3, 4, 5], [0, 1, 2], 48)
+        h = consumer.post_engine(XferOp.READ, peer, plan.local_ids, plan.remote_ids, b"done")
+        assert _settle(consumer, h) is XferStatus.FAILED
+        assert producer.drain_notifications() == []  # the producer keeps its blocks
+        consumer.release(h)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_post_engine_refuses_ids_outside_the_whole_block_section() -> None:
+    producer, consumer, _, _, ptable, _ = _bounce_pair(2)
+    try:
+        peer = consumer.add_peer(producer.metadata(), ptable)
+        with pytest.raises(PlanError, match="whole-block"):
+            consumer.post_engine(XferOp.READ, peer, np.array([10**6]), np.array([0]))
+        with pytest.raises(PlanError, match="remote"):
+            consumer.post_engine(XferOp.READ, peer, np.array([0, 1]), np.array([0]))
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize(("key", "value"), [("copy_threads", "0"), ("pipeline_slices", "x")])
+def test_bad_pipeline_options_name_the_key(key: str, value: str) -> None:
+    options = BackendOptions(agent_name=_options().agent_name, extra={key: value})
+    transport = FakeBackend(options)
+    with pytest.raises(ConfigError, match=f"backend_extra.{key}") as err:
+        HostBounceBackend(options, transport=transport)
+    assert value in str(err.value)
+    assert transport.closed  # handed over, so closed with the failed backend
+
+
+def test_slices_cut_at_region_boundaries_and_cover_every_id() -> None:
+    nb = 10
+    ids = np.array([r * nb + b for r in range(7) for b in (1, 4, 5)], dtype=np.int64)
+    for want in (1, 2, 3, 7, 50):
+        cuts = slice_ids(ids, nb, want)
+        assert cuts[0][0] == 0 and cuts[-1][1] == len(ids)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+        for lo, hi in cuts:
+            assert ids[lo] % nb == 1 and ids[hi - 1] % nb == 5  # whole regions only
+        assert len(cuts) == min(want, 7)
+    assert slice_ids(ids[:0], nb, 4) == []
