@@ -21,6 +21,8 @@ from kvxfer.errors import KvxferError, TransferError, TransferTimeout
 
 __all__ = ["FailureKind", "Transfer", "TransferState", "TransferStats"]
 
+_NAP_S = 0.0002  # wait() polls this often
+
 
 class TransferState(enum.Enum):
     """Lifecycle of a transfer; it only moves forward."""
@@ -129,13 +131,16 @@ class Transfer:
                     f"transfer {self.request_id} still pending after {timeout}s",
                     self.invalid_blocks,
                 )
-            self._done.wait(0.001 if remaining is None else min(0.001, remaining))
+            # Short naps: a completion often shows only through polling (a notification
+            # to drain), and this thread polling it beats a hand-off from the agent's
+            # progress thread. A nap releases the GIL for the transfer's own threads.
+            self._done.wait(_NAP_S if remaining is None else min(_NAP_S, remaining))
         self._raise_if_failed()
 
     def __await__(self) -> Generator[Any, None, None]:
         async def _wait() -> None:
             while self.poll() is TransferState.PENDING:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(_NAP_S)
             self._raise_if_failed()
 
         return _wait().__await__()

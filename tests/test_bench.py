@@ -243,11 +243,20 @@ def _fake_run(case: bc.Case, *, bad: int = 0, descriptors: int = 100) -> dict[st
     first = {"s": 0.5, "bad": bad, "stats": stats, "handshakes": 1}
     raw_first = {"s": 0.4, "bad": 0, "descriptors": descriptors, "runs": 10}
     details = [
-        {"s": t, "stats": stats, "hold_s": 0.0001, "handshakes": 1, "freed": True}
+        {"s": t, "s_strict": t + 0.1, "stats": stats, "hold_s": 0.1, "handshakes": 1}
         for t in (0.2, 0.1, 0.3)
     ]
+    raw_details = [{"s": t, "s_prepped": t - 0.05, "ids_s": 0.05} for t in (0.1, 0.1, 0.3)]
     return assemble(
-        case, first, raw_first, details, [0.2, 0.1, 0.3], [0.1, 0.1, 0.3], [0.15, 0.08, 0.25], 0.01
+        case,
+        first,
+        raw_first,
+        [{**d, "freed": True} for d in details],
+        [0.2, 0.1, 0.3],
+        [0.1, 0.1, 0.3],
+        [0.15, 0.08, 0.25],
+        0.01,
+        raw_details,
     )
 
 
@@ -262,6 +271,9 @@ def test_assemble_medians_paired_ratios_and_schema() -> None:
     assert r["kvxfer_vs_nixl_of_medians"] == pytest.approx(0.5)
     # paired per rep: 0.1/0.2, 0.1/0.1, 0.3/0.3 -> median 1.0
     assert r["kvxfer_vs_nixl"] == pytest.approx(1.0)
+    # strict: hold on kvxfer's clock, ids off raw's: 0.05/0.3, 0.05/0.2, 0.25/0.4
+    assert r["kvxfer_vs_nixl_strict"] == pytest.approx(0.25)
+    assert r["nixl_ids_s"] == pytest.approx(0.05)
     assert r["kvxfer_vs_memcpy"] == pytest.approx(0.8)  # 0.75, 0.8, 0.833
     assert r["handshakes_in_timed_reps"] == 0
     assert r["bytes_moved"] == r["bytes_expected"] == r["whole_block_bytes"]

@@ -9,6 +9,8 @@ vectorized and each example takes about a millisecond.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 import numpy.typing as npt
@@ -106,8 +108,39 @@ def _plan(
 ) -> tuple[Plan, DescriptorTable, DescriptorTable]:
     local, remote = _tables(case, options)
     req = case.request
-    plan = build_plan(local, remote, req.local_blocks, req.remote_blocks, req.num_tokens)
+    mine, theirs = _as_given(req.local_blocks), _as_given(req.remote_blocks)
+    plan = build_plan(local, remote, mine, theirs, req.num_tokens)
     return plan, local, remote
+
+
+def _as_given(blocks: tuple[tuple[int, ...], ...]) -> Any:
+    """One group as an engine passes it (an int64 array: build_plan's fast path when
+    blocks go whole), several as per-group tuples (the general path)."""
+    return np.array(blocks[0], dtype=np.int64) if len(blocks) == 1 else blocks
+
+
+@given(kst.plan_cases())
+def test_fast_path_plans_equal_the_general_path(case: kst.PlanCase) -> None:
+    local, remote = _tables(case, case.options)
+    req = case.request
+    general = build_plan(local, remote, req.local_blocks, req.remote_blocks, req.num_tokens)
+    fast = build_plan(
+        local,
+        remote,
+        [np.array(g, dtype=np.int64) for g in req.local_blocks]
+        if len(req.local_blocks) > 1
+        else np.array(req.local_blocks[0], dtype=np.int64),
+        _as_given(req.remote_blocks)
+        if len(req.remote_blocks) == 1
+        else [np.array(g, dtype=np.int64) for g in req.remote_blocks],
+        req.num_tokens,
+    )
+    np.testing.assert_array_equal(fast.local_ids, general.local_ids)
+    np.testing.assert_array_equal(fast.remote_ids, general.remote_ids)
+    assert fast.nbytes == general.nbytes and fast.num_tokens == general.num_tokens
+    assert len(fast.local_blocks) == len(general.local_blocks)
+    for a, b in zip(fast.local_blocks, general.local_blocks):
+        np.testing.assert_array_equal(a, b)
 
 
 def _gather(table: DescriptorTable, ids: I64) -> tuple[I64, I64]:

@@ -131,12 +131,23 @@ class Measure:
             plan.nbytes,
         )
 
+    def _timed_ids(self, case: bc.Case) -> tuple[Any, Any, float]:
+        """The request's descriptor ids from the engine's block lists, as a raw NIXL
+        user computes them per request (here with kvxfer's own algebra, so that they
+        are the identical descriptors): inside the timed region."""
+        assert self.tables is not None
+        t0 = time.perf_counter()
+        plan = self._plan(case, self.tables)
+        lids, rids = plan.local_ids.astype(np.int32), plan.remote_ids.astype(np.int32)
+        return lids, rids, time.perf_counter() - t0
+
     def cmd_raw_read(self, payload: dict[str, Any]) -> dict[str, Any]:
         case = msgspec.convert(payload["case"], bc.Case)
         self._prepare_verify(case, payload["verify"])
-        lids, rids, n, nbytes = self._raw_ids(case)
+        _, _, n, nbytes = self._raw_ids(case)
         assert self.dlists is not None
         t0 = time.perf_counter()
+        lids, rids, ids_s = self._timed_ids(case)
         # The DONE notice rides with the READ, as kvxfer's pull sends it.
         s, make_s = self.raw.xfer(
             "READ", self.dlists[0], lids, self.dlists[1], rids, DONE_NOTICE, 300
@@ -147,6 +158,7 @@ class Measure:
         bad = self._verify(case) if payload["verify"] else None
         return {
             "s": s,
+            "ids_s": ids_s,
             "make_s": make_s,
             "bad": bad,
             "descriptors": n,
@@ -170,15 +182,17 @@ class Measure:
 
     def cmd_raw_write(self, payload: dict[str, Any]) -> dict[str, Any]:
         case = msgspec.convert(payload["case"], bc.Case)
-        lids, rids, n, nbytes = self._raw_ids(case)
+        _, _, n, nbytes = self._raw_ids(case)
         assert self.dlists is not None
+        tag = payload["tag"].encode()
         t0 = time.perf_counter()
+        lids, rids, ids_s = self._timed_ids(case)
         if case.backend == "host_bounce":
             self._stage(case, out=True)
-        tag = payload["tag"].encode()
         s, make_s = self.raw.xfer("WRITE", self.dlists[0], lids, self.dlists[1], rids, tag, 300)
         return {
             "t0": t0,
+            "ids_s": ids_s,
             "s": s,
             "make_s": make_s,
             "descriptors": n,
