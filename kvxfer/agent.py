@@ -67,6 +67,9 @@ log = logging.getLogger("kvxfer.agent")
 _EARLY_KEEP_S = 120.0
 # Progress interval while leases are held and nothing is in flight (see _run).
 _LEASE_TICK_S = 0.001
+#: A signed notice encoded ahead is used only this long after (the receiver refuses
+#: notices whose timestamp is far from its clock).
+_NOTICE_REUSE_S = 60.0
 
 BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]] | Sequence[Sequence[int]]
 
@@ -230,6 +233,7 @@ class _Lease(msgspec.Struct, kw_only=True):
     parts_posted: int = 0
     final_posted: bool = False
     writes: list[Transfer] = msgspec.field(default_factory=list)
+    final_notice: tuple[float, bytes] | None = None  # push: encoded at registration
 
 
 def _as_groups(blocks: BlockIds, num_groups: int) -> tuple[tuple[int, ...], ...]:
@@ -953,12 +957,13 @@ class Agent:
     def _handle_notifications(self) -> None:
         for sender, payload in self.backend.drain_notifications():
             try:
-                notice = wire.decode(payload, max_bytes=self.config.max_message_bytes).message
+                # With a shared secret a notice must be signed by it: a DONE frees held
+                # blocks and a PUSHED settles a transfer, so neither may be forged.
+                notice = wire.decode_notice(
+                    payload, max_bytes=self.config.max_message_bytes, auth_key=self._auth_key
+                )
             except KvxferError as exc:
-                log.warning("ignored a malformed notification from %s: %s", sender, exc)
-                continue
-            if not isinstance(notice, wire.Notice):
-                log.warning("ignored a %s notification from %s", type(notice).__name__, sender)
+                log.warning("ignored a notification from %s: %s", sender, exc)
                 continue
             if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT, wire.NoticeKind.FAILED):
                 lease = self._leases.pop(notice.request_id, None)
@@ -1024,6 +1029,17 @@ class Agent:
                     )
                     self._leases[msg.request_id] = lease
                 lease.target = msg
+            final = wire.Notice(
+                kind=wire.NoticeKind.PUSHED,
+                request_id=msg.request_id,
+                engine_id=self.config.engine_id,
+                incarnation=self.incarnation,
+                block_ids=msg.block_ids,
+            )
+            encoded = (time.monotonic(), self._encode(final))
+            with self._lock:
+                if lease.target is msg:
+                    lease.final_notice = encoded
             self._wake.set()
             return wire.Ack()
         return None
@@ -1064,8 +1080,9 @@ class Agent:
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         if self._pusher is None:
             self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-push")
+        early, lease.final_notice = (lease.final_notice if final else None), None
         self._pusher.submit(
-            self._post_write, transfer, target, local, remote, max(tokens, 0), final
+            self._post_write, transfer, target, local, remote, max(tokens, 0), final, early
         )
 
     def _post_write(
@@ -1076,6 +1093,7 @@ class Agent:
         remote: tuple[tuple[int, ...], ...],
         tokens: int,
         final: bool,
+        early: tuple[float, bytes] | None = None,
     ) -> None:
         try:
             peer = self._peers.get(target.host, target.port, target.engine_id, target.incarnation)
@@ -1083,16 +1101,7 @@ class Agent:
             self._fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         transfer.meta["push_peer"] = peer
-        notice = self._encode(
-            wire.Notice(
-                kind=wire.NoticeKind.PUSHED,
-                request_id=target.request_id,
-                engine_id=self.config.engine_id,
-                incarnation=self.incarnation,
-                block_ids=remote,
-                final=final,
-            )
-        )
+        notice = self._pushed_notice(target, remote, final, early)
         with self._lock:
             if transfer.done:  # failed meanwhile (agent closing, lease gone)
                 return
@@ -1106,6 +1115,34 @@ class Agent:
                 self._succeed(transfer)
                 return
             self._post(transfer, XferOp.WRITE, peer, local, remote, tokens, notice)
+
+    def _pushed_notice(
+        self,
+        target: wire.PushRegister,
+        remote: tuple[tuple[int, ...], ...],
+        final: bool,
+        early: tuple[float, bytes] | None,
+    ) -> bytes:
+        """The PUSHED notice of one write. The common one, a single final write of every
+        block the consumer registered, was encoded when the registration arrived (off
+        the write's path); signed ones only while their timestamp is fresh."""
+        if (
+            early is not None
+            and final
+            and remote == target.block_ids
+            and (self._auth_key is None or time.monotonic() - early[0] < _NOTICE_REUSE_S)
+        ):
+            return early[1]
+        return self._encode(
+            wire.Notice(
+                kind=wire.NoticeKind.PUSHED,
+                request_id=target.request_id,
+                engine_id=self.config.engine_id,
+                incarnation=self.incarnation,
+                block_ids=remote,
+                final=final,
+            )
+        )
 
     def _settle_lease_write(self, transfer: Transfer, ok: bool) -> None:
         """A push write finished: free the lease when every write is done, or on failure."""

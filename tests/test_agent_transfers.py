@@ -84,7 +84,9 @@ def test_mismatched_block_counts_fail_cleanly(pull_pair: tuple[AgentProc, AgentP
     assert "bad-len" not in prod.call("holding")
 
 
-def test_push_writes_exact_bytes() -> None:
+@pytest.mark.parametrize("secret", [None, "push-test-secret-0123456789"], ids=["open", "signed"])
+def test_push_writes_exact_bytes(secret: str | None) -> None:
+    # signed: the PUSHED notice, encoded when the registration arrived, must verify
     prod = AgentProc(
         ProcSpec(
             engine_id="prefill-p",
@@ -92,10 +94,17 @@ def test_push_writes_exact_bytes() -> None:
             direction="push",
             num_blocks=NUM_BLOCKS,
             fill_seed=SEED,
+            auth_secret=secret,
         )
     )
     cons = AgentProc(
-        ProcSpec(engine_id="decode-p", role="kv_consumer", direction="push", num_blocks=NUM_BLOCKS)
+        ProcSpec(
+            engine_id="decode-p",
+            role="kv_consumer",
+            direction="push",
+            num_blocks=NUM_BLOCKS,
+            auth_secret=secret,
+        )
     )
     try:
         remote, local, tokens = list(range(8, 20)), list(range(30, 42)), 12 * 16 - 3
