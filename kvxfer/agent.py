@@ -451,6 +451,7 @@ class Agent:
         num_tokens: int,
         *,
         lease_s: float | None = None,
+        staged: bool = False,
     ) -> Ticket:
         """Hold a finished prompt's blocks for its consumer and return the ticket.
 
@@ -458,12 +459,16 @@ class Agent:
         abort, or the lease's expiry; then the request id appears in :meth:`freed`.
         Push: the blocks are written to the consumer as soon as it registered its
         receiving blocks (at once if it already did).
+
+        ``staged``: the engine already copied exactly these blocks out with
+        ``backend.stage_out`` after their last forward (host bounce), so a pull's hold
+        does not copy them again.
         """
         _, layout = self._require_registered()
         groups = _as_groups(block_ids, len(layout.groups))
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
         host, port = self.address if self._server is not None else ("", 0)
-        if self.config.direction is Direction.PULL:
+        if self.config.direction is Direction.PULL and not staged:
             # host bounce: the consumer reads the staging buffers, so fill them first
             # (a push stages each slice as it writes it: Backend.post_engine).
             self.backend.stage_out([np.asarray(g, dtype=np.int64) for g in groups])

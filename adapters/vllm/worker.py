@@ -32,6 +32,9 @@ __all__ = ["WorkerSide", "describe_kv_caches", "remote_ticket", "unique_tensors"
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 
+#: Staged-but-not-yet-held prompts remembered at most (the rest are staged again).
+_STAGED_KEEP = 4096
+
 
 def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
     """The distinct KV tensors, in layer order (layers sharing KV appear once)."""
@@ -139,6 +142,9 @@ class WorkerSide:
         self.tensors: list[Any] = []
         self._inflight: dict[str, Any] = {}  # vLLM request id -> Transfer
         self._held: dict[str, str] = {}  # lease id -> vLLM request id (not yet freed)
+        # Host bounce: prompts staged after their last forward (request id -> blocks),
+        # so that their hold, a step later, does not copy the same bytes again.
+        self._staged: dict[str, Any] = {}
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
@@ -188,8 +194,15 @@ class WorkerSide:
             except Exception:
                 log.exception("kvxfer: deferred KV registration failed")
         for hold in plan.holds:
+            staged = self._staged.pop(hold.request_id, None) == hold.block_ids
             try:
-                agent.hold(hold.lease_id, hold.block_ids, hold.num_tokens, lease_s=hold.lease_s)
+                agent.hold(
+                    hold.lease_id,
+                    hold.block_ids,
+                    hold.num_tokens,
+                    lease_s=hold.lease_s,
+                    staged=staged,
+                )
             except Exception:
                 log.exception(
                     "kvxfer: could not hold %s; its blocks are freed now", hold.request_id
@@ -211,8 +224,12 @@ class WorkerSide:
         try:
             for stage in plan.stages:
                 agent.backend.stage_out([np.asarray(g, dtype=np.int64) for g in stage.block_ids])
+                self._staged[stage.request_id] = stage.block_ids
+                while len(self._staged) > _STAGED_KEEP:  # prompts aborted before their hold
+                    del self._staged[next(iter(self._staged))]
         except Exception:
-            # hold() stages again; only the (unlikely) early reader is exposed.
+            # Unstaged prompts are staged by hold(); only the (unlikely) early reader
+            # is exposed.
             log.exception("kvxfer: early staging failed")
         for stream in plan.streams:
             try:

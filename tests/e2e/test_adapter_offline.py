@@ -604,3 +604,43 @@ def test_cpu_kv_cache_shape_describes_as_one_region_per_layer() -> None:
         (block_bytes, block_bytes, NUM_BLOCKS)
     }
     assert layout.regions[1].base - layout.regions[0].base == NUM_BLOCKS * block_bytes
+
+
+def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p = _worker("kv_producer", "pull", _caches(fill=True))
+    ps = _side(Role.PRODUCER, stage_early=True)
+    info = p.handshake_info()
+    assert info is not None
+    ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
+    assert p.agent is not None
+    copies: list[list[Any]] = []
+    holds: list[bool] = []
+    real_stage, real_hold = p.agent.backend.stage_out, p.agent.hold
+    monkeypatch.setattr(
+        p.agent.backend, "stage_out", lambda ids: copies.append(ids) or real_stage(ids)
+    )
+
+    def hold(*args: Any, staged: bool = False, **kw: Any) -> Any:
+        holds.append(staged)
+        return real_hold(*args, staged=staged, **kw)
+
+    monkeypatch.setattr(p.agent, "hold", hold)
+    try:
+        for rid, blocks in (("p-a", [[4, 5, 6]]), ("p-b", [[7, 8, 9]])):
+            req = FakeRequest(rid, {"do_remote_decode": True}, num_prompt_tokens=70)
+            ps.on_new_request(req)
+            plan = ps.build_step_plan({rid: 70}, {rid: blocks}.__getitem__)
+            p.start_step(plan)
+            if rid == "p-a":
+                p.after_forward(plan)  # staged after its last forward
+            req.num_computed_tokens, req.status = 70, "FINISHED_LENGTH_CAPPED"
+            ps.request_finished(req, blocks)
+            p.start_step(ps.build_step_plan())
+        # p-a: one copy (after the forward), its hold skips it; p-b was never staged
+        # early (its forward's after_forward did not run), so its hold copies.
+        assert holds == [True, False]
+        assert len(copies) == 2
+    finally:
+        p.close()
