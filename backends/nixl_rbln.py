@@ -26,35 +26,17 @@ which logs ``RBLN NIXL: nixl-rbln not available`` and falls back to UCX.
 
 from __future__ import annotations
 
-import atexit
 import importlib
-import itertools
 import logging
 import os
-import threading
-import weakref
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-import numpy as np
-import numpy.typing as npt
-
-from kvxfer.backend import (
-    Backend,
-    BackendOptions,
-    Capabilities,
-    PeerHandle,
-    XferHandle,
-    XferOp,
-    XferStatus,
-)
-from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter, RblnAgent
-from kvxfer.backends.ucx import UcxBackend, merged_intervals
-from kvxfer.errors import BackendError, MissingDependency, PeerError, RegistrationError
+from kvxfer.backend import Backend, BackendOptions, Capabilities
+from kvxfer.backends._agent_backend import AgentBackend
+from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter
+from kvxfer.backends.ucx import UcxBackend
+from kvxfer.errors import BackendError, MissingDependency
 from kvxfer.layout import MemKind
-
-if TYPE_CHECKING:
-    from kvxfer.descriptors import DescriptorTable
-    from kvxfer.layout import KVLayout
 
 __all__ = [
     "ADAPTER_ENV",
@@ -131,18 +113,7 @@ def host_transport(options: BackendOptions, *, adapter: RblnAdapter | None = Non
     return NixlRblnBackend(options, adapter=adapter)
 
 
-def _mem_kind_of(table: DescriptorTable) -> MemKind:
-    kinds = {r.mem for r in table.layout.regions}
-    if len(kinds) != 1:
-        raise RegistrationError(f"a descriptor table must hold one memory kind, got {kinds}")
-    return kinds.pop()
-
-
-def _descs(table: DescriptorTable) -> npt.NDArray[np.uint64]:
-    return np.stack([table.addr, table.length, table.device.astype(np.uint64)], axis=1)
-
-
-class NixlRblnBackend(Backend):
+class NixlRblnBackend(AgentBackend):
     """NIXL through the nixl-rbln adapter; device-to-device.
 
     Args:
@@ -157,10 +128,9 @@ class NixlRblnBackend(Backend):
     name: ClassVar[str] = "nixl_rbln"
 
     def __init__(self, options: BackendOptions, *, adapter: RblnAdapter | None = None) -> None:
-        self._options = options
         self.adapter = adapter if adapter is not None else load_adapter(_selection(options))
         try:
-            self._agent: RblnAgent | None = self.adapter.create_agent(
+            agent = self.adapter.create_agent(
                 options.agent_name,
                 rails=options.rails,
                 stripe_width=options.stripe_width,
@@ -173,25 +143,8 @@ class NixlRblnBackend(Backend):
                 f"{self.adapter.description}: could not start agent {options.agent_name}: {exc}"
             ) from exc
         log.info("RBLN NIXL: agent %s on %s", options.agent_name, self.adapter.description)
-        self._lock = threading.RLock()
-        self._registrations: list[object] = []
-        self._local: object | None = None
-        self._peers: dict[PeerHandle, object] = {}
-        self._xfers: dict[XferHandle, tuple[object, PeerHandle]] = {}
-        self._ids = itertools.count(1)
-        self._registered: KVLayout | None = None
-        self._closed = False
-        # atexit holds only a weak reference: a backend dropped early is closed by GC.
-        ref = weakref.ref(self)
+        super().__init__(options, agent, self.adapter.description)
 
-        def _close_at_exit() -> None:
-            backend = ref()
-            if backend is not None:
-                backend.close()
-
-        atexit.register(_close_at_exit)
-
-    # -- identity -------------------------------------------------------------------
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -200,188 +153,3 @@ class NixlRblnBackend(Backend):
             device_to_device=True,
             merges_contiguous=True,
         )
-
-    @property
-    def agent_name(self) -> str:
-        return self._options.agent_name
-
-    def _live(self) -> RblnAgent:
-        if self._agent is None:
-            raise BackendError(f"backend {self.agent_name} is closed")
-        return self._agent
-
-    def metadata(self) -> bytes:
-        with self._lock:
-            return self._live().metadata()
-
-    # -- memory ---------------------------------------------------------------------
-    def register(self, layout: KVLayout) -> KVLayout:
-        with self._lock:
-            agent = self._live()
-            if self._registered is not None:
-                raise RegistrationError("this backend already registered a layout")
-            by_device: dict[tuple[MemKind, int], tuple[list[int], list[int]]] = {}
-            for r in layout.regions:
-                starts, ends = by_device.setdefault((r.mem, r.device_id), ([], []))
-                starts.append(r.base)
-                ends.append(r.end)
-            # Shards of one NPU share a device id and are registered together; K/V of one
-            # tensor interleave, and NIXL refuses overlapping ranges: register the union.
-            for (kind, device), (starts, ends) in by_device.items():
-                spans = merged_intervals(
-                    np.array(starts, dtype=np.uint64), np.array(ends, dtype=np.uint64)
-                )
-                try:
-                    reg = agent.register(kind, device, [(s, e - s) for s, e in spans])
-                except Exception as exc:
-                    raise RegistrationError(
-                        f"{self.adapter.description} refused {len(spans)} {kind.value} "
-                        f"range(s) on device {device}: {exc}"
-                    ) from exc
-                self._registrations.append(reg)
-            self._registered = layout
-            return layout
-
-    def prepare_local(self, table: DescriptorTable) -> None:
-        with self._lock:
-            agent = self._live()
-            if self._local is not None:
-                agent.release_descs(self._local)
-                self._local = None
-            try:
-                self._local = agent.prep_descs(None, _mem_kind_of(table), _descs(table))
-            except RegistrationError:
-                raise
-            except Exception as exc:
-                raise RegistrationError(f"could not prepare the local descriptors: {exc}") from exc
-
-    # -- peers ----------------------------------------------------------------------
-    def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
-        with self._lock:
-            agent = self._live()
-            try:
-                name = PeerHandle(agent.add_remote(metadata))
-            except Exception as exc:
-                raise PeerError(f"{self.adapter.description} rejected a peer: {exc}") from exc
-            old = self._peers.pop(name, None)
-            if old is not None:
-                agent.release_descs(old)
-            try:
-                self._peers[name] = agent.prep_descs(name, _mem_kind_of(table), _descs(table))
-            except Exception as exc:
-                agent.remove_remote(name)
-                raise PeerError(f"could not prepare descriptors of peer {name}: {exc}") from exc
-            return name
-
-    def remove_peer(self, peer: PeerHandle) -> None:
-        with self._lock:
-            prepared = self._peers.pop(peer, None)
-            if prepared is None or self._agent is None:
-                return
-            for handle, (xfer, owner) in list(self._xfers.items()):
-                if owner == peer:
-                    self._release_locked(handle, xfer)
-            self._agent.release_descs(prepared)
-            try:
-                self._agent.remove_remote(peer)
-            except Exception as exc:  # the peer may be gone already; nothing to undo
-                log.debug("removing RBLN peer %s: %s", peer, exc)
-
-    # -- transfers ------------------------------------------------------------------
-    def post(
-        self,
-        op: XferOp,
-        peer: PeerHandle,
-        local_ids: npt.NDArray[np.int64],
-        remote_ids: npt.NDArray[np.int64],
-        notification: bytes = b"",
-    ) -> XferHandle:
-        with self._lock:
-            agent = self._live()
-            remote = self._peers.get(peer)
-            if remote is None:
-                raise PeerError(f"unknown or removed peer {peer!r}")
-            if self._local is None:
-                raise RegistrationError("post before prepare_local")
-            try:
-                xfer = agent.post(op, self._local, local_ids, remote, remote_ids, notification)
-            except BackendError:
-                raise
-            except Exception as exc:
-                raise BackendError(
-                    f"{self.adapter.description} refused a {op.value} to {peer}: {exc}"
-                ) from exc
-            handle = XferHandle(next(self._ids))
-            self._xfers[handle] = (xfer, peer)
-            return handle
-
-    def status(self, handle: XferHandle) -> XferStatus:
-        with self._lock:
-            entry = self._xfers.get(handle)
-            if entry is None or self._agent is None:
-                return XferStatus.FAILED
-            try:
-                return self._agent.state(entry[0])
-            except Exception as exc:
-                log.warning("transfer %d to %s: %s", handle, entry[1], exc)
-                return XferStatus.FAILED
-
-    def _release_locked(self, handle: XferHandle, xfer: object) -> None:
-        self._xfers.pop(handle, None)
-        if self._agent is None:
-            return
-        try:
-            self._agent.release_xfer(xfer)
-        except Exception as exc:
-            # A request still in flight cannot be released; it goes with the agent.
-            log.debug("releasing transfer %d: %s", handle, exc)
-
-    def release(self, handle: XferHandle) -> None:
-        with self._lock:
-            entry = self._xfers.get(handle)
-            if entry is not None:
-                self._release_locked(handle, entry[0])
-
-    # -- notifications --------------------------------------------------------------
-    def notify(self, peer: PeerHandle, payload: bytes) -> None:
-        with self._lock:
-            agent = self._live()
-            if peer not in self._peers:
-                raise PeerError(f"unknown or removed peer {peer!r}")
-            try:
-                agent.send_notification(peer, payload)
-            except Exception as exc:
-                raise PeerError(f"could not notify {peer}: {exc}") from exc
-
-    def drain_notifications(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            if self._agent is None:
-                return []
-            return self._agent.notifications()
-
-    # -- teardown -------------------------------------------------------------------
-    def close(self) -> None:
-        # Transfers, then prepared lists, then peers, then memory, then the agent:
-        # NIXL processes crash at exit when a handle outlives what it depends on.
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            agent = self._agent
-            if agent is None:
-                return
-            for handle, (xfer, _) in list(self._xfers.items()):
-                self._release_locked(handle, xfer)
-            for peer in list(self._peers):
-                self.remove_peer(peer)
-            if self._local is not None:
-                agent.release_descs(self._local)
-                self._local = None
-            for reg in self._registrations:
-                try:
-                    agent.deregister(reg)
-                except Exception as exc:
-                    log.warning("deregistering memory: %s", exc)
-            self._registrations.clear()
-            agent.close()
-            self._agent = None

@@ -34,7 +34,7 @@ from kvxfer.backend import XferOp, XferStatus
 from kvxfer.errors import BackendError
 from kvxfer.layout import MemKind
 
-__all__ = ["NixlAgentAdapter", "RblnAdapter", "RblnAgent"]
+__all__ = ["NixlAgentAdapter", "NixlPluginAgent", "RblnAdapter", "RblnAgent"]
 
 log = logging.getLogger("kvxfer.backends.rbln_adapter")
 
@@ -125,8 +125,9 @@ class RblnAdapter(Protocol):
 _OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
 
 
-class _NixlAgent:
-    """:class:`RblnAgent` over a ``nixl._api.nixl_agent`` with one plugin."""
+class NixlPluginAgent:
+    """:class:`RblnAgent` over a ``nixl._api.nixl_agent`` with one plugin (the ``ucx``
+    backend drives NIXL's UCX plugin through it too)."""
 
     def __init__(self, agent: Any, plugin: str, mem_names: Mapping[MemKind, str]) -> None:
         self._agent = agent
@@ -280,4 +281,4 @@ class NixlAgentAdapter:
                 f"NIXL has no {self.plugin} plugin here (plugins: {agent.plugin_list})"
             )
         agent.create_backend(self.plugin, self.plugin_params(rails, stripe_width))
-        return _NixlAgent(agent, self.plugin, self.mem_names)
+        return NixlPluginAgent(agent, self.plugin, self.mem_names)

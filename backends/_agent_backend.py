@@ -1,0 +1,297 @@
+"""What the NIXL backends share: handle bookkeeping over one NIXL-style agent.
+
+``ucx`` and ``nixl_rbln`` differ only in how their agent is made (NIXL's UCX plugin,
+or the nixl-rbln adapter) and in what they can do; the rest is this class. It keeps
+the prepared descriptor lists (the local one, one per peer), the posted transfers and
+their peers, and it tears all of it down in the one order NIXL survives.
+
+Teardown order matters: NIXL/UCX processes crash at interpreter exit when a memory
+registration outlives its agent or a prepared list outlives its registration.
+:meth:`AgentBackend.close` releases transfers, then prepared lists, then peers, then
+memory, then the agent, and is registered with ``atexit`` (through a weak reference)
+so an engine that forgets to close still exits cleanly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.backend import Backend, BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
+from kvxfer.errors import BackendError, PeerError, RegistrationError
+from kvxfer.layout import MemKind
+
+if TYPE_CHECKING:
+    from kvxfer.backends.rbln_adapter import RblnAgent
+    from kvxfer.descriptors import DescriptorTable
+    from kvxfer.layout import KVLayout
+
+__all__ = ["AgentBackend", "merged_intervals"]
+
+log = logging.getLogger("kvxfer.backends")
+
+
+def merged_intervals(
+    starts: npt.NDArray[np.uint64], ends: npt.NDArray[np.uint64]
+) -> list[tuple[int, int]]:
+    """Union of half-open byte intervals, as sorted disjoint ``(start, end)`` pairs.
+
+    Regions of one tensor can interleave (K and V of a block side by side), and NIXL
+    refuses overlapping registrations, so memory is registered as this union.
+    """
+    if len(starts) == 0:
+        return []
+    order = np.argsort(starts, kind="stable")
+    s = starts[order].astype(np.int64)
+    e = ends[order].astype(np.int64)
+    reach = np.maximum.accumulate(e)
+    # A new interval starts wherever it begins after everything before it ended.
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    idx = np.flatnonzero(new)
+    last = np.append(idx[1:] - 1, len(s) - 1)
+    return [(int(a), int(b)) for a, b in zip(s[idx], reach[last])]
+
+
+def region_extents(layout: KVLayout) -> dict[tuple[MemKind, int], list[tuple[int, int]]]:
+    """Per (memory kind, device): the merged byte ranges the layout's regions span."""
+    groups: dict[tuple[MemKind, int], tuple[list[int], list[int]]] = {}
+    for r in layout.regions:
+        starts, ends = groups.setdefault((r.mem, r.device_id), ([], []))
+        starts.append(r.base)
+        ends.append(r.end)
+    return {
+        key: merged_intervals(np.array(s, dtype=np.uint64), np.array(e, dtype=np.uint64))
+        for key, (s, e) in groups.items()
+    }
+
+
+def _mem_kind_of(table: DescriptorTable) -> MemKind:
+    kinds = {r.mem for r in table.layout.regions}
+    if len(kinds) != 1:
+        raise RegistrationError(f"a descriptor table must hold one memory kind, got {kinds}")
+    return kinds.pop()
+
+
+def _descs(table: DescriptorTable) -> npt.NDArray[np.uint64]:
+    return np.stack([table.addr, table.length, table.device.astype(np.uint64)], axis=1)
+
+
+class AgentBackend(Backend):
+    """A :class:`~kvxfer.backend.Backend` over one NIXL-style agent.
+
+    Subclasses make the agent and say what it can do (``name``, ``capabilities``).
+
+    Args:
+        options: The backend options (the agent is already named after them).
+        agent: The endpoint (see :class:`~kvxfer.backends.rbln_adapter.RblnAgent`).
+        description: What moves the bytes, for errors and logs ("NIXL plugin UCX").
+    """
+
+    def __init__(self, options: BackendOptions, agent: RblnAgent, description: str) -> None:
+        self._options = options
+        self._agent: RblnAgent | None = agent
+        self._description = description
+        self._lock = threading.RLock()
+        self._registrations: list[object] = []
+        self._local: object | None = None
+        self._peers: dict[PeerHandle, object] = {}  # peer -> its prepared descriptor list
+        self._xfers: dict[XferHandle, tuple[object, PeerHandle]] = {}
+        self._ids = itertools.count(1)
+        self._registered: KVLayout | None = None
+        self._closed = False
+        # atexit holds only a weak reference: a backend dropped early is closed by GC.
+        ref = weakref.ref(self)
+
+        def _close_at_exit() -> None:
+            backend = ref()
+            if backend is not None:
+                backend.close()
+
+        atexit.register(_close_at_exit)
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def agent_name(self) -> str:
+        return self._options.agent_name
+
+    def _live(self) -> RblnAgent:
+        if self._agent is None:
+            raise BackendError(f"backend {self.agent_name} is closed")
+        return self._agent
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            return self._live().metadata()
+
+    # -- memory ---------------------------------------------------------------------
+    def register(self, layout: KVLayout) -> KVLayout:
+        with self._lock:
+            agent = self._live()
+            if self._registered is not None:
+                raise RegistrationError("this backend already registered a layout")
+            # Shards of one device are registered together; K/V of one tensor
+            # interleave, and NIXL refuses overlapping ranges: register the union.
+            for (kind, device), spans in region_extents(layout).items():
+                try:
+                    reg = agent.register(kind, device, [(s, e - s) for s, e in spans])
+                except Exception as exc:
+                    raise RegistrationError(
+                        f"{self._description} refused {len(spans)} {kind.value} "
+                        f"range(s) on device {device}: {exc}"
+                    ) from exc
+                self._registrations.append(reg)
+            self._registered = layout
+            return layout
+
+    def prepare_local(self, table: DescriptorTable) -> None:
+        with self._lock:
+            agent = self._live()
+            if self._local is not None:
+                agent.release_descs(self._local)
+                self._local = None
+            try:
+                self._local = agent.prep_descs(None, _mem_kind_of(table), _descs(table))
+            except RegistrationError:
+                raise
+            except Exception as exc:
+                raise RegistrationError(f"could not prepare the local descriptors: {exc}") from exc
+
+    # -- peers ----------------------------------------------------------------------
+    def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
+        with self._lock:
+            agent = self._live()
+            try:
+                name = PeerHandle(agent.add_remote(metadata))
+            except Exception as exc:
+                raise PeerError(f"{self._description} rejected a peer: {exc}") from exc
+            old = self._peers.pop(name, None)
+            if old is not None:
+                agent.release_descs(old)
+            try:
+                self._peers[name] = agent.prep_descs(name, _mem_kind_of(table), _descs(table))
+            except Exception as exc:
+                agent.remove_remote(name)
+                raise PeerError(f"could not prepare descriptors of peer {name}: {exc}") from exc
+            return name
+
+    def remove_peer(self, peer: PeerHandle) -> None:
+        with self._lock:
+            prepared = self._peers.pop(peer, None)
+            if prepared is None or self._agent is None:
+                return
+            for handle, (xfer, owner) in list(self._xfers.items()):
+                if owner == peer:
+                    self._release_locked(handle, xfer)
+            self._agent.release_descs(prepared)
+            try:
+                self._agent.remove_remote(peer)
+            except Exception as exc:  # the peer may be gone already; nothing to undo
+                log.debug("removing peer %s: %s", peer, exc)
+
+    # -- transfers ------------------------------------------------------------------
+    def post(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        with self._lock:
+            agent = self._live()
+            remote = self._peers.get(peer)
+            if remote is None:
+                raise PeerError(f"unknown or removed peer {peer!r}")
+            if self._local is None:
+                raise RegistrationError("post before prepare_local")
+            try:
+                xfer = agent.post(op, self._local, local_ids, remote, remote_ids, notification)
+            except BackendError:
+                raise
+            except Exception as exc:
+                if "DISCONNECT" in str(exc):  # UCX's endpoint to a dead peer
+                    raise PeerError(f"peer {peer} disconnected during a {op.value}: {exc}") from exc
+                raise BackendError(
+                    f"{self._description} refused a {op.value} to {peer}: {exc}"
+                ) from exc
+            handle = XferHandle(next(self._ids))
+            self._xfers[handle] = (xfer, peer)
+            return handle
+
+    def status(self, handle: XferHandle) -> XferStatus:
+        with self._lock:
+            entry = self._xfers.get(handle)
+            if entry is None or self._agent is None:
+                return XferStatus.FAILED
+            try:
+                return self._agent.state(entry[0])
+            except Exception as exc:
+                log.warning("transfer %d to %s: %s", handle, entry[1], exc)
+                return XferStatus.FAILED
+
+    def _release_locked(self, handle: XferHandle, xfer: object) -> None:
+        self._xfers.pop(handle, None)
+        if self._agent is None:
+            return
+        try:
+            self._agent.release_xfer(xfer)
+        except Exception as exc:
+            # NIXL refuses to release a request still in flight; it goes with the agent.
+            # Never let that turn into a crash of the caller.
+            log.debug("releasing transfer %d: %s", handle, exc)
+
+    def release(self, handle: XferHandle) -> None:
+        with self._lock:
+            entry = self._xfers.get(handle)
+            if entry is not None:
+                self._release_locked(handle, entry[0])
+
+    # -- notifications --------------------------------------------------------------
+    def notify(self, peer: PeerHandle, payload: bytes) -> None:
+        with self._lock:
+            agent = self._live()
+            if peer not in self._peers:
+                raise PeerError(f"unknown or removed peer {peer!r}")
+            try:
+                agent.send_notification(peer, payload)
+            except Exception as exc:
+                raise PeerError(f"could not notify {peer}: {exc}") from exc
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            if self._agent is None:
+                return []
+            return self._agent.notifications()
+
+    # -- teardown -------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            agent = self._agent
+            if agent is None:
+                return
+            for handle, (xfer, _) in list(self._xfers.items()):
+                self._release_locked(handle, xfer)
+            for peer in list(self._peers):
+                self.remove_peer(peer)
+            if self._local is not None:
+                agent.release_descs(self._local)
+                self._local = None
+            for reg in self._registrations:
+                try:
+                    agent.deregister(reg)
+                except Exception as exc:
+                    log.warning("deregistering memory: %s", exc)
+            self._registrations.clear()
+            agent.close()
+            self._agent = None
