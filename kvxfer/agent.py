@@ -262,6 +262,11 @@ def _id_arrays(groups: tuple[tuple[int, ...], ...]) -> npt.NDArray[np.int64] | l
     """Block ids as build_plan takes them fastest: one int64 array for one group."""
     if len(groups) == 1:
         return np.array(groups[0], dtype=np.int64)
+    first = groups[0]
+    if all(g == first for g in groups):
+        # One list for every group (as engines pass it): one array, shared, which
+        # build_plan turns into ids for all groups with a single broadcast.
+        return [np.array(first, dtype=np.int64)] * len(groups)
     return [np.array(g, dtype=np.int64) for g in groups]
 
 

@@ -164,6 +164,9 @@ class DescriptorTable:
     # chunks, no window selection): per group, the first descriptor id of each region, and the bytes
     # of one block over all of the group's regions. None when some group cuts blocks.
     _whole: tuple[tuple[IntArray, int], ...] | None = None
+    # The same over every group at once (the groups' rows in group order), for the
+    # common request that lists the same blocks for every group.
+    _whole_all: tuple[IntArray, int] | None = None
 
     @classmethod
     def build(cls, layout: KVLayout, options: PlanOptions | None = None) -> DescriptorTable:
@@ -220,6 +223,12 @@ class DescriptorTable:
             tuple((r.block_len, r.shard, r.group) for r in regions),
             options,
         )
+        whole = (
+            tuple((_readonly(c.regions * nb), int(block_len[c.regions].sum())) for c in cuts)
+            if not options.chunk_mode
+            and all(c.section is Section.WHOLE and not c.window for c in cuts)
+            else None
+        )
         return cls(
             layout=layout,
             options=options,
@@ -233,10 +242,10 @@ class DescriptorTable:
             _shard_start=_readonly(shard * tokens if spans > 1 else np.zeros_like(shard)),
             single_device=int(dev[0]) if (dev == dev[0]).all() else None,
             _key=key,
-            _whole=(
-                tuple((_readonly(c.regions * nb), int(block_len[c.regions].sum())) for c in cuts)
-                if not options.chunk_mode
-                and all(c.section is Section.WHOLE and not c.window for c in cuts)
+            _whole=whole,
+            _whole_all=(
+                (_readonly(np.concatenate([rows for rows, _ in whole])), sum(b for _, b in whole))
+                if whole is not None
                 else None
             ),
         )
@@ -461,6 +470,20 @@ def _whole_plan(
         return None
     needed = -(-num_tokens // local.layout.block_size)
     nb, remote_nb = local.layout.num_blocks, remote.layout.num_blocks
+    if (
+        len(whole) > 1
+        and all(a is mine_g[0] for a in mine_g)
+        and all(b is theirs_g[0] for b in theirs_g)
+        and local._whole_all is not None
+        and remote._whole_all is not None
+    ):
+        # Every group lists the same blocks (one list for the whole model, as engines
+        # pass it): one broadcast over all groups' rows gives the same ids, in order.
+        groups = len(whole)
+        mine_g, theirs_g = mine_g[:1], theirs_g[:1]
+        whole, theirs = (local._whole_all,), (remote._whole_all,)
+    else:
+        groups = 0
     local_ids, remote_ids, touched = [], [], []
     nbytes = 0
     for (rows, block_bytes), (remote_rows, _), lb, rb in zip(whole, theirs, mine_g, theirs_g):
@@ -482,7 +505,7 @@ def _whole_plan(
         remote_ids=remote_ids[0] if one else np.concatenate(remote_ids),
         nbytes=nbytes,
         num_tokens=num_tokens,
-        local_blocks=tuple(touched),
+        local_blocks=tuple(touched) * groups if groups else tuple(touched),
         _key=local._key,
     )
 

@@ -135,12 +135,28 @@ def test_fast_path_plans_equal_the_general_path(case: kst.PlanCase) -> None:
         else [np.array(g, dtype=np.int64) for g in req.remote_blocks],
         req.num_tokens,
     )
-    np.testing.assert_array_equal(fast.local_ids, general.local_ids)
-    np.testing.assert_array_equal(fast.remote_ids, general.remote_ids)
-    assert fast.nbytes == general.nbytes and fast.num_tokens == general.num_tokens
-    assert len(fast.local_blocks) == len(general.local_blocks)
-    for a, b in zip(fast.local_blocks, general.local_blocks):
-        np.testing.assert_array_equal(a, b)
+    _assert_same_plan(fast, general)
+    # One block list for every group, as engines pass it: one array object shared by
+    # all groups takes the single-broadcast shortcut.
+    mine, theirs = req.local_blocks[0], req.remote_blocks[0]
+    n = len(req.local_blocks)
+    shared = build_plan(
+        local,
+        remote,
+        [np.array(mine, dtype=np.int64)] * n if n > 1 else np.array(mine, dtype=np.int64),
+        [np.array(theirs, dtype=np.int64)] * n if n > 1 else np.array(theirs, dtype=np.int64),
+        req.num_tokens,
+    )
+    _assert_same_plan(shared, build_plan(local, remote, [mine] * n, [theirs] * n, req.num_tokens))
+
+
+def _assert_same_plan(a: Plan, b: Plan) -> None:
+    np.testing.assert_array_equal(a.local_ids, b.local_ids)
+    np.testing.assert_array_equal(a.remote_ids, b.remote_ids)
+    assert a.nbytes == b.nbytes and a.num_tokens == b.num_tokens
+    assert len(a.local_blocks) == len(b.local_blocks)
+    for x, y in zip(a.local_blocks, b.local_blocks):
+        np.testing.assert_array_equal(x, y)
 
 
 def _gather(table: DescriptorTable, ids: I64) -> tuple[I64, I64]:
