@@ -17,7 +17,6 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -207,11 +206,11 @@ class Pipelined:
             return XferStatus.PENDING if pending else XferStatus.DONE
 
     def release(self, transport: Backend) -> None:
-        """Release every slice's transport handle."""
-        for h in self.handles:
-            transport.release(h)
-        self.handles = []
-
-    def describe(self) -> dict[str, Any]:
-        """Slices and their state (for logs and tests)."""
-        return {"op": self.op.value, "slices": len(self.tasks), "moved": sum(self.moved)}
+        """Release every slice's transport handle; the job reports FAILED from now on
+        unless it already finished."""
+        with self.lock:
+            for h in self.handles:
+                transport.release(h)
+            self.handles, self.moved = [], []
+            if self.error is None:
+                self.error = "released"
