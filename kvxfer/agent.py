@@ -40,6 +40,7 @@ import numpy.typing as npt
 
 from kvxfer import wire
 from kvxfer._peers import Peer, PeerCache
+from kvxfer._serial import SerialWorker
 from kvxfer.backend import Backend, BackendOptions, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
 from kvxfer.config import Direction, Role
@@ -329,7 +330,8 @@ class Agent:
         self._wake = threading.Event()
         self._idle_nap = True  # the progress thread sleeps its long idle interval
         self._thread: threading.Thread | None = None
-        self._pusher: ThreadPoolExecutor | None = None
+        self._pusher = SerialWorker("kvxfer-push")
+        self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
         self._io_pool: ThreadPoolExecutor | None = None
         # Settlements (DONE / ABORT notices, Release messages) that arrived before the
         # engine's hold() of that request: kept briefly so the hold frees at once.
@@ -622,10 +624,9 @@ class Agent:
                 incarnation=self.incarnation,
             )
         )
-        with self._lock:
-            if transfer.done:  # the agent closed meanwhile
-                return
-            self._post(transfer, XferOp.READ, peer, groups, ticket.block_ids, tokens, notice)
+        if transfer.done:  # the agent closed meanwhile
+            return
+        self._post(transfer, XferOp.READ, peer, groups, ticket.block_ids, tokens, notice)
         if transfer.state is TransferState.FAILED:
             # Nothing was read: let the producer free its blocks now, not at lease expiry.
             self.abort(ticket)
@@ -751,9 +752,9 @@ class Agent:
             for t in list(self._transfers.values()):
                 self._fail(t, FailureKind.ABORTED, TransferError("agent closed"))
         self._wake.set()
-        for pool in (self._pusher, self._io_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        self._pusher.shutdown()
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._server is not None:
@@ -796,6 +797,9 @@ class Agent:
         num_tokens: int,
         notification: bytes | Callable[[int], bytes],
     ) -> None:
+        """Plan and post one transfer. Called without the agent lock: with UCX over CMA
+        (and the host bounce's staging copies) a post moves bytes before it returns, and
+        the lock held that long would stall the engine's hold(), pull() and freed()."""
         table, _ = self._require_registered()
         t0 = time.perf_counter()
         try:
@@ -818,8 +822,12 @@ class Agent:
             self._fail(transfer, kind, exc)
             return
         transfer.stats.post_s = time.perf_counter() - t1
-        transfer.meta["handle"] = handle
-        transfer.meta["peer"] = peer
+        with self._lock:
+            if transfer.done:  # failed meanwhile (agent closed, deadline passed)
+                self.backend.release(handle)
+                return
+            transfer.meta["peer"] = peer
+            transfer.meta["handle"] = handle
         if self.backend.status(handle) is XferStatus.DONE:
             # Moved inside post (UCX over CMA copies synchronously): settle now rather
             # than hand the completion to the progress thread (a GIL hand-off per pull).
@@ -898,11 +906,16 @@ class Agent:
     def _run(self) -> None:
         # Sleeps between ticks: short while anything is in flight, long when idle, so
         # an idle agent costs nothing (NIXL's own progress thread would spin a core).
+        interval, woken = 0.0, True
         while not self._closed:
-            try:
-                self._tick()
-            except Exception:  # never let the progress thread die silently
-                log.exception("kvxfer progress thread")
+            # Skip a round that was not asked for when another thread (a waiter in
+            # Transfer.wait, the engine's freed()) ticked within it: it would add only
+            # lock and GIL traffic, which on a small host delays that very thread.
+            if woken or time.monotonic() - self._last_tick >= interval:
+                try:
+                    self._tick()
+                except Exception:  # never let the progress thread die silently
+                    log.exception("kvxfer progress thread")
             self._idle_nap = True  # before reading the state: see _nudge
             if self._transfers:
                 interval = self.config.progress_interval_s
@@ -914,41 +927,55 @@ class Agent:
             else:
                 interval = 0.05
             self._idle_nap = interval == 0.05
-            self._wake.wait(interval)
+            woken = self._wake.wait(interval)
             self._wake.clear()
 
     def _tick(self) -> None:
+        """One round of progress, from any thread. The agent lock covers bookkeeping
+        only: backend calls (which wait for the backend's own lock while another thread
+        posts) and staging copies run outside it, so a long post never stalls the
+        engine's calls."""
         if self._closed:
             return
+        self._last_tick = time.monotonic()
+        notes = self.backend.drain_notifications()
         with self._lock:
-            self._handle_notifications()
-            now_wall, now = time.time(), time.monotonic()
-            for t in list(self._transfers.values()):
-                handle = t.meta.get("handle")
-                if handle is not None:
-                    state = self.backend.status(handle)
-                    if state is XferStatus.DONE:
-                        self._landed(t)
-                        continue
-                    if state is XferStatus.FAILED:
-                        peer = t.meta.get("peer")
-                        if peer is not None:
-                            self._peers.mark_suspect(peer)
-                        self._fail(
-                            t,
-                            FailureKind.TRANSPORT,
-                            TransferError("the transport reported an error"),
-                        )
-                        continue
-                if now > t.deadline:
+            complete = self._handle_notifications(notes) if notes else []
+            polled = [(t, t.meta.get("handle")) for t in self._transfers.values()]
+        for t in complete:
+            self._succeed(t)
+        now = time.monotonic()
+        for t, handle in polled:
+            if t.done:
+                continue
+            if handle is not None:
+                state = self.backend.status(handle)
+                if state is XferStatus.DONE:
+                    self._landed(t)
+                    continue
+                if state is XferStatus.FAILED:
+                    peer = t.meta.get("peer")
+                    if peer is not None:
+                        self._peers.mark_suspect(peer)
                     self._fail(
-                        t,
-                        FailureKind.TIMEOUT,
-                        TransferTimeout(
-                            f"transfer {t.request_id} not complete after "
-                            f"{self.config.transfer_timeout_s:g}s"
-                        ),
+                        t, FailureKind.TRANSPORT, TransferError("the transport reported an error")
                     )
+                    continue
+            if now > t.deadline:
+                self._fail(
+                    t,
+                    FailureKind.TIMEOUT,
+                    TransferTimeout(
+                        f"transfer {t.request_id} not complete after "
+                        f"{self.config.transfer_timeout_s:g}s"
+                    ),
+                )
+        if self._early or self._leases:
+            self._tick_leases(now)
+
+    def _tick_leases(self, now: float) -> None:
+        now_wall = time.time()
+        with self._lock:
             if self._early:
                 horizon = now - _EARLY_KEEP_S
                 for rid in [r for r, t in self._early.items() if t < horizon]:
@@ -964,8 +991,11 @@ class Agent:
                     self._start_push(lease)
 
     # notifications & control messages --------------------------------------------------
-    def _handle_notifications(self) -> None:
-        for sender, payload in self.backend.drain_notifications():
+    def _handle_notifications(self, notes: list[tuple[str, bytes]]) -> list[Transfer]:
+        """Act on drained notices (under the lock); returns the push receptions that are
+        now complete, for the caller to settle outside the lock (stage-in copies)."""
+        complete: list[Transfer] = []
+        for sender, payload in notes:
             try:
                 # With a shared secret a notice must be signed by it: a DONE frees held
                 # blocks and a PUSHED settles a transfer, so neither may be forged.
@@ -993,13 +1023,17 @@ class Agent:
                         TransferError(f"producer {notice.engine_id} reported a failed write"),
                     )
             elif notice.kind is wire.NoticeKind.PUSHED:
-                self._on_pushed(notice)
+                t = self._on_pushed(notice)
+                if t is not None:
+                    complete.append(t)
+        return complete
 
-    def _on_pushed(self, notice: wire.Notice) -> None:
+    def _on_pushed(self, notice: wire.Notice) -> Transfer | None:
+        """Record one PUSHED notice; returns the transfer once every write landed."""
         t = self._expected_push.get(notice.request_id)
         if t is None:
             log.warning("write notice for unknown request %s", notice.request_id)
-            return
+            return None
         # Settle only when the final notice arrived and the writes announced so far
         # cover every expected block of every group: no gaps (R-XFER-2).
         covered: list[set[int]] = t.meta.setdefault("covered", [set() for _ in t.local_blocks])
@@ -1012,7 +1046,8 @@ class Agent:
             # every write of the request has landed: no gaps (R-XFER-2)
             self._expected_push.pop(notice.request_id, None)
             t.meta["stage_in"] = True
-            self._succeed(t)
+            return t
+        return None
 
     def _on_control_message(self, msg: Any) -> Any:
         """Side-channel messages other than the handshake (runs on the server thread)."""
@@ -1088,8 +1123,6 @@ class Agent:
         transfer.meta["lease"] = lease.request_id
         # Tokens inside the written slice: whole blocks, except the request's tail.
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
-        if self._pusher is None:
-            self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-push")
         early, lease.final_notice = (lease.final_notice if final else None), None
         self._pusher.submit(
             self._post_write, transfer, target, local, remote, max(tokens, 0), final, early
@@ -1112,19 +1145,18 @@ class Agent:
             return
         transfer.meta["push_peer"] = peer
         notice = self._pushed_notice(target, remote, final, early)
-        with self._lock:
-            if transfer.done:  # failed meanwhile (agent closing, lease gone)
+        if transfer.done:  # failed meanwhile (agent closing, lease gone)
+            return
+        if not any(local):
+            # Everything was streamed already: only the final notice is left to send.
+            try:
+                self.backend.notify(peer.handle, notice)
+            except KvxferError as exc:
+                self._fail(transfer, FailureKind.PEER_GONE, exc)
                 return
-            if not any(local):
-                # Everything was streamed already: only the final notice is left to send.
-                try:
-                    self.backend.notify(peer.handle, notice)
-                except KvxferError as exc:
-                    self._fail(transfer, FailureKind.PEER_GONE, exc)
-                    return
-                self._succeed(transfer)
-                return
-            self._post(transfer, XferOp.WRITE, peer, local, remote, tokens, notice)
+            self._succeed(transfer)
+            return
+        self._post(transfer, XferOp.WRITE, peer, local, remote, tokens, notice)
 
     def _pushed_notice(
         self,

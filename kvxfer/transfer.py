@@ -22,6 +22,9 @@ from kvxfer.errors import KvxferError, TransferError, TransferTimeout
 __all__ = ["FailureKind", "Transfer", "TransferState", "TransferStats"]
 
 _NAP_S = 0.0002  # wait() polls this often
+# Settling is rare and brief; one lock for all transfers keeps two threads that both
+# saw the completion (a waiter and the progress thread) from settling it twice.
+_SETTLE_LOCK = threading.Lock()
 
 
 class TransferState(enum.Enum):
@@ -82,6 +85,7 @@ class Transfer:
         self.deadline = deadline
         self._progress = progress
         self._state = TransferState.PENDING
+        self._settled = False  # claimed by the one _settle call that wins
         self._error: KvxferError | None = None
         self._done = threading.Event()
         self._started = time.perf_counter()
@@ -157,8 +161,10 @@ class Transfer:
     # -- agent side -----------------------------------------------------------------
     def _settle(self, state: TransferState, error: KvxferError | None = None) -> bool:
         """Move to DONE or FAILED once; returns False if already settled."""
-        if self._state is not TransferState.PENDING:
-            return False
+        with _SETTLE_LOCK:
+            if self._settled:
+                return False
+            self._settled = True
         self.stats.transfer_s = time.perf_counter() - self._started
         if state is TransferState.FAILED:
             if error is None:

@@ -1,0 +1,63 @@
+"""A single thread that runs submitted calls one after another (the push writer).
+
+Lighter than a one-worker ``ThreadPoolExecutor`` on the push path: no future per call,
+a C queue, and nothing on the caller's side but a ``put`` (the writer hand-off sits on
+every push's critical path). Calls run in submission order, which keeps a request's
+streamed writes ahead of its final one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["SerialWorker"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class SerialWorker:
+    """Runs ``submit``-ted calls in order on one daemon thread, started on first use.
+
+    Exceptions are logged (the calls report their own failures on their transfers);
+    after :meth:`shutdown` the calls still queued are dropped, not run.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)``; ignored once shut down."""
+        if self._thread is None:
+            with self._lock:
+                if self._closed:
+                    return
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+        self._queue.put((fn, args))
+
+    def shutdown(self) -> None:
+        """Stop after the call in progress; queued calls are dropped. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None or self._closed:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:  # a writer thread never dies silently
+                log.exception("kvxfer %s", self._name)

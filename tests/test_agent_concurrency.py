@@ -1,0 +1,164 @@
+"""A long post never stalls the engine's other calls.
+
+With UCX over CMA (and the host bounce's staging copies) a backend's ``post`` moves the
+bytes before it returns: tens to hundreds of milliseconds for a long prompt. The engine
+keeps calling ``hold()``, ``freed()``, ``stats()`` and ``progress()`` from its step
+loop meanwhile; none of them may wait for that post. Here a fake backend's post blocks
+until the test opens a gate, and the engine's calls must answer while it is shut.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvxfer.agent import Agent, AgentConfig, Ticket
+from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp
+from kvxfer.compat import Fingerprint
+from kvxfer.config import Direction, Role
+from kvxfer.testing.fake_backend import FakeBackend
+from kvxfer.testing.kvcache import HostKVCache, ModelShape
+from kvxfer.transfer import Transfer, TransferState
+
+SHAPE = ModelShape(name="sm", layers=2, kv_heads=1, head_dim=8)
+SEED = 21
+_names = itertools.count()
+# Each engine call must answer well within this while a post is blocked (they take
+# microseconds; the margin is for a loaded CI machine).
+PROMPT_S = 0.5
+
+
+class GatedBackend(FakeBackend):
+    """A fake backend whose post waits for ``gate`` first, like a post that copies."""
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.posting = threading.Event()
+
+    def post(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        self.posting.set()
+        if not self.gate.wait(30):
+            raise AssertionError("the test never opened the gate")
+        return super().post(op, peer, local_ids, remote_ids, notification)
+
+
+def _fp(direction: Direction) -> Fingerprint:
+    return Fingerprint(
+        model="m",
+        dtype="bfloat16",
+        kv_cache_dtype="auto",
+        attention_backend="t",
+        direction=direction,
+    )
+
+
+def _agent(role: Role, direction: Direction, cache: HostKVCache) -> tuple[Agent, GatedBackend]:
+    name = f"{role.value}-{next(_names)}"
+    backend = GatedBackend(BackendOptions(agent_name=name))
+    agent = Agent(
+        AgentConfig(engine_id=name, fingerprint=_fp(direction), role=role, direction=direction),
+        backend=backend,
+    )
+    agent.register(cache.layout())
+    agent.serve()
+    return agent, backend
+
+
+@pytest.fixture(params=[Direction.PULL, Direction.PUSH], ids=["pull", "push"])
+def pair(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[Direction, Agent, GatedBackend, Agent, GatedBackend, HostKVCache]]:
+    direction: Direction = request.param
+    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
+    cons_cache = HostKVCache(SHAPE, 16, 16)
+    prod, prod_be = _agent(Role.PRODUCER, direction, prod_cache)
+    cons, cons_be = _agent(Role.CONSUMER, direction, cons_cache)
+    yield direction, prod, prod_be, cons, cons_be, cons_cache
+    for be in (prod_be, cons_be):
+        be.gate.set()
+    cons.close()
+    prod.close()
+
+
+def _prompt(call: Callable[[], object]) -> None:
+    t0 = time.monotonic()
+    call()
+    assert time.monotonic() - t0 < PROMPT_S, f"{call} waited for the blocked post"
+
+
+def _stub(prod: Agent, request_id: str) -> Ticket:
+    """What a push consumer knows before the prefill ran: where to register."""
+    host, port = prod.address
+    return Ticket(
+        engine_id=prod.config.engine_id,
+        host=host,
+        port=port,
+        request_id=request_id,
+        block_ids=((),),
+        num_tokens=0,
+    )
+
+
+def _start(
+    direction: Direction, prod: Agent, cons: Agent, rid: str, src: list[int], dst: list[int]
+) -> Transfer:
+    tokens = 16 * len(src)
+    if direction is Direction.PULL:
+        return cons.pull(prod.hold(rid, src, tokens), dst)
+    transfer = cons.expect_push(_stub(prod, rid), dst, num_tokens=tokens)
+    deadline = time.monotonic() + 10
+    while rid not in prod.holding():  # the registration arrives from a worker thread
+        assert time.monotonic() < deadline, "the consumer never registered"
+        time.sleep(0.001)
+    prod.hold(rid, src, tokens)  # hands the write to the writer thread
+    return transfer
+
+
+def test_engine_calls_answer_while_a_post_is_blocked(
+    pair: tuple[Direction, Agent, GatedBackend, Agent, GatedBackend, HostKVCache],
+) -> None:
+    direction, prod, prod_be, cons, cons_be, cons_cache = pair
+    # a first transfer, ungated, so the handshake is behind us
+    _start(direction, prod, cons, "warm", [0], [0]).wait(10)
+
+    # The next post blocks: the initiator's (the consumer's for a pull, issued from an
+    # engine thread of its own here; the producer's writer thread for a push).
+    gated, engine = (cons_be, cons) if direction is Direction.PULL else (prod_be, prod)
+    gated.gate.clear()
+    gated.posting.clear()
+    src, dst = [7, 8, 9], [3, 4, 5]
+    started: list[Transfer] = []
+    poster = threading.Thread(
+        target=lambda: started.append(_start(direction, prod, cons, "big", src, dst)),
+        daemon=True,
+    )
+    poster.start()
+    assert gated.posting.wait(10), "the post never started"
+
+    for call in (engine.freed, engine.stats, engine.progress, engine.holding):
+        _prompt(call)
+    _prompt(lambda: prod.hold("other", [11], 16))  # another request's hold
+    if direction is Direction.PUSH:
+        assert "big" in prod.holding()  # still held: its write has not landed
+
+    gated.gate.set()
+    poster.join(10)
+    (transfer,) = started
+    transfer.wait(10)
+    assert transfer.state is TransferState.DONE
+    assert cons_cache.mismatches(dst, src, SEED) == 0
