@@ -65,6 +65,7 @@ class AgentRuntime(abc.ABC):
     table: DescriptorTable | None
     stats_counters: AgentStats
     _auth_key: bytes | None
+    _stages: bool
     _lock: threading.RLock
     _peers: PeerCache
     _leases: dict[str, Lease]
@@ -206,7 +207,7 @@ class AgentRuntime(abc.ABC):
             self._succeed(t)
 
     def _succeed(self, transfer: Transfer) -> None:
-        if transfer.meta.get("stage_in"):
+        if self._stages and transfer.meta.get("stage_in"):
             self.backend.stage_in([np.asarray(g, dtype=np.int64) for g in transfer.local_blocks])
         if transfer._settle(TransferState.DONE):
             with self._lock:
@@ -370,6 +371,11 @@ class AgentRuntime(abc.ABC):
         if t is None:
             log.warning("write notice for unknown request %s", notice.request_id)
             return None
+        if notice.final and "covered" not in t.meta and notice.block_ids == t.local_blocks:
+            # the usual push: one final write of every expected block
+            self._expected_push.pop(notice.request_id, None)
+            t.meta["stage_in"] = True
+            return t
         # Settle only when the final notice arrived and the writes announced so far
         # cover every expected block of every group: no gaps (R-XFER-2).
         covered: list[set[int]] = t.meta.setdefault("covered", [set() for _ in t.local_blocks])

@@ -105,6 +105,7 @@ class Agent(PushProducer):
                 "chunk_mode, swa_window_mode and push_stream need a device-to-device backend",
             )
         self._log_prefix = "RBLN NIXL (D2D): " if caps.device_to_device else "kvxfer: "
+        self._stages = caps.stages_through_host  # stage_out / stage_in do something
         self.layout: KVLayout | None = None  # as the engine described it
         self.exposed_layout: KVLayout | None = None  # as peers address it
         self.table: DescriptorTable | None = None
@@ -270,7 +271,7 @@ class Agent(PushProducer):
         groups = as_groups(block_ids, len(layout.groups))
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
         host, port = self.address if self._server is not None else ("", 0)
-        if self.config.direction is Direction.PULL and not staged:
+        if self._stages and self.config.direction is Direction.PULL and not staged:
             # host bounce: the consumer reads the staging buffers, so fill them first
             # (a push stages each slice as it writes it: Backend.post_engine).
             self.backend.stage_out([np.asarray(g, dtype=np.int64) for g in groups])

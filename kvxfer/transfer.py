@@ -87,7 +87,8 @@ class Transfer:
         self._state = TransferState.PENDING
         self._settled = False  # claimed by the one _settle call that wins
         self._error: KvxferError | None = None
-        self._done = threading.Event()
+        # Made by the first wait() (most transfers are polled or settle inside post).
+        self._done: threading.Event | None = None
         self._started = time.perf_counter()
         self.meta: dict[str, Any] = {}  # agent bookkeeping (handles, peer)
 
@@ -138,6 +139,10 @@ class Transfer:
             # Short naps: a completion often shows only through polling (a notification
             # to drain), and this thread polling it beats a hand-off from the agent's
             # progress thread. A nap releases the GIL for the transfer's own threads.
+            if self._done is None:
+                self._done = threading.Event()
+                if self._state is not TransferState.PENDING:
+                    break  # settled before the event existed
             self._done.wait(_NAP_S if remaining is None else min(_NAP_S, remaining))
         self._raise_if_failed()
 
@@ -176,7 +181,8 @@ class Transfer:
             error.invalid_blocks = tuple(sorted({b for g in self.local_blocks for b in g}))
             self._error = error
         self._state = state
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
         return True
 
     def __repr__(self) -> str:
