@@ -120,7 +120,8 @@ class AgentRuntime(abc.ABC):
         )
         with self._lock:
             self._transfers[id(t)] = t
-        self._ensure_thread()
+        if self._thread is None:
+            self._ensure_thread()
         return t
 
     def _post(
@@ -177,16 +178,15 @@ class AgentRuntime(abc.ABC):
         if kind is FailureKind.TIMEOUT and not isinstance(err, TransferTimeout):
             err = TransferTimeout(str(err))
         if transfer._settle(TransferState.FAILED, err):
+            handle = transfer.meta.pop("handle", None)
+            if handle is not None:
+                self.backend.release(handle)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
                 self.stats_counters.transfers_failed += 1
                 self.stats_counters.failures[kind.value] = (
                     self.stats_counters.failures.get(kind.value, 0) + 1
                 )
-            handle = transfer.meta.pop("handle", None)
-            if handle is not None:
-                self.backend.release(handle)
-            with self._lock:
                 self._settle_lease_write(transfer, ok=False)
             log.warning(
                 "transfer %s failed (%s): %s; %s",
@@ -210,6 +210,9 @@ class AgentRuntime(abc.ABC):
         if self._stages and transfer.meta.get("stage_in"):
             self.backend.stage_in([np.asarray(g, dtype=np.int64) for g in transfer.local_blocks])
         if transfer._settle(TransferState.DONE):
+            handle = transfer.meta.pop("handle", None)
+            if handle is not None:
+                self.backend.release(handle)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
                 c = self.stats_counters
@@ -218,10 +221,6 @@ class AgentRuntime(abc.ABC):
                 c.descriptors_posted += transfer.stats.descriptors
                 c.transfer_s_total += transfer.stats.transfer_s
                 c.post_s_total += transfer.stats.post_s
-            handle = transfer.meta.pop("handle", None)
-            if handle is not None:
-                self.backend.release(handle)
-            with self._lock:
                 self._settle_lease_write(transfer, ok=True)
 
     # -- progress ----------------------------------------------------------------------
