@@ -286,6 +286,10 @@ class AgentRuntime(abc.ABC):
                 continue
             if handle is not None:
                 state = self.backend.status(handle)
+                if t.done:
+                    # Settled meanwhile by another thread (a waiter, the poster), which
+                    # released the handle: a FAILED for that handle says nothing.
+                    continue
                 if state is XferStatus.DONE:
                     self._landed(t)
                     continue

@@ -19,10 +19,10 @@ import numpy.typing as npt
 import pytest
 
 from kvxfer.agent import Agent, AgentConfig, Ticket
-from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp
+from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
 from kvxfer.config import Direction, Role
-from kvxfer.testing.fake_backend import FakeBackend
+from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
 
@@ -162,3 +162,53 @@ def test_engine_calls_answer_while_a_post_is_blocked(
     transfer.wait(10)
     assert transfer.state is TransferState.DONE
     assert cons_cache.mismatches(dst, src, SEED) == 0
+
+
+class RacingBackend(FakeBackend):
+    """A fake backend whose next status() call first lets another thread settle the
+    transfer (a waiter and the progress thread both polling), then answers for the
+    handle that thread released meanwhile: FAILED, as NIXL backends answer."""
+
+    def __init__(self, options: BackendOptions) -> None:
+        super().__init__(options)
+        self.race: Callable[[], None] | None = None
+
+    def status(self, handle: XferHandle) -> XferStatus:
+        race, self.race = self.race, None
+        if race is not None:
+            other = threading.Thread(target=race, daemon=True)
+            other.start()
+            other.join(2)
+        return super().status(handle)
+
+
+def test_a_completion_seen_by_two_threads_is_no_failure() -> None:
+    """The loser of the race must not read the released handle's FAILED as a transport
+    error: that marked the peer suspect and made the next transfer handshake again."""
+    fp = _fp(Direction.PULL)
+    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
+    cons_cache = HostKVCache(SHAPE, 16, 16)
+    prod, _ = _agent(Role.PRODUCER, Direction.PULL, prod_cache)
+    backend = RacingBackend(BackendOptions(agent_name=f"race-{next(_names)}"))
+    cons = Agent(
+        AgentConfig(engine_id="d-race", fingerprint=fp, role=Role.CONSUMER), backend=backend
+    )
+    cons.register(cons_cache.layout())
+    try:
+        cons.pull(prod.hold("warm", [0], 16), [0]).wait(10)
+        handshakes = cons.stats().handshakes
+        # not done at the post's own status check: settled by a later poll, in the race
+        backend.faults = Faults(complete_after_polls=1)
+        for i in range(3):
+            rid = f"race-{i}"
+            transfer = cons.pull(prod.hold(rid, [5 + i], 16), [9 + i])
+            backend.race = cons.progress  # another thread settles it inside our poll
+            transfer.wait(10)
+            assert transfer.state is TransferState.DONE
+        stats = cons.stats()
+        assert stats.failures == {} and stats.transfers_failed == 0
+        assert stats.handshakes == handshakes, "a settled transfer marked its peer suspect"
+        assert cons_cache.mismatches([9, 10, 11], [5, 6, 7], SEED) == 0
+    finally:
+        cons.close()
+        prod.close()
