@@ -271,7 +271,9 @@ def _caches(fill: bool) -> dict[str, Any]:
     }
 
 
-def _worker(role: str, direction: str, caches: dict[str, Any]) -> WorkerSide:
+def _worker(
+    role: str, direction: str, caches: dict[str, Any], *, stages: bool = False
+) -> WorkerSide:
     from kvxfer.agent import Agent, AgentConfig
     from kvxfer.backend import BackendOptions
     from kvxfer.compat import Fingerprint
@@ -301,7 +303,9 @@ def _worker(role: str, direction: str, caches: dict[str, Any]) -> WorkerSide:
                 handshake_timeout_s=0.5,
                 handshake_retries=0,
             ),
-            backend=FakeBackend(BackendOptions(agent_name=f"{engine_id}#agent")),
+            backend=FakeBackend(
+                BackendOptions(agent_name=f"{engine_id}#agent"), stages_through_host=stages
+            ),
         )
 
     w = WorkerSide(cfg, agent_factory=factory)
@@ -609,7 +613,8 @@ def test_cpu_kv_cache_shape_describes_as_one_region_per_layer() -> None:
 def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    p = _worker("kv_producer", "pull", _caches(fill=True))
+    # a backend that stages through host memory (host bounce): stage_out copies
+    p = _worker("kv_producer", "pull", _caches(fill=True), stages=True)
     ps = _side(Role.PRODUCER, stage_early=True)
     info = p.handshake_info()
     assert info is not None
