@@ -120,34 +120,34 @@ class Measure:
         }
 
     # -- raw NIXL ---------------------------------------------------------------------
-    def _raw_ids(self, case: bc.Case) -> tuple[Any, Any, int, int]:
+    def _counts(self, plan: Any) -> dict[str, int]:
+        """What a raw request moved, worked out after its timed region."""
         assert self.tables is not None
-        plan = self._plan(case, self.tables)
         self.last_runs = len(plan.runs(*self.tables))
-        return (
-            plan.local_ids.astype(np.int32),
-            plan.remote_ids.astype(np.int32),
-            plan.num_descriptors,
-            plan.nbytes,
-        )
+        return {
+            "descriptors": plan.num_descriptors,
+            "bytes": plan.nbytes,
+            "runs": self.last_runs,
+        }
 
-    def _timed_ids(self, case: bc.Case) -> tuple[Any, Any, float]:
+    def _timed_ids(self, case: bc.Case) -> tuple[Any, Any, float, Any]:
         """The request's descriptor ids from the engine's block lists, as a raw NIXL
         user computes them per request (here with kvxfer's own algebra, so that they
-        are the identical descriptors): inside the timed region."""
+        are the identical descriptors): inside the timed region, and computed only
+        there. An untimed plan just before would run the timed one on warm caches,
+        which kvxfer's own per-request planning never gets."""
         assert self.tables is not None
         t0 = time.perf_counter()
         plan = self._plan(case, self.tables)
         lids, rids = plan.local_ids.astype(np.int32), plan.remote_ids.astype(np.int32)
-        return lids, rids, time.perf_counter() - t0
+        return lids, rids, time.perf_counter() - t0, plan
 
     def cmd_raw_read(self, payload: dict[str, Any]) -> dict[str, Any]:
         case = msgspec.convert(payload["case"], bc.Case)
         self._prepare_verify(case, payload["verify"])
-        _, _, n, nbytes = self._raw_ids(case)
         assert self.dlists is not None
         t0 = time.perf_counter()
-        lids, rids, ids_s = self._timed_ids(case)
+        lids, rids, ids_s, plan = self._timed_ids(case)
         # The DONE notice rides with the READ, as kvxfer's pull sends it.
         s, make_s = self.raw.xfer(
             "READ", self.dlists[0], lids, self.dlists[1], rids, DONE_NOTICE, 300
@@ -161,9 +161,7 @@ class Measure:
             "ids_s": ids_s,
             "make_s": make_s,
             "bad": bad,
-            "descriptors": n,
-            "bytes": nbytes,
-            "runs": self.last_runs,
+            **self._counts(plan),
         }
 
     def cmd_raw_stage_out(self, payload: dict[str, Any]) -> float:
@@ -182,11 +180,10 @@ class Measure:
 
     def cmd_raw_write(self, payload: dict[str, Any]) -> dict[str, Any]:
         case = msgspec.convert(payload["case"], bc.Case)
-        _, _, n, nbytes = self._raw_ids(case)
         assert self.dlists is not None
         tag = payload["tag"].encode()
         t0 = time.perf_counter()
-        lids, rids, ids_s = self._timed_ids(case)
+        lids, rids, ids_s, plan = self._timed_ids(case)
         if case.backend == "host_bounce":
             self._stage(case, out=True)
         s, make_s = self.raw.xfer("WRITE", self.dlists[0], lids, self.dlists[1], rids, tag, 300)
@@ -195,9 +192,7 @@ class Measure:
             "ids_s": ids_s,
             "s": s,
             "make_s": make_s,
-            "descriptors": n,
-            "bytes": nbytes,
-            "runs": self.last_runs,
+            **self._counts(plan),
         }
 
     def cmd_memcpy(self, nbytes: int) -> float:
