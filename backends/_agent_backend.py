@@ -227,7 +227,10 @@ class AgentBackend(Backend):
             return handle
 
     def status(self, handle: XferHandle) -> XferStatus:
-        with self._lock:
+        # A poll: see drain_notifications for why a busy agent answers "not yet".
+        if not self._lock.acquire(blocking=False):
+            return XferStatus.PENDING
+        try:
             entry = self._xfers.get(handle)
             if entry is None or self._agent is None:
                 return XferStatus.FAILED
@@ -236,6 +239,8 @@ class AgentBackend(Backend):
             except Exception as exc:
                 log.warning("transfer %d to %s: %s", handle, entry[1], exc)
                 return XferStatus.FAILED
+        finally:
+            self._lock.release()
 
     def _release_locked(self, handle: XferHandle, xfer: object) -> None:
         self._xfers.pop(handle, None)
@@ -266,10 +271,19 @@ class AgentBackend(Backend):
                 raise PeerError(f"could not notify {peer}: {exc}") from exc
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
-        with self._lock:
+        # A poll, and the engine polls through it (freed(), progress(), waits). While
+        # another thread is inside the agent (a post, which with UCX over CMA copies
+        # every byte before it returns, or a registration pinning pages), answer
+        # "nothing yet" instead of waiting that call out: the notices stay queued in
+        # NIXL for the next poll. Blocking here stalled freed() for a whole push copy.
+        if not self._lock.acquire(blocking=False):
+            return []
+        try:
             if self._agent is None:
                 return []
             return self._agent.notifications()
+        finally:
+            self._lock.release()
 
     # -- teardown -------------------------------------------------------------------
     def close(self) -> None:

@@ -179,7 +179,10 @@ class Backend(ABC):
 
     @abstractmethod
     def status(self, handle: XferHandle) -> XferStatus:
-        """Non-blocking state of a posted transfer (drives the transport's progress)."""
+        """Non-blocking state of a posted transfer (drives the transport's progress).
+
+        Never waits for another thread's call into the transport (a post that copies
+        inline): PENDING is the answer until the transport can be asked."""
 
     @abstractmethod
     def release(self, handle: XferHandle) -> None:
@@ -191,7 +194,10 @@ class Backend(ABC):
 
     @abstractmethod
     def drain_notifications(self) -> list[tuple[str, bytes]]:
-        """Return and forget the notifications received so far as (agent name, payload)."""
+        """Return and forget the notifications received so far as (agent name, payload).
+
+        A poll: it never waits for another thread's call into the transport (an empty
+        list then; the notifications stay queued for the next poll)."""
 
     def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
         """Make device blocks readable by peers before they READ them (host staging

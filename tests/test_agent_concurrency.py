@@ -13,7 +13,9 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -25,6 +27,7 @@ from kvxfer.config import Direction, Role
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
+from tests.agent_proc import AgentProc, ProcSpec
 
 SHAPE = ModelShape(name="sm", layers=2, kv_heads=1, head_dim=8)
 SEED = 21
@@ -211,4 +214,88 @@ def test_a_completion_seen_by_two_threads_is_no_failure() -> None:
         assert cons_cache.mismatches([9, 10, 11], [5, 6, 7], SEED) == 0
     finally:
         cons.close()
+        prod.close()
+
+
+class _GatedEndpoint:
+    """Wraps a real backend's NIXL endpoint: ``post`` waits for ``gate`` first, inside
+    the backend's lock, as a UCX-over-CMA post does while it copies every byte."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.posting = threading.Event()
+
+    def post(self, *args: Any) -> Any:
+        self.posting.set()
+        if not self.gate.wait(30):
+            raise AssertionError("the test never opened the gate")
+        return self._inner.post(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_real_ucx_write_in_flight_does_not_stall_the_producer() -> None:
+    """The real UCX backend: while the push writer's post holds the backend (copying),
+    the engine's freed() and progress() still answer; they used to wait for the whole
+    copy because polling a notification took the backend's lock."""
+    shape = ModelShape(name="test", layers=2, kv_heads=2, head_dim=32)
+    cache = HostKVCache(shape, 16, 64, fill_seed=SEED)
+    prod = Agent(
+        AgentConfig(
+            engine_id="ucx-gated-p",
+            fingerprint=Fingerprint(
+                model="test/model",
+                dtype="bfloat16",
+                kv_cache_dtype="auto",
+                attention_backend="test",
+                direction=Direction.PUSH,
+            ),
+            role=Role.PRODUCER,
+            direction=Direction.PUSH,
+            backend="ucx",
+        )
+    )
+    cons = AgentProc(ProcSpec(engine_id="ucx-gated-d", role="kv_consumer", direction="push"))
+    gated = _GatedEndpoint(prod.backend._agent)  # type: ignore[attr-defined]
+    prod.backend._agent = gated  # type: ignore[attr-defined]
+    try:
+        prod.register(cache.layout())
+        prod.serve()
+
+        def push(rid: str, src: list[int], dst: list[int]) -> None:
+            stub = msgspec.to_builtins(_stub(prod, rid))
+            cons.call("expect_push", stub, dst, 16 * len(src))
+            deadline = time.monotonic() + 10
+            while rid not in prod.holding():
+                assert time.monotonic() < deadline, "the consumer never registered"
+                time.sleep(0.001)
+            prod.hold(rid, src, 16 * len(src))
+
+        push("warm", [0], [0])  # the handshake, ungated
+        assert cons.call("wait", "warm", 10)["ok"]
+
+        gated.gate.clear()
+        gated.posting.clear()
+        src, dst = [7, 8, 9], [3, 4, 5]
+        push("big", src, dst)
+        assert gated.posting.wait(10), "the write never started"
+        for call in (prod.freed, prod.progress, prod.stats, prod.holding):
+            _prompt(call)
+        assert "big" in prod.holding()  # its write has not landed
+
+        gated.gate.set()
+        assert cons.call("wait", "big", 10)["ok"]
+        assert cons.call("check", dst, src, SEED) == 0
+        deadline = time.monotonic() + 10
+        freed: list[str] = []
+        while "big" not in freed:
+            assert time.monotonic() < deadline, "the producer never freed the pushed blocks"
+            freed += prod.freed()
+            time.sleep(0.005)
+    finally:
+        gated.gate.set()
+        assert cons.close() == 0
         prod.close()
