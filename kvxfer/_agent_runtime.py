@@ -76,6 +76,7 @@ class AgentRuntime(abc.ABC):
     _closed: bool
     _wake: threading.Event
     _idle_nap: bool
+    _nap_s: float  # the progress thread's current sleep between rounds
     _thread: threading.Thread | None
     _deferred: KVLayout | None
     _last_tick: float
@@ -138,6 +139,9 @@ class AgentRuntime(abc.ABC):
         (and the host bounce's staging copies) a post moves bytes before it returns, and
         the lock held that long would stall the engine's hold(), pull() and freed()."""
         table, _ = self._require_registered()
+        # Nothing to poll until the post returns: the progress thread keeps its slower
+        # pace meanwhile (with UCX over CMA that is the whole copy; see _run).
+        transfer.meta["posting"] = True
         t0 = time.perf_counter()
         try:
             plan = build_plan(table, peer.table, id_arrays(local), id_arrays(remote), num_tokens)
@@ -165,12 +169,14 @@ class AgentRuntime(abc.ABC):
                 return
             transfer.meta["peer"] = peer
             transfer.meta["handle"] = handle
+            del transfer.meta["posting"]
         if self.backend.status(handle) is XferStatus.DONE:
             # Moved inside post (UCX over CMA copies synchronously): settle now rather
             # than hand the completion to the progress thread (a GIL hand-off per pull).
             self._landed(transfer)
             return
-        self._nudge()
+        if self._nap_s > self.config.progress_interval_s:
+            self._wake.set()  # in flight now, and the progress thread naps longer
 
     def _fail(self, transfer: Transfer, kind: FailureKind, error: BaseException) -> None:
         transfer.stats.failure = kind
@@ -253,7 +259,10 @@ class AgentRuntime(abc.ABC):
                 except Exception:  # never let the progress thread die silently
                     log.exception("kvxfer progress thread")
             self._idle_nap = True  # before reading the state: see _nudge
-            if self._transfers:
+            if any(not t.meta.get("posting") for t in list(self._transfers.values())):
+                # In flight, or awaiting a push's notices. Transfers still inside their
+                # post are left out: polling them is of no use, and on a small host it
+                # takes CPU from the very copy the post is doing.
                 interval = self.config.progress_interval_s
             elif self._leases:
                 # Held blocks may be being read: NIXL completes a consumer's READ only
@@ -263,6 +272,7 @@ class AgentRuntime(abc.ABC):
             else:
                 interval = 0.05
             self._idle_nap = interval == 0.05
+            self._nap_s = interval
             woken = self._wake.wait(interval)
             self._wake.clear()
 

@@ -125,6 +125,7 @@ class Agent(PushProducer):
         self._closed = False
         self._wake = threading.Event()
         self._idle_nap = True  # the progress thread sleeps its long idle interval
+        self._nap_s = 0.05
         self._thread: threading.Thread | None = None
         self._pusher = SerialWorker("kvxfer-push")
         self._last_tick = 0.0  # monotonic time of the latest tick, by any thread

@@ -299,3 +299,42 @@ def test_a_real_ucx_write_in_flight_does_not_stall_the_producer() -> None:
         gated.gate.set()
         assert cons.close() == 0
         prod.close()
+
+
+def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
+    """A transfer inside its post has nothing to poll yet; the progress thread keeps
+    its lease pace meanwhile instead of ticking every progress interval (with UCX over
+    CMA, that CPU came out of the copy the post was doing)."""
+    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
+    cons_cache = HostKVCache(SHAPE, 16, 16)
+    prod, prod_be = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
+    cons, _ = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
+    ticks: list[float] = []
+    real_tick = prod._tick
+
+    def counted() -> None:
+        if threading.current_thread().name == "kvxfer-progress":
+            ticks.append(time.monotonic())
+        real_tick()
+
+    prod._tick = counted  # type: ignore[method-assign]
+    try:
+        _start(Direction.PUSH, prod, cons, "warm", [0], [0]).wait(10)
+        prod_be.gate.clear()
+        prod_be.posting.clear()
+        transfer = _start(Direction.PUSH, prod, cons, "big", [7, 8], [3, 4])
+        assert prod_be.posting.wait(10), "the write never started"
+        time.sleep(0.05)  # the progress thread sees the write inside its post
+        ticks.clear()
+        window = 0.3
+        time.sleep(window)
+        # lease pace: one round per LEASE_TICK_S (1 ms); at the 0.2 ms progress
+        # interval it would be up to five times as many
+        assert len(ticks) < 1.5 * window / 0.001, f"{len(ticks)} ticks in {window}s"
+        prod_be.gate.set()
+        transfer.wait(10)
+        assert cons_cache.mismatches([3, 4], [7, 8], SEED) == 0
+    finally:
+        prod_be.gate.set()
+        cons.close()
+        prod.close()
