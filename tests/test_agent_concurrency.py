@@ -3,8 +3,9 @@
 With UCX over CMA (and the host bounce's staging copies) a backend's ``post`` moves the
 bytes before it returns: tens to hundreds of milliseconds for a long prompt. The engine
 keeps calling ``hold()``, ``freed()``, ``stats()`` and ``progress()`` from its step
-loop meanwhile; none of them may wait for that post. Here a fake backend's post blocks
-until the test opens a gate, and the engine's calls must answer while it is shut.
+loop meanwhile; none of them may wait for that post. Here a backend's post blocks
+until the test opens a gate (a fake backend's, and a real UCX backend's inside its own
+lock, as its copy holds it), and the engine's calls must answer while it is shut.
 """
 
 from __future__ import annotations
