@@ -25,7 +25,7 @@ import numpy as np
 from kvxfer import wire
 from kvxfer._agent_types import AgentConfig, AgentStats, Lease, describe_blocks, id_arrays
 from kvxfer.backend import Backend, XferOp, XferStatus
-from kvxfer.config import Role
+from kvxfer.config import Direction, Role
 from kvxfer.descriptors import DescriptorTable, build_plan
 from kvxfer.errors import (
     BackendError,
@@ -264,10 +264,11 @@ class AgentRuntime(abc.ABC):
                 # post are left out: polling them is of no use, and on a small host it
                 # takes CPU from the very copy the post is doing.
                 interval = self.config.progress_interval_s
-            elif self._leases:
+            elif self._leases and self.config.direction is Direction.PULL:
                 # Held blocks may be being read: NIXL completes a consumer's READ only
                 # after this side's worker progressed, so the 50 ms idle sleep used to
-                # add up to 50 ms to a pull. A tick costs a few µs.
+                # add up to 50 ms to a pull. A tick costs a few µs. (A push producer's
+                # leases wait for its own writes, which are transfers, above.)
                 interval = LEASE_TICK_S
             else:
                 interval = 0.05

@@ -293,7 +293,10 @@ class Agent(PushProducer):
             lease.ready = True
             if self.config.direction is Direction.PUSH and lease.target is not None:
                 self._start_push(lease)
-        self._nudge()
+        if self.config.direction is Direction.PULL:
+            # The lease wants the progress thread's faster pace (see _run); a push has
+            # nothing to poll until its writer posted, which wakes the thread if needed.
+            self._nudge()
         return self._ticket(request_id, groups, num_tokens, expiry, host, port)
 
     def _ticket(
