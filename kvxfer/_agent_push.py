@@ -61,10 +61,13 @@ class PushProducer(AgentRuntime):
         )
         encoded = (time.monotonic(), self._encode(final))
         with self._lock:
-            if lease.target is msg:
+            current = lease.target is msg
+            if current:
                 lease.final_notice = encoded
         self._wake.set()
-        return wire.Ack()
+        # The consumer learns these bytes now, so that it recognises the notice when it
+        # arrives instead of decoding and authenticating it on the transfer's path.
+        return wire.Ack(notice=encoded[1] if current else b"")
 
     def _start_push(self, lease: Lease) -> None:
         """Write what is left of a ready lease to the consumer that registered for it."""

@@ -72,6 +72,7 @@ class AgentRuntime(abc.ABC):
     _freed: list[str]
     _transfers: dict[int, Transfer]
     _expected_push: dict[str, Transfer]
+    _final_notices: dict[bytes, wire.Notice]
     _early: dict[str, float]
     _closed: bool
     _wake: threading.Event
@@ -189,6 +190,7 @@ class AgentRuntime(abc.ABC):
                 self.backend.release(handle)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
+                self._final_notices.pop(transfer.meta.pop("notice_bytes", b""), None)
                 self.stats_counters.transfers_failed += 1
                 self.stats_counters.failures[kind.value] = (
                     self.stats_counters.failures.get(kind.value, 0) + 1
@@ -221,6 +223,8 @@ class AgentRuntime(abc.ABC):
                 self.backend.release(handle)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
+                if "notice_bytes" in transfer.meta:  # settled by another notice
+                    self._final_notices.pop(transfer.meta.pop("notice_bytes"), None)
                 c = self.stats_counters
                 c.transfers_done += 1
                 c.bytes_moved += transfer.stats.bytes
@@ -347,6 +351,14 @@ class AgentRuntime(abc.ABC):
         now complete, for the caller to settle outside the lock (stage-in copies)."""
         complete: list[Transfer] = []
         for sender, payload in notes:
+            # A final PUSHED notice its producer announced (already checked when the
+            # registration's reply brought it): known by its exact bytes.
+            known = self._final_notices.pop(payload, None) if self._final_notices else None
+            if known is not None:
+                t = self._on_pushed(known)
+                if t is not None:
+                    complete.append(t)
+                continue
             try:
                 # With a shared secret a notice must be signed by it: a DONE frees held
                 # blocks and a PUSHED settles a transfer, so neither may be forged.

@@ -121,6 +121,9 @@ class Agent(PushProducer):
         self._freed: list[str] = []
         self._transfers: dict[int, Transfer] = {}
         self._expected_push: dict[str, Transfer] = {}
+        # Final PUSHED notices announced in the producers' registration replies, already
+        # checked, by their exact bytes (see _learn_final_notice).
+        self._final_notices: dict[bytes, wire.Notice] = {}
         self.stats_counters = AgentStats()
         self._closed = False
         self._wake = threading.Event()
@@ -498,11 +501,44 @@ class Agent(PushProducer):
         self, ticket: Ticket, msg: wire.PushRegister, transfer: Transfer
     ) -> None:
         try:
-            self._request(ticket.host, ticket.port, msg)
+            reply = self._request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             with self._lock:
                 self._expected_push.pop(ticket.request_id, None)
             self._fail(transfer, FailureKind.HANDSHAKE, exc)
+            return
+        if isinstance(reply, wire.Ack) and reply.notice:
+            self._learn_final_notice(transfer, reply.notice)
+
+    def _learn_final_notice(self, transfer: Transfer, data: bytes) -> None:
+        """Remember the final PUSHED notice a producer announced for ``transfer``.
+
+        It is checked here as if it had arrived (decoded, its MAC verified), and must be
+        the one notice that settles the transfer alone: final, for this request, naming
+        every expected block. When it arrives, :meth:`_handle_notifications` knows it by
+        its bytes. A notice that does not qualify is ignored: the real one is then
+        decoded and checked on arrival, as any other.
+        """
+        try:
+            notice = wire.decode_notice(
+                data, max_bytes=self.config.max_message_bytes, auth_key=self._auth_key
+            )
+        except KvxferError as exc:
+            log.debug("producer's announced notice for %s not used: %s", transfer.request_id, exc)
+            return
+        if not (
+            notice.kind is wire.NoticeKind.PUSHED
+            and notice.final
+            and notice.request_id == transfer.request_id
+            and notice.block_ids == transfer.local_blocks
+        ):
+            return
+        with self._lock:
+            # Arrived (or failed) meanwhile: nothing left to recognise.
+            if transfer.done or self._expected_push.get(transfer.request_id) is not transfer:
+                return
+            self._final_notices[data] = notice
+            transfer.meta["notice_bytes"] = data
 
     def _request(self, host: str, port: int, msg: wire.Message) -> wire.Message:
         """Send a control message; return the (authenticated) reply or raise the rejection."""

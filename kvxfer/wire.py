@@ -192,6 +192,11 @@ class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
     """Responder → initiator: a non-handshake message was accepted."""
 
     request_id: Annotated[str, Meta(max_length=1024)] = ""
+    #: Reply to a :class:`PushRegister` only: the final PUSHED notice the producer will
+    #: send once every registered block is written, exactly as it will go on the wire
+    #: (empty when it cannot say in advance). The consumer checks it once, here, and
+    #: then knows it by its bytes: no decoding or MAC check on the transfer's path.
+    notice: Annotated[bytes, Meta(max_length=DEFAULT_MAX_BYTES)] = b""
 
 
 class Ping(WireMessage, frozen=True, kw_only=True, tag="ping"):

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from kvxfer import wire
-from kvxfer.agent import Agent, AgentConfig
+from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
 from kvxfer.config import Direction, Role
 from kvxfer.descriptors import DescriptorTable
+from kvxfer.errors import TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
+from kvxfer.transfer import FailureKind, Transfer, TransferState
 
 SHAPE = ModelShape(name="sm", layers=1, kv_heads=1, head_dim=8)
 FP = Fingerprint(
@@ -107,3 +109,120 @@ def test_malformed_notifications_are_ignored(caplog: pytest.LogCaptureFixture) -
     finally:
         intruder.close()
         agent.close()
+
+
+# -- the final PUSHED notice, announced in the registration's reply -------------------
+PUSH_FP = msgspec.structs.replace(FP, direction=Direction.PUSH)
+
+
+def _push_agent(role: Role, secret: str | None, cache: HostKVCache, **kw: float) -> Agent:
+    name = f"{role.value}-{next(_names)}"
+    agent = Agent(
+        AgentConfig(
+            engine_id=name,
+            fingerprint=PUSH_FP,
+            role=role,
+            direction=Direction.PUSH,
+            auth_secret=secret,
+            **kw,  # type: ignore[arg-type]
+        ),
+        backend=FakeBackend(BackendOptions(agent_name=name)),
+    )
+    agent.register(cache.layout())
+    agent.serve()
+    return agent
+
+
+def _register(prod: Agent, cons: Agent, rid: str, dst: list[int], tokens: int) -> Transfer:
+    host, port = prod.address
+    stub = Ticket(
+        engine_id=prod.config.engine_id,
+        host=host,
+        port=port,
+        request_id=rid,
+        block_ids=((),),
+        num_tokens=0,
+    )
+    transfer = cons.expect_push(stub, dst, num_tokens=tokens)
+    deadline = time.monotonic() + 10
+    while rid not in prod.holding() or "notice_bytes" not in transfer.meta:
+        assert time.monotonic() < deadline, "no registration reply announcing the notice"
+        assert not transfer.done, transfer.error
+        time.sleep(0.002)
+    return transfer
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "signed"])
+def test_the_announced_final_notice_settles_a_push_without_decoding(
+    secret: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The producer's registration reply carries the final notice's exact bytes; the
+    # consumer checks them there, once, so the notice that ends the write is known by
+    # its bytes and settles the transfer without a decode (or a MAC check) on the path.
+    prod_cache = HostKVCache(SHAPE, 16, 8, fill_seed=5)
+    cons_cache = HostKVCache(SHAPE, 16, 8)
+    prod = _push_agent(Role.PRODUCER, secret, prod_cache)
+    cons = _push_agent(Role.CONSUMER, secret, cons_cache)
+    decoded: list[bytes] = []
+    real_decode = wire.decode_notice
+
+    def counting(data: bytes, **kw: object) -> wire.Notice:
+        decoded.append(bytes(data))
+        return real_decode(data, **kw)  # type: ignore[arg-type]
+
+    try:
+        src, dst, tokens = [1, 2, 3], [5, 6, 7], 3 * 16 - 4
+        transfer = _register(prod, cons, "announced", dst, tokens)
+        monkeypatch.setattr(wire, "decode_notice", counting)
+        prod.hold("announced", src, tokens)
+        transfer.wait(10)
+        assert transfer.state is TransferState.DONE
+        assert cons_cache.mismatches(dst, src, 5) == 0
+        assert decoded == []  # known by its bytes
+        assert cons._final_notices == {}
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
+    # Only the one notice that settles the transfer alone is learned: final, PUSHED,
+    # this request, every expected block, and (with a secret) signed by it. Anything
+    # else leaves the real notice to be decoded and checked when it arrives.
+    cons = _push_agent(Role.CONSUMER, SECRET, HostKVCache(SHAPE, 16, 8))
+    key = SECRET.encode()
+
+    def notice(key: bytes | None = key, **kw: object) -> bytes:
+        fields: dict[str, object] = dict(
+            kind=wire.NoticeKind.PUSHED,
+            request_id="q",
+            engine_id="prefill-x",
+            incarnation=1,
+            block_ids=((5, 6),),
+        )
+        fields.update(kw)
+        return wire.encode(wire.Notice(**fields), PUSH_FP.digest(), auth_key=key)  # type: ignore[arg-type]
+
+    try:
+        transfer = cons._new_transfer("q", ((5, 6),))  # expected, not yet registered
+        with cons._lock:
+            cons._expected_push["q"] = transfer
+        for bad in (
+            notice(key=b"another-secret-0123456789"),
+            notice(key=None),
+            notice(request_id="other"),
+            notice(final=False),
+            notice(block_ids=((5,),)),
+            notice(kind=wire.NoticeKind.DONE),
+            b"\x00 not a frame",
+        ):
+            cons._learn_final_notice(transfer, bad)
+            assert cons._final_notices == {}, bad
+        good = notice()
+        cons._learn_final_notice(transfer, good)
+        assert list(cons._final_notices) == [good]
+        # Once the transfer is settled another way (here: failed), the entry goes too.
+        cons._fail(transfer, FailureKind.ABORTED, TransferError("gone"))
+        assert cons._final_notices == {}
+    finally:
+        cons.close()

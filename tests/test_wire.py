@@ -88,7 +88,7 @@ messages: st.SearchStrategy[wire.Message] = st.one_of(
         port=st.integers(0, 65535),
     ),
     st.builds(wire.Release, request_id=names, reason=short, engine_id=short),
-    st.builds(wire.Ack, request_id=short),
+    st.builds(wire.Ack, request_id=short, notice=st.binary(max_size=64)),
     st.builds(wire.Ping, engine_id=short),
     st.builds(
         wire.Pong,
@@ -133,7 +133,7 @@ def test_bytearray_and_memoryview_decode() -> None:
 
 def test_the_tag_names_the_type() -> None:
     body = msgspec.msgpack.decode(msgspec.msgpack.encode(wire.Ack(request_id="r")))
-    assert body == {"type": "ack", "request_id": "r"}
+    assert body == {"type": "ack", "request_id": "r", "notice": b""}
 
 
 # -- two-phase decode, version, magic -------------------------------------------------
