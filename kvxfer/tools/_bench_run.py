@@ -261,15 +261,16 @@ class Runner:
             "consumer", "expect_push", {"case": cb, "rid": rid, "verify": verify, **prod["push"]}
         )
         self._recv("consumer")  # registered with the producer
-        pushed = self.call("producer", "hold", {"case": cb, "direction": "push", "rid": rid})
+        held = self.call("producer", "hold", {"case": cb, "direction": "push", "rid": rid})
         got = self._recv("consumer")
+        pushed = self.call("producer", "pushed", rid)
         # The writer's side of the push: its post time (plan time is not exported).
         stats = {**got["stats"], "plan_s": None, "post_s": pushed["post_s"]}
         return {
             **got,
             "stats": stats,
-            "s": got["t1"] - pushed["t0"],
-            "hold_s": pushed["hold_s"],
+            "s": got["t1"] - held["t0"],
+            "hold_s": held["hold_s"],
             "handshakes": pushed["handshakes"],
             "freed": True,
         }

@@ -82,6 +82,7 @@ class _Worker(Measure):
         self.verify_tables: tuple[Any, Any] | None = None
         self.last_runs = 0
         self._block_cache = {}
+        self._push_before: Any = None  # the push agent's stats as its last hold began
 
     # -- set-up -----------------------------------------------------------------------
     def cmd_cache(self, case: bc.Case) -> dict[str, Any]:
@@ -230,16 +231,22 @@ class _Worker(Measure):
         t1 = time.perf_counter()
         if payload["direction"] == "pull":
             return {"ticket": msgspec.to_builtins(ticket), "hold_s": t1 - t0}
+        # Push: back to the runner at once. Polling freed() here while the write runs
+        # would be the bench's own load on the producer (an engine looks once a step);
+        # cmd_pushed collects the outcome after the consumer saw the data.
+        self._push_before = before
+        return {"t0": t0, "hold_s": t1 - t0}
+
+    def cmd_pushed(self, rid: str) -> dict[str, Any]:
+        """The producer's side of a finished push: its lease freed, its post time."""
+        agent = self.agents["push"]
         deadline = time.monotonic() + 300
-        while payload["rid"] not in agent.freed():
+        while rid not in agent.freed():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"push of {payload['rid']} did not complete")
+                raise TimeoutError(f"push of {rid} did not complete")
             time.sleep(0.0005)
-        after = agent.stats()
+        after, before = agent.stats(), self._push_before
         return {
-            "t0": t0,
-            "hold_s": t1 - t0,
-            "done_s": time.perf_counter() - t0,
             "handshakes": after.handshakes,
             "post_s": after.post_s_total - before.post_s_total,
             "descriptors": after.descriptors_posted - before.descriptors_posted,
