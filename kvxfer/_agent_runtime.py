@@ -117,7 +117,7 @@ class AgentRuntime(abc.ABC):
         t = Transfer(
             request_id,
             groups,
-            progress=self._tick,
+            progress=self._poll_tick,
             deadline=time.monotonic() + self.config.transfer_timeout_s,
         )
         with self._lock:
@@ -280,6 +280,14 @@ class AgentRuntime(abc.ABC):
             self._nap_s = interval
             woken = self._wake.wait(interval)
             self._wake.clear()
+
+    def _poll_tick(self) -> None:
+        """What a :meth:`Transfer.poll` drives: a round of progress, unless any thread
+        ran one within the progress interval. An engine polls each of its transfers
+        once a step (the vLLM adapter does); one round serves them all, instead of one
+        round of notices, statuses and deadlines per transfer."""
+        if time.monotonic() - self._last_tick >= self.config.progress_interval_s:
+            self._tick()
 
     def _tick(self) -> None:
         """One round of progress, from any thread. The agent lock covers bookkeeping

@@ -341,3 +341,40 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
         prod_be.gate.set()
         cons.close()
         prod.close()
+
+
+def test_polling_many_transfers_runs_one_round_of_progress() -> None:
+    """An engine polls each transfer in flight once a step; a round of progress (every
+    notice, status and deadline) serves all of them, so polling 40 transfers in one
+    step must not run 40 rounds."""
+    prod_cache = HostKVCache(SHAPE, 16, 64, fill_seed=SEED)
+    cons_cache = HostKVCache(SHAPE, 16, 64)
+    prod, _ = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
+    cons, cons_be = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
+    rounds: list[str] = []
+    real_drain = cons_be.drain_notifications
+
+    def counted() -> list[tuple[str, bytes]]:  # every round drains notices first
+        rounds.append(threading.current_thread().name)
+        return real_drain()
+
+    try:
+        transfers = [
+            cons.expect_push(_stub(prod, f"r{i}"), [i], num_tokens=16) for i in range(40)
+        ]
+        deadline = time.monotonic() + 10
+        while len(prod.holding()) < 40:  # registrations arrive from worker threads
+            assert time.monotonic() < deadline, "the consumer never registered"
+            time.sleep(0.005)
+        cons_be.drain_notifications = counted  # type: ignore[method-assign]
+        cons.progress()  # a round just ran: the polls below may share it
+        rounds.clear()
+        assert all(t.poll() is TransferState.PENDING for t in transfers)
+        assert rounds.count("MainThread") <= 1, rounds
+        # the transfers still progress (here by the progress thread's rounds)
+        prod.hold("r7", [20], 16)
+        transfers[7].wait(10)
+        assert cons_cache.mismatches([7], [20], SEED) == 0
+    finally:
+        cons.close()
+        prod.close()
