@@ -283,10 +283,11 @@ class AgentRuntime(abc.ABC):
 
     def _poll_tick(self) -> None:
         """What a :meth:`Transfer.poll` drives: a round of progress, unless any thread
-        ran one within the progress interval. An engine polls each of its transfers
-        once a step (the vLLM adapter does); one round serves them all, instead of one
-        round of notices, statuses and deadlines per transfer."""
-        if time.monotonic() - self._last_tick >= self.config.progress_interval_s:
+        ran one within half the progress interval. An engine polls each of its
+        transfers once a step (the vLLM adapter does); one round serves them all,
+        instead of one round of notices, statuses and deadlines per transfer. (Half:
+        a waiter polling at the interval itself must never see its round skipped.)"""
+        if time.monotonic() - self._last_tick >= 0.5 * self.config.progress_interval_s:
             self._tick()
 
     def _tick(self) -> None:
