@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvxfer import wire
-from kvxfer.agent import Agent, AgentConfig, Ticket
+from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
 from kvxfer.config import Direction, Role
@@ -21,6 +21,7 @@ from kvxfer.errors import TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from tests.test_agent_concurrency import _stub
 
 SHAPE = ModelShape(name="sm", layers=1, kv_heads=1, head_dim=8)
 FP = Fingerprint(
@@ -134,16 +135,7 @@ def _push_agent(role: Role, secret: str | None, cache: HostKVCache, **kw: float)
 
 
 def _register(prod: Agent, cons: Agent, rid: str, dst: list[int], tokens: int) -> Transfer:
-    host, port = prod.address
-    stub = Ticket(
-        engine_id=prod.config.engine_id,
-        host=host,
-        port=port,
-        request_id=rid,
-        block_ids=((),),
-        num_tokens=0,
-    )
-    transfer = cons.expect_push(stub, dst, num_tokens=tokens)
+    transfer = cons.expect_push(_stub(prod, rid), dst, num_tokens=tokens)
     deadline = time.monotonic() + 10
     while rid not in prod.holding() or "notice_bytes" not in transfer.meta:
         assert time.monotonic() < deadline, "no registration reply announcing the notice"
