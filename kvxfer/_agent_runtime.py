@@ -72,7 +72,7 @@ class AgentRuntime(abc.ABC):
     _freed: list[str]
     _transfers: dict[int, Transfer]
     _expected_push: dict[str, Transfer]
-    _final_notices: dict[bytes, wire.Notice]
+    _final_notices: dict[bytes, tuple[wire.Notice, float]]  # notice, known until
     _early: dict[str, float]
     _closed: bool
     _wake: threading.Event
@@ -361,10 +361,11 @@ class AgentRuntime(abc.ABC):
         complete: list[Transfer] = []
         for sender, payload in notes:
             # A final PUSHED notice its producer announced (already checked when the
-            # registration's reply brought it): known by its exact bytes.
+            # registration's reply brought it): known by its exact bytes while fresh;
+            # a late one is decoded and verified below like any other (clock skew).
             known = self._final_notices.pop(payload, None) if self._final_notices else None
-            if known is not None:
-                t = self._on_pushed(known)
+            if known is not None and time.monotonic() < known[1]:
+                t = self._on_pushed(known[0])
                 if t is not None:
                     complete.append(t)
                 continue

@@ -41,7 +41,7 @@ import msgspec
 import numpy as np
 
 from kvxfer import wire
-from kvxfer._agent_push import PushProducer
+from kvxfer._agent_push import NOTICE_REUSE_S, PushProducer
 from kvxfer._agent_types import (
     AgentConfig,
     AgentStats,
@@ -123,7 +123,7 @@ class Agent(PushProducer):
         self._expected_push: dict[str, Transfer] = {}
         # Final PUSHED notices announced in the producers' registration replies, already
         # checked, by their exact bytes (see _learn_final_notice).
-        self._final_notices: dict[bytes, wire.Notice] = {}
+        self._final_notices: dict[bytes, tuple[wire.Notice, float]] = {}
         self.stats_counters = AgentStats()
         self._closed = False
         self._wake = threading.Event()
@@ -537,7 +537,9 @@ class Agent(PushProducer):
             # Arrived (or failed) meanwhile: nothing left to recognise.
             if transfer.done or self._expected_push.get(transfer.request_id) is not transfer:
                 return
-            self._final_notices[data] = notice
+            # A producer sends the announced bytes only this long after encoding them
+            # (later it signs a fresh notice), so later they are not recognised either.
+            self._final_notices[data] = (notice, time.monotonic() + NOTICE_REUSE_S)
             transfer.meta["notice_bytes"] = data
 
     def _request(self, host: str, port: int, msg: wire.Message) -> wire.Message:

@@ -144,13 +144,19 @@ def _register(prod: Agent, cons: Agent, rid: str, dst: list[int], tokens: int) -
     return transfer
 
 
-@pytest.mark.parametrize("secret", [None, SECRET], ids=["open", "signed"])
+@pytest.mark.parametrize(
+    ("secret", "stale"),
+    [(None, False), (SECRET, False), (SECRET, True)],
+    ids=["open", "signed", "signed-stale"],
+)
 def test_the_announced_final_notice_settles_a_push_without_decoding(
-    secret: str | None, monkeypatch: pytest.MonkeyPatch
+    secret: str | None, stale: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The producer's registration reply carries the final notice's exact bytes; the
     # consumer checks them there, once, so the notice that ends the write is known by
     # its bytes and settles the transfer without a decode (or a MAC check) on the path.
+    # Past the time a producer sends announced bytes (stale) they are decoded and
+    # checked on arrival like any other notice.
     prod_cache = HostKVCache(SHAPE, 16, 8, fill_seed=5)
     cons_cache = HostKVCache(SHAPE, 16, 8)
     prod = _push_agent(Role.PRODUCER, secret, prod_cache)
@@ -165,12 +171,16 @@ def test_the_announced_final_notice_settles_a_push_without_decoding(
     try:
         src, dst, tokens = [1, 2, 3], [5, 6, 7], 3 * 16 - 4
         transfer = _register(prod, cons, "announced", dst, tokens)
+        announced = transfer.meta["notice_bytes"]
+        if stale:
+            with cons._lock:
+                cons._final_notices[announced] = (cons._final_notices[announced][0], 0.0)
         monkeypatch.setattr(wire, "decode_notice", counting)
         prod.hold("announced", src, tokens)
         transfer.wait(10)
         assert transfer.state is TransferState.DONE
         assert cons_cache.mismatches(dst, src, 5) == 0
-        assert decoded == []  # known by its bytes
+        assert decoded == ([announced] if stale else [])  # else: known by its bytes
         assert cons._final_notices == {}
     finally:
         cons.close()
