@@ -359,9 +359,7 @@ def test_polling_many_transfers_runs_one_round_of_progress() -> None:
         return real_drain()
 
     try:
-        transfers = [
-            cons.expect_push(_stub(prod, f"r{i}"), [i], num_tokens=16) for i in range(40)
-        ]
+        transfers = [cons.expect_push(_stub(prod, f"r{i}"), [i], num_tokens=16) for i in range(40)]
         deadline = time.monotonic() + 10
         while len(prod.holding()) < 40:  # registrations arrive from worker threads
             assert time.monotonic() < deadline, "the consumer never registered"
