@@ -83,6 +83,16 @@ def _agent(role: Role, direction: Direction, cache: HostKVCache) -> tuple[Agent,
     return agent, backend
 
 
+def _push_agents(num_blocks: int) -> tuple[Agent, GatedBackend, Agent, GatedBackend, HostKVCache]:
+    """A push producer (its cache filled) and consumer; returns the consumer's cache."""
+    cons_cache = HostKVCache(SHAPE, 16, num_blocks)
+    prod, prod_be = _agent(
+        Role.PRODUCER, Direction.PUSH, HostKVCache(SHAPE, 16, num_blocks, fill_seed=SEED)
+    )
+    cons, cons_be = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
+    return prod, prod_be, cons, cons_be, cons_cache
+
+
 @pytest.fixture(params=[Direction.PULL, Direction.PUSH], ids=["pull", "push"])
 def pair(
     request: pytest.FixtureRequest,
@@ -307,10 +317,7 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
     wait only for its own writes: the progress thread keeps its idle pace meanwhile
     instead of ticking every progress interval (with UCX over CMA, that CPU came out of
     the copy the post was doing)."""
-    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
-    cons_cache = HostKVCache(SHAPE, 16, 16)
-    prod, prod_be = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
-    cons, _ = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
+    prod, prod_be, cons, _, cons_cache = _push_agents(16)
     ticks: list[float] = []
     real_tick = prod._tick
 
@@ -347,10 +354,7 @@ def test_polling_many_transfers_runs_one_round_of_progress() -> None:
     """An engine polls each transfer in flight once a step; a round of progress (every
     notice, status and deadline) serves all of them, so polling 40 transfers in one
     step must not run 40 rounds."""
-    prod_cache = HostKVCache(SHAPE, 16, 64, fill_seed=SEED)
-    cons_cache = HostKVCache(SHAPE, 16, 64)
-    prod, _ = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
-    cons, cons_be = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
+    prod, _, cons, cons_be, cons_cache = _push_agents(64)
     rounds: list[str] = []
     real_drain = cons_be.drain_notifications
 
