@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -83,14 +83,22 @@ def _agent(role: Role, direction: Direction, cache: HostKVCache) -> tuple[Agent,
     return agent, backend
 
 
-def _push_agents(num_blocks: int) -> tuple[Agent, GatedBackend, Agent, GatedBackend, HostKVCache]:
-    """A push producer (its cache filled) and consumer; returns the consumer's cache."""
+class _PushAgents(NamedTuple):
+    prod: Agent
+    prod_be: GatedBackend
+    prod_cache: HostKVCache  # kept: the agent registered this memory
+    cons: Agent
+    cons_be: GatedBackend
+    cons_cache: HostKVCache
+
+
+def _push_agents(num_blocks: int) -> _PushAgents:
+    """A push producer (its cache filled with the SEED pattern) and consumer."""
+    prod_cache = HostKVCache(SHAPE, 16, num_blocks, fill_seed=SEED)
     cons_cache = HostKVCache(SHAPE, 16, num_blocks)
-    prod, prod_be = _agent(
-        Role.PRODUCER, Direction.PUSH, HostKVCache(SHAPE, 16, num_blocks, fill_seed=SEED)
-    )
+    prod, prod_be = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
     cons, cons_be = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
-    return prod, prod_be, cons, cons_be, cons_cache
+    return _PushAgents(prod, prod_be, prod_cache, cons, cons_be, cons_cache)
 
 
 @pytest.fixture(params=[Direction.PULL, Direction.PUSH], ids=["pull", "push"])
@@ -317,7 +325,8 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
     wait only for its own writes: the progress thread keeps its idle pace meanwhile
     instead of ticking every progress interval (with UCX over CMA, that CPU came out of
     the copy the post was doing)."""
-    prod, prod_be, cons, _, cons_cache = _push_agents(16)
+    agents = _push_agents(16)
+    prod, prod_be, cons, cons_cache = agents.prod, agents.prod_be, agents.cons, agents.cons_cache
     ticks: list[float] = []
     real_tick = prod._tick
 
@@ -354,7 +363,8 @@ def test_polling_many_transfers_runs_one_round_of_progress() -> None:
     """An engine polls each transfer in flight once a step; a round of progress (every
     notice, status and deadline) serves all of them, so polling 40 transfers in one
     step must not run 40 rounds."""
-    prod, _, cons, cons_be, cons_cache = _push_agents(64)
+    agents = _push_agents(64)
+    prod, cons, cons_be, cons_cache = agents.prod, agents.cons, agents.cons_be, agents.cons_cache
     rounds: list[str] = []
     real_drain = cons_be.drain_notifications
 

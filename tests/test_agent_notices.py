@@ -191,7 +191,8 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
     # Only the one notice that settles the transfer alone is learned: final, PUSHED,
     # this request, every expected block, and (with a secret) signed by it. Anything
     # else leaves the real notice to be decoded and checked when it arrives.
-    cons = _push_agent(Role.CONSUMER, SECRET, HostKVCache(SHAPE, 16, 8))
+    cache = HostKVCache(SHAPE, 16, 8)  # referenced: the agent registers its memory
+    cons = _push_agent(Role.CONSUMER, SECRET, cache)
     key = SECRET.encode()
 
     def notice(key: bytes | None = key, **kw: object) -> bytes:
