@@ -246,7 +246,9 @@ def _fake_run(case: bc.Case, *, bad: int = 0, descriptors: int = 100) -> dict[st
         {"s": t, "s_strict": t + 0.1, "stats": stats, "hold_s": 0.1, "handshakes": 1}
         for t in (0.2, 0.1, 0.3)
     ]
-    raw_details = [{"s": t, "s_prepped": t - 0.05, "ids_s": 0.05} for t in (0.1, 0.1, 0.3)]
+    raw_details = [
+        {"s": t, "s_prepped": t - 0.05, "ids_s": 0.05, "xfer_s": t - 0.06} for t in (0.1, 0.1, 0.3)
+    ]
     return assemble(
         case,
         first,
@@ -274,6 +276,7 @@ def test_assemble_medians_paired_ratios_and_schema() -> None:
     # strict: hold on kvxfer's clock, ids off raw's: 0.05/0.3, 0.05/0.2, 0.25/0.4
     assert r["kvxfer_vs_nixl_strict"] == pytest.approx(0.25)
     assert r["nixl_ids_s"] == pytest.approx(0.05)
+    assert r["nixl_post_s"] == pytest.approx(0.04)  # raw's transfer alone, beside post_s
     assert r["kvxfer_vs_memcpy"] == pytest.approx(0.8)  # 0.75, 0.8, 0.833
     assert r["handshakes_in_timed_reps"] == 0
     assert r["bytes_moved"] == r["bytes_expected"] == r["whole_block_bytes"]

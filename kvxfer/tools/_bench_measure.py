@@ -149,7 +149,7 @@ class Measure:
         t0 = time.perf_counter()
         lids, rids, ids_s, plan = self._timed_ids(case)
         # The DONE notice rides with the READ, as kvxfer's pull sends it.
-        s, make_s = self.raw.xfer(
+        xfer_s, make_s = self.raw.xfer(
             "READ", self.dlists[0], lids, self.dlists[1], rids, DONE_NOTICE, 300
         )
         if case.backend == "host_bounce":
@@ -158,6 +158,7 @@ class Measure:
         bad = self._verify(case) if payload["verify"] else None
         return {
             "s": s,
+            "xfer_s": xfer_s,
             "ids_s": ids_s,
             "make_s": make_s,
             "bad": bad,
@@ -190,7 +191,7 @@ class Measure:
         return {
             "t0": t0,
             "ids_s": ids_s,
-            "s": s,
+            "xfer_s": s,
             "make_s": make_s,
             **self._counts(plan),
         }
