@@ -49,6 +49,11 @@ log = logging.getLogger("kvxfer.agent")
 EARLY_KEEP_S = 120.0
 # Progress interval while leases are held and nothing is in flight (see _run).
 LEASE_TICK_S = 0.001
+# The progress thread's pace while a thread waits on every in-flight transfer (the
+# waiters poll them every 0.2 ms): a backstop for a waiter that gives up.
+WAITED_TICK_S = 0.005
+# The progress thread's sleep when nothing is in flight (an idle agent costs nothing).
+IDLE_NAP_S = 0.05
 
 
 class AgentRuntime(abc.ABC):
@@ -263,11 +268,17 @@ class AgentRuntime(abc.ABC):
                 except Exception:  # never let the progress thread die silently
                     log.exception("kvxfer progress thread")
             self._idle_nap = True  # before reading the state: see _nudge
-            if any(not t.meta.get("posting") for t in list(self._transfers.values())):
+            live = [t for t in list(self._transfers.values()) if not t.meta.get("posting")]
+            if live and any(not t.waited_on for t in live):
                 # In flight, or awaiting a push's notices. Transfers still inside their
                 # post are left out: polling them is of no use, and on a small host it
                 # takes CPU from the very copy the post is doing.
                 interval = self.config.progress_interval_s
+            elif live:
+                # Every one has a thread in wait() polling it at the fast pace already;
+                # a second poller would double the wakeups, and on a small host those
+                # take CPU from the copy being waited for. This one stays a backstop.
+                interval = max(self.config.progress_interval_s, WAITED_TICK_S)
             elif self._leases and self.config.direction is Direction.PULL:
                 # Held blocks may be being read: NIXL completes a consumer's READ only
                 # after this side's worker progressed, so the 50 ms idle sleep used to
@@ -275,8 +286,8 @@ class AgentRuntime(abc.ABC):
                 # leases wait for its own writes, which are transfers, above.)
                 interval = LEASE_TICK_S
             else:
-                interval = 0.05
-            self._idle_nap = interval == 0.05
+                interval = IDLE_NAP_S
+            self._idle_nap = interval == IDLE_NAP_S
             self._nap_s = interval
             woken = self._wake.wait(interval)
             self._wake.clear()

@@ -42,6 +42,7 @@ import numpy as np
 
 from kvxfer import wire
 from kvxfer._agent_push import NOTICE_REUSE_S, PushProducer
+from kvxfer._agent_runtime import IDLE_NAP_S
 from kvxfer._agent_types import (
     AgentConfig,
     AgentStats,
@@ -128,7 +129,7 @@ class Agent(PushProducer):
         self._closed = False
         self._wake = threading.Event()
         self._idle_nap = True  # the progress thread sleeps its long idle interval
-        self._nap_s = 0.05
+        self._nap_s = IDLE_NAP_S
         self._thread: threading.Thread | None = None
         self._pusher = SerialWorker("kvxfer-push")
         self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
@@ -495,6 +496,9 @@ class Agent(PushProducer):
         # The registration is a side-channel round trip (a timeout when the producer is
         # gone): it goes from a worker thread, and a failure lands on the transfer.
         self._io().submit(self._send_push_register, ticket, msg, transfer)
+        # Awaiting notices now: out of its idle nap, the progress thread polls them at
+        # the in-flight pace (or, if a thread waits on this transfer, leaves that to it).
+        self._nudge()
         return transfer
 
     def _send_push_register(

@@ -89,6 +89,7 @@ class Transfer:
         self._error: KvxferError | None = None
         # Made by the first wait() (most transfers are polled or settle inside post).
         self._done: threading.Event | None = None
+        self._waiters = 0  # threads inside wait(): they drive progress themselves
         self._started = time.perf_counter()
         self.meta: dict[str, Any] = {}  # agent bookkeeping (handles, peer)
 
@@ -121,6 +122,12 @@ class Transfer:
             self._progress()
         return self._state
 
+    @property
+    def waited_on(self) -> bool:
+        """True while a thread blocks in :meth:`wait` (which polls it every
+        ``_NAP_S``): the agent's progress thread then need not poll it as often."""
+        return self._waiters > 0
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the transfer settles.
 
@@ -128,6 +135,15 @@ class Transfer:
             TransferError: it failed (``invalid_blocks`` on the error).
             TransferTimeout: ``timeout`` passed first (the transfer itself goes on).
         """
+        with _SETTLE_LOCK:
+            self._waiters += 1
+        try:
+            self._wait(timeout)
+        finally:
+            with _SETTLE_LOCK:
+                self._waiters -= 1
+
+    def _wait(self, timeout: float | None) -> None:
         limit = None if timeout is None else time.monotonic() + timeout
         while self.poll() is TransferState.PENDING:
             remaining = None if limit is None else limit - time.monotonic()

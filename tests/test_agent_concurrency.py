@@ -21,10 +21,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvxfer import _agent_runtime
+from kvxfer._agent_runtime import WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
 from kvxfer.config import Direction, Role
+from kvxfer.errors import TransferTimeout
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
@@ -387,6 +390,93 @@ def test_polling_many_transfers_runs_one_round_of_progress() -> None:
         prod.hold("r7", [20], 16)
         transfers[7].wait(10)
         assert cons_cache.mismatches([7], [20], SEED) == 0
+    finally:
+        cons.close()
+        prod.close()
+
+
+def _progress_thread_ticks(agent: Agent) -> list[float]:
+    """Record when the agent's progress thread runs a round (other threads' rounds,
+    a waiter's or the engine's, are not recorded)."""
+    ticks: list[float] = []
+    real_tick = agent._tick
+
+    def counted() -> None:
+        if threading.current_thread().name == "kvxfer-progress":
+            ticks.append(time.monotonic())
+        real_tick()
+
+    agent._tick = counted  # type: ignore[method-assign]
+    return ticks
+
+
+def test_a_transfer_with_a_waiter_is_not_polled_twice() -> None:
+    """A thread in wait() polls its transfer every 0.2 ms; the progress thread then
+    keeps a backstop pace instead of polling the same transfer as often (two pollers
+    doubled the consumer's wakeups, CPU a small host's copy needed). Once the waiter
+    gives up, the progress thread takes the fast pace back."""
+    agents = _push_agents(16)
+    cons = agents.cons
+    ticks = _progress_thread_ticks(cons)
+    try:
+        # registered with the producer, which never holds it: awaiting notices
+        transfer = cons.expect_push(_stub(agents.prod, "never"), [1, 2], num_tokens=32)
+        outcome: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                transfer.wait(0.5)
+            except TransferTimeout as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        time.sleep(0.1)
+        ticks.clear()
+        window = 0.3
+        time.sleep(window)
+        waited = len(ticks)
+        waiter.join(10)
+        assert not waiter.is_alive() and len(outcome) == 1, "the wait did not time out"
+        # 5 ms backstop: ~60 rounds; the 0.2 ms progress interval: several hundred
+        assert waited < 2 * window / WAITED_TICK_S, f"{waited} rounds in {window}s"
+        assert transfer.poll() is TransferState.PENDING
+        ticks.clear()
+        time.sleep(0.2)
+        # nobody waits any more: polled at the progress interval again (≥ 1000 rounds
+        # would fit; the backstop pace would give at most ~40)
+        assert len(ticks) > 2 * 0.2 / WAITED_TICK_S, f"{len(ticks)} rounds in 0.2s"
+    finally:
+        cons.close()
+        agents.prod.close()
+
+
+def test_expect_push_wakes_an_idle_progress_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push reception awaits notices from the moment it is registered: the progress
+    thread leaves its idle nap for it at once, so an engine that polls only now and
+    then (or not at all) still sees the push settle promptly."""
+    monkeypatch.setattr(_agent_runtime, "IDLE_NAP_S", 30.0)  # idle: asleep for 30 s
+    agents = _push_agents(16)
+    prod, cons = agents.prod, agents.cons
+    ticks = _progress_thread_ticks(cons)
+    try:
+        _start(Direction.PUSH, prod, cons, "warm", [0], [0]).wait(10)
+        time.sleep(0.2)  # nothing in flight: the progress thread is in its idle nap
+        ticks.clear()
+        transfer = cons.expect_push(_stub(prod, "late"), [3, 4], num_tokens=32)
+        deadline = time.monotonic() + 10
+        while "late" not in prod.holding():
+            assert time.monotonic() < deadline, "the consumer never registered"
+            time.sleep(0.001)
+        prod.hold("late", [7, 8], 32)
+        # nobody polls or waits on this side: only the progress thread can settle it
+        deadline = time.monotonic() + 10
+        while not transfer.done:
+            assert time.monotonic() < deadline, "the push was never seen to land"
+            time.sleep(0.01)
+        assert ticks, "settled without a round of the progress thread?"
+        assert transfer.state is TransferState.DONE
+        assert agents.cons_cache.mismatches([3, 4], [7, 8], SEED) == 0
     finally:
         cons.close()
         prod.close()
