@@ -377,7 +377,11 @@ class Agent(PushProducer):
         self, ticket: Ticket, local_blocks: BlockIds, *, num_tokens: int | None = None
     ) -> Transfer:
         """Read the ticket's blocks into ``local_blocks`` (R-XFER-1). Never raises for
-        transport trouble: a failure is reported on the returned :class:`Transfer`."""
+        transport trouble: a failure is reported on the returned :class:`Transfer`.
+
+        A first contact handshakes on a worker thread; a known peer's read is posted
+        here, so a transport that copies inside its post (UCX over CMA on one host)
+        has moved the bytes when this returns."""
         _, layout = self._require_registered()
         groups = as_groups(local_blocks, len(layout.groups))
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
