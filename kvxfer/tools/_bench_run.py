@@ -262,8 +262,15 @@ class Runner:
             "consumer", "expect_push", {"case": cb, "rid": rid, "verify": verify, **prod["push"]}
         )
         self._recv("consumer")  # registered with the producer
-        held = self.call("producer", "hold", {"case": cb, "direction": "push", "rid": rid})
-        got = self._recv("consumer")
+        # hold() returns at once and the write goes on in the producer's agent: the
+        # reply is read only after the consumer's, so that this process sleeps through
+        # the write as it does through raw NIXL's (whose call returns after its copy).
+        # Woken mid-write, it took CPU from the copy on a small host.
+        self._send("producer", "hold", {"case": cb, "direction": "push", "rid": rid})
+        try:
+            got = self._recv("consumer")
+        finally:
+            held = self._recv("producer")  # its error, if hold() failed, wins
         pushed = self.call("producer", "pushed", rid)
         # The writer's side of the push: its post time (plan time is not exported).
         stats = {**got["stats"], "plan_s": None, "post_s": pushed["post_s"]}
