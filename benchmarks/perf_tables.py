@@ -115,12 +115,20 @@ def by_time(rows: Sequence[Row]) -> str:
             continue
         for direction in ("pull", "push"):
             xs = [r["kvxfer_vs_nixl"] for r in v if r["direction"] == direction]
+            # Direct backends with the raw transfer's own time (runs since nixl_post_s):
+            # the transfer itself, and what is around it, against raw NIXL's.
+            d = [r for r in v if r["direction"] == direction and r.get("nixl_post_s")
+                 and r["backend"] != "host_bounce"]  # fmt: skip
+            copy = _f(_med([r["post_s"] / r["nixl_post_s"] for r in d]), 3) if d else "–"
+            around = [(r["kvxfer_s"] - r["post_s"]) - (r["nixl_s"] - r["nixl_post_s"]) for r in d]
+            rest = f"{_med(around) * 1e6:+.0f}" if d else "–"
             if xs:
                 body.append(
                     (name, direction, len(xs), _f(_med(xs), 3), _f(min(xs)),
-                     _share(xs, lambda x: x >= 0.95))
+                     _share(xs, lambda x: x >= 0.95), copy, rest)
                 )  # fmt: skip
-    head = ["raw NIXL time", "direction", "cases", "kvxfer/NIXL median", "worst", "≥ 0.95"]
+    head = ["raw NIXL time", "direction", "cases", "kvxfer/NIXL median", "worst", "≥ 0.95",
+            "post / raw transfer (direct)", "rest µs, kvxfer − raw (direct)"]  # fmt: skip
     return _table(head, body, right_from=2)
 
 
