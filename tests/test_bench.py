@@ -10,6 +10,7 @@ import ctypes
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -468,3 +469,33 @@ def test_noisy_cases_get_more_reps_until_the_ratio_is_settled() -> None:
     assert bc.settled(steady, [0.1, 0.101, 0.099, 0.1, 0.1, 0.1, 0.1])
     assert not bc.settled(steady, [0.05, 0.2, 0.1, 0.07, 0.15, 0.1, 0.12])
     assert not bc.settled(steady[:3], steady[:3])
+
+
+def test_raw_nixl_background_polls_pause_during_kvxfers_turn() -> None:
+    """Raw NIXL's background poller serves raw NIXL's transfers only: paused while a
+    rep's kvxfer transfer runs (its wakeups were load on kvxfer's copy that raw NIXL's
+    did not carry), polling again once resumed."""
+    from kvxfer.tools._bench_raw import RawNixl
+
+    raw = RawNixl("bench-raw-pause-test")
+    drains: list[float] = []
+    real = raw._drain_locked
+
+    def counted() -> None:
+        drains.append(time.monotonic())
+        real()
+
+    raw._drain_locked = counted  # type: ignore[method-assign]
+    try:
+        time.sleep(0.05)
+        assert drains, "the background poller never polled"
+        raw.pause()
+        time.sleep(0.02)  # a round already past its waits may finish
+        drains.clear()
+        time.sleep(0.1)
+        assert drains == [], f"{len(drains)} polls while paused"
+        raw.resume()
+        time.sleep(0.1)
+        assert len(drains) >= 5, f"{len(drains)} polls in 0.1 s after resume (1 ms pace)"
+    finally:
+        raw.close()

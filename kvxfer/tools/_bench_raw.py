@@ -57,12 +57,27 @@ class RawNixl:
         # asking for the GIL, so it cannot slow the measured loop down.
         self._idle = threading.Event()
         self._idle.set()
+        # Cleared while kvxfer's transfer of a rep runs (see pause()).
+        self._enabled = threading.Event()
+        self._enabled.set()
         self._thread = threading.Thread(target=self._poll, name="raw-nixl-poll", daemon=True)
         self._thread.start()
+
+    def pause(self) -> None:
+        """Stop the background polls while kvxfer's side of a rep runs: they serve only
+        raw NIXL's transfers, and would be load on kvxfer's (two more wakeups a
+        millisecond on a small host) that raw NIXL's transfers do not carry, since
+        kvxfer's progress threads idle through those."""
+        self._enabled.clear()
+
+    def resume(self) -> None:
+        """Poll in the background again (raw NIXL's side of a rep)."""
+        self._enabled.set()
 
     def _poll(self) -> None:
         while not self._closed:
             self._idle.wait()
+            self._enabled.wait()
             with self._lock:
                 if self._closed:
                     return
@@ -215,6 +230,7 @@ class RawNixl:
     def close(self) -> None:
         """Stop polling and drop the agent (peers first)."""
         self._idle.set()
+        self._enabled.set()
         with self._lock:
             self._closed = True
             for name in list(self._peers):

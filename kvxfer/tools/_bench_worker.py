@@ -301,6 +301,13 @@ class _Worker(Measure):
         return {"t1": t1, "bad": bad, "stats": self._stats(transfer)}
 
 
+#: Commands that start kvxfer's transfer of a rep. Raw NIXL's background poller pauses
+#: from one of them to the process's next other command (after the transfer: the
+#: producer's ``freed``/``pushed``, the consumer's ``memcpy`` or raw command), so it
+#: never polls beside kvxfer's transfer (see RawNixl.pause).
+_KVXFER_TRANSFER = frozenset({"hold", "pull", "expect_push"})
+
+
 def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> None:
     """Entry point of a bench process (``multiprocessing`` spawn target)."""
     if netns:
@@ -329,6 +336,10 @@ def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> No
                     raise ValueError(f"unknown bench command {cmd!r}")
                 if cmd in ("cache", "agents"):
                     payload = msgspec.convert(payload, bc.Case)
+                if cmd in _KVXFER_TRANSFER:
+                    worker.raw.pause()  # until this process's next other command
+                else:
+                    worker.raw.resume()
                 conn.send(("ok", handler(payload)))
             except Exception as exc:
                 detail = traceback.format_exc(limit=4)
