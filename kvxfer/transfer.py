@@ -124,8 +124,9 @@ class Transfer:
 
     @property
     def waited_on(self) -> bool:
-        """True while a thread blocks in :meth:`wait` (which polls it every
-        ``_NAP_S``): the agent's progress thread then need not poll it as often."""
+        """True while a thread blocks in :meth:`wait`, or a coroutine awaits it (both
+        poll it every ``_NAP_S``): the agent's progress thread then need not poll it
+        as often."""
         return self._waiters > 0
 
     def wait(self, timeout: float | None = None) -> None:
@@ -164,8 +165,14 @@ class Transfer:
 
     def __await__(self) -> Generator[Any, None, None]:
         async def _wait() -> None:
-            while self.poll() is TransferState.PENDING:
-                await asyncio.sleep(_NAP_S)
+            with _SETTLE_LOCK:
+                self._waiters += 1  # polls as often as wait() does
+            try:
+                while self.poll() is TransferState.PENDING:
+                    await asyncio.sleep(_NAP_S)
+            finally:
+                with _SETTLE_LOCK:
+                    self._waiters -= 1
             self._raise_if_failed()
 
         return _wait().__await__()

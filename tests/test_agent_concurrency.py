@@ -10,6 +10,7 @@ lock, as its copy holds it), and the engine's calls must answer while it is shut
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -410,11 +411,13 @@ def _progress_thread_ticks(agent: Agent) -> list[float]:
     return ticks
 
 
-def test_a_transfer_with_a_waiter_is_not_polled_twice() -> None:
-    """A thread in wait() polls its transfer every 0.2 ms; the progress thread then
-    keeps a backstop pace instead of polling the same transfer as often (two pollers
-    doubled the consumer's wakeups, CPU a small host's copy needed). Once the waiter
-    gives up, the progress thread takes the fast pace back."""
+@pytest.mark.parametrize("how", ["wait", "await"])
+def test_a_transfer_with_a_waiter_is_not_polled_twice(how: str) -> None:
+    """A thread in wait() (or a coroutine awaiting the transfer) polls it every 0.2 ms;
+    the progress thread then keeps a backstop pace instead of polling the same
+    transfer as often (two pollers doubled the consumer's wakeups, CPU a small host's
+    copy needed). Once the waiter gives up, the progress thread takes the fast pace
+    back."""
     agents = _push_agents(16)
     cons = agents.cons
     ticks = _progress_thread_ticks(cons)
@@ -423,10 +426,16 @@ def test_a_transfer_with_a_waiter_is_not_polled_twice() -> None:
         transfer = cons.expect_push(_stub(agents.prod, "never"), [1, 2], num_tokens=32)
         outcome: list[BaseException] = []
 
+        async def awaited() -> None:
+            await asyncio.wait_for(transfer, 0.5)
+
         def wait() -> None:
             try:
-                transfer.wait(0.5)
-            except TransferTimeout as exc:
+                if how == "wait":
+                    transfer.wait(0.5)
+                else:
+                    asyncio.run(awaited())
+            except (TransferTimeout, TimeoutError) as exc:
                 outcome.append(exc)
 
         waiter = threading.Thread(target=wait, daemon=True)
