@@ -324,6 +324,21 @@ def test_a_real_ucx_write_in_flight_does_not_stall_the_producer() -> None:
         prod.close()
 
 
+def _progress_thread_ticks(agent: Agent) -> list[float]:
+    """Record when the agent's progress thread runs a round (other threads' rounds,
+    a waiter's or the engine's, are not recorded)."""
+    ticks: list[float] = []
+    real_tick = agent._tick
+
+    def counted() -> None:
+        if threading.current_thread().name == "kvxfer-progress":
+            ticks.append(time.monotonic())
+        real_tick()
+
+    agent._tick = counted  # type: ignore[method-assign]
+    return ticks
+
+
 def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
     """A transfer inside its post has nothing to poll yet, and a push producer's leases
     wait only for its own writes: the progress thread keeps its idle pace meanwhile
@@ -331,15 +346,7 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
     the copy the post was doing)."""
     agents = _push_agents(16)
     prod, prod_be, cons, cons_cache = agents.prod, agents.prod_be, agents.cons, agents.cons_cache
-    ticks: list[float] = []
-    real_tick = prod._tick
-
-    def counted() -> None:
-        if threading.current_thread().name == "kvxfer-progress":
-            ticks.append(time.monotonic())
-        real_tick()
-
-    prod._tick = counted  # type: ignore[method-assign]
+    ticks = _progress_thread_ticks(prod)
     try:
         _start(Direction.PUSH, prod, cons, "warm", [0], [0]).wait(10)
         prod_be.gate.clear()
@@ -394,21 +401,6 @@ def test_polling_many_transfers_runs_one_round_of_progress() -> None:
     finally:
         cons.close()
         prod.close()
-
-
-def _progress_thread_ticks(agent: Agent) -> list[float]:
-    """Record when the agent's progress thread runs a round (other threads' rounds,
-    a waiter's or the engine's, are not recorded)."""
-    ticks: list[float] = []
-    real_tick = agent._tick
-
-    def counted() -> None:
-        if threading.current_thread().name == "kvxfer-progress":
-            ticks.append(time.monotonic())
-        real_tick()
-
-    agent._tick = counted  # type: ignore[method-assign]
-    return ticks
 
 
 @pytest.mark.parametrize("how", ["wait", "await"])
