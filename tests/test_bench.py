@@ -232,7 +232,9 @@ def test_ratio_math() -> None:
     assert bc.ratio(None, 1.0) is None and bc.ratio(1.0, 0.0) is None
 
 
-def _fake_run(case: bc.Case, *, bad: int = 0, descriptors: int = 100) -> dict[str, Any]:
+def _fake_run(
+    case: bc.Case, *, bad: int = 0, descriptors: int = 100, memcpy_2t: tuple[float, ...] = ()
+) -> dict[str, Any]:
     moved, _ = bc.expected_bytes(case)
     stats = {
         "bytes": moved,
@@ -260,6 +262,7 @@ def _fake_run(case: bc.Case, *, bad: int = 0, descriptors: int = 100) -> dict[st
         [0.15, 0.08, 0.25],
         0.01,
         raw_details,
+        memcpy_2t,
     )
 
 
@@ -293,7 +296,7 @@ def test_assemble_fails_a_case_that_did_not_verify_or_differs_from_nixl() -> Non
 
 def test_relate_and_bars() -> None:
     direct = _fake_run(_case(block_size=16))
-    bounce = _fake_run(_case(backend="host_bounce"))
+    bounce = _fake_run(_case(backend="host_bounce"), memcpy_2t=(0.1, 0.3, 0.2))
     bounce["kvxfer_s"] = 0.3
     whole = _fake_run(_case(model="gpt-oss-20b", block_size=1024, backend="nixl_rbln"))
     window = _fake_run(
@@ -304,6 +307,10 @@ def test_relate_and_bars() -> None:
     report.relate(results)
     assert bounce["bounce_vs_direct"] == pytest.approx(1.5)
     assert bounce["bounce_floor"] == pytest.approx(1 + 2 * direct["kvxfer_vs_memcpy"])
+    # Three copies at the two-thread rate (median 0.2 s per copy) over direct's 0.2 s.
+    assert bounce["memcpy_2t_s"] == 0.2 and direct["memcpy_2t_s"] is None
+    assert bounce["bounce_bw_floor"] == pytest.approx(3.0)
+    assert bounce["bounce_vs_floor"] == pytest.approx(0.5)
     assert window["time_saved_s"] == pytest.approx(0.05)
     assert window["whole_mode_s"] == 0.2
     bars = {b["bar"]: b for b in report.check_bars(results)}
@@ -315,6 +322,10 @@ def test_relate_and_bars() -> None:
     assert [b["worst_case"] for b in missed] == [bounce["label"]]
     text = report.format_table(results, list(bars.values()))
     assert "MISSED" in text and direct["label"] in text and "FAILED" in text
+    # The bounce bar says where the machine puts the floor (3 copies x 0.2 s / 0.2 s direct).
+    note = bars["host_bounce time vs direct ucx"]["note"]
+    assert "floor" in note and "median 3.00x direct" in note and "in 1 of 1 cases" in note
+    assert note in text
 
 
 def test_plot_without_matplotlib_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -377,6 +388,23 @@ def test_memcpy_bench_copies_the_bytes_asked() -> None:
     src = [np.arange(1 << 16, dtype=np.uint16).reshape(16, -1) for _ in range(3)]
     m = MemcpyBench(src, scratch_bytes=1 << 15)
     assert m.run(5 * (1 << 17) + 123) > 0
+    assert m.run(5 * (1 << 17) + 123, threads=2) > 0
+    m.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_memcpy_bench_threads_share_the_same_bytes(threads: int) -> None:
+    rng = np.random.default_rng(threads)
+    src = [rng.integers(0, 1 << 16, size=(8, 1000), dtype=np.uint16) for _ in range(2)]
+    stream = np.concatenate([r.reshape(-1).view(np.uint8) for r in src])
+    nbytes = len(stream) - 7  # not a multiple of anything
+    m = MemcpyBench(src, scratch_bytes=nbytes + 2)  # room for every part: no wrap-around
+    m.run(nbytes, threads=threads)
+    m.close()
+    cap = len(m._scratch) // threads
+    share = [nbytes // threads + (nbytes % threads > k) for k in range(threads)]
+    landed = np.concatenate([m._scratch[k * cap : k * cap + n] for k, n in enumerate(share)])
+    assert np.array_equal(landed, stream[:nbytes])
 
 
 # -- one real run ---------------------------------------------------------------------------
@@ -398,7 +426,7 @@ def test_smoke_tiny_case_through_two_processes() -> None:
             "--directions",
             "pull,push",
             "--backends",
-            "ucx",
+            "ucx,host_bounce",
             "--reps",
             "2",
             "--max-reps",
@@ -414,7 +442,12 @@ def test_smoke_tiny_case_through_two_processes() -> None:
     objs = [json.loads(line) for line in out.stdout.splitlines()]
     assert objs[0]["kind"] == "run" and objs[0]["cpus"]
     cases = [o for o in objs if o["kind"] == "transfer"]
-    assert sorted(r["direction"] for r in cases) == ["pull", "push"]
+    assert sorted((r["backend"], r["direction"]) for r in cases) == [
+        ("host_bounce", "pull"),
+        ("host_bounce", "push"),
+        ("ucx", "pull"),
+        ("ucx", "push"),
+    ]
     for r in cases:
         assert r["status"] == "ok", r
         for key in (
@@ -443,7 +476,13 @@ def test_smoke_tiny_case_through_two_processes() -> None:
             assert r[key] > 0, key
         # the transfer itself is part of the whole timed request, on both sides
         assert r["nixl_post_s"] < r["nixl_s"] and r["post_s"] < r["kvxfer_s"]
-    assert {o["bar"] for o in objs if o["kind"] == "bar"}
+        if r["backend"] == "host_bounce":  # against its ucx sibling, with the machine's floor
+            assert r["memcpy_2t_gbps"] > 0 and r["bounce_vs_direct"] > 0
+            assert r["bounce_bw_floor"] >= 1 and r["bounce_vs_floor"] > 0
+        else:
+            assert r["memcpy_2t_s"] is None and "bounce_vs_direct" not in r
+    bars = {o["bar"]: o for o in objs if o["kind"] == "bar"}
+    assert "floor" in bars["host_bounce time vs direct ucx"]["note"]
 
 
 def test_from_json_reports_a_saved_run(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

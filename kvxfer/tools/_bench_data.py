@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -112,24 +113,79 @@ def verify_regions(
 
 
 class MemcpyBench:
-    """A memcpy of ``nbytes`` from the consumer's (pre-touched) cache into scratch."""
+    """A memcpy of ``nbytes`` from the consumer's (pre-touched) cache into scratch.
+
+    ``run(nbytes, threads=2)`` splits the same bytes over two threads (each into its own
+    half of the scratch buffer): what the machine's memory bus gives to copies running
+    side by side, the bound on overlapped copies such as host bounce's.
+    """
 
     def __init__(self, regions: Sequence[npt.NDArray[np.uint16]], scratch_bytes: int) -> None:
         self._src = [r.reshape(-1).view(np.uint8) for r in regions]
         self._scratch = np.ones(max(scratch_bytes, 1), dtype=np.uint8)  # touched
+        self._pool: ThreadPoolExecutor | None = None
 
-    def run(self, nbytes: int) -> float:
-        """Seconds to copy ``nbytes`` in the largest pieces the buffers allow."""
-        scratch, cap = self._scratch, len(self._scratch)
-        left, at = nbytes, 0
-        t0 = time.perf_counter()
-        while left > 0:
+    def _stream(self, nbytes: int) -> list[npt.NDArray[np.uint8]]:
+        """Source pieces totalling ``nbytes``: the regions in order, again if needed."""
+        pieces: list[npt.NDArray[np.uint8]] = []
+        left = nbytes
+        while left > 0 and self._src:
             for src in self._src:
-                # Walk the scratch buffer too: re-using its head would copy into cache.
-                n = min(left, len(src), cap - at)
-                np.copyto(scratch[at : at + n], src[:n])
+                n = min(left, len(src))
+                pieces.append(src[:n])
                 left -= n
-                at = 0 if at + n >= cap else at + n
                 if left <= 0:
                     break
+        return pieces
+
+    @staticmethod
+    def _copy(pieces: Sequence[npt.NDArray[np.uint8]], scratch: npt.NDArray[np.uint8]) -> None:
+        cap, at = len(scratch), 0
+        for piece in pieces:
+            done = 0
+            while done < len(piece):
+                # Walk the scratch buffer too: re-using its head would copy into cache.
+                n = min(len(piece) - done, cap - at)
+                np.copyto(scratch[at : at + n], piece[done : done + n])
+                done += n
+                at = 0 if at + n >= cap else at + n
+
+    def run(self, nbytes: int, threads: int = 1) -> float:
+        """Seconds to copy ``nbytes`` in the largest pieces the buffers allow, on
+        ``threads`` threads (the caller's and ``threads - 1`` helpers) side by side."""
+        parts = _split(self._stream(nbytes), max(threads, 1))
+        cap = len(self._scratch) // len(parts)
+        dests = [self._scratch[k * cap : (k + 1) * cap] for k in range(len(parts))]
+        if len(parts) > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(len(parts) - 1, thread_name_prefix="bench-memcpy")
+        t0 = time.perf_counter()
+        futures = [
+            self._pool.submit(self._copy, part, dest)
+            for part, dest in zip(parts[1:], dests[1:])
+            if self._pool is not None
+        ]
+        self._copy(parts[0], dests[0])
+        for f in futures:
+            f.result()
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the helper threads."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def _split(pieces: Sequence[npt.NDArray[np.uint8]], n: int) -> list[list[npt.NDArray[np.uint8]]]:
+    """Cut a stream of pieces into ``n`` parts of (nearly) equal bytes."""
+    total = sum(len(p) for p in pieces)
+    parts: list[list[npt.NDArray[np.uint8]]] = [[] for _ in range(n)]
+    k, room = 0, total // n + (total % n > 0)
+    for piece in pieces:
+        while len(piece):
+            take = min(len(piece), room) if k < n - 1 else len(piece)
+            parts[k].append(piece[:take])
+            piece, room = piece[take:], room - take
+            if room == 0 and k < n - 1:
+                k, room = k + 1, total // n + (total % n > k + 1)
+    return parts

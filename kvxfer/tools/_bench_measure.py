@@ -200,6 +200,12 @@ class Measure:
         assert self.memcpy is not None
         return self.memcpy.run(nbytes)
 
+    def cmd_memcpy2(self, nbytes: int) -> float:
+        """The same bytes copied by two threads side by side (the bus's share for
+        overlapped copies: host bounce's bound)."""
+        assert self.memcpy is not None
+        return self.memcpy.run(nbytes, threads=2)
+
     def cmd_plan_cost(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Engine block list → ids → coalesced runs → NIXL request, each timed."""
         from kvxfer.descriptors import build_plan

@@ -209,6 +209,8 @@ class _Worker(Measure):
         if self.cache_reg is not None:
             self.raw.deregister(self.cache_reg)
             self.cache_reg = None
+        if self.memcpy is not None:
+            self.memcpy.close()
         self.cache = self.memcpy = None
 
     # -- kvxfer -----------------------------------------------------------------------
