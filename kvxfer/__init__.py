@@ -51,6 +51,7 @@ _LAZY: dict[str, str] = {
     # runtime
     "Agent": "kvxfer.agent",
     "AgentConfig": "kvxfer.agent",
+    "PushPost": "kvxfer.agent",
     "Ticket": "kvxfer.agent",
     "Transfer": "kvxfer.transfer",
     "TransferState": "kvxfer.transfer",
@@ -79,7 +80,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
-    from kvxfer.agent import Agent, AgentConfig, Ticket
+    from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
     from kvxfer.compat import Fingerprint, check_layout
     from kvxfer.config import (
         BufferDevice,

@@ -3,8 +3,16 @@
 A consumer registers its receiving blocks (:class:`~kvxfer.wire.PushRegister`, on the
 side channel); once the engine's :meth:`~kvxfer.agent.Agent.hold` marks the prompt
 ready, the lease's blocks are written to it (R-XFER-2), early ones during prefill with
-``push_stream`` (R-XFER-3). Writes run on one ordered writer thread, never on the
-engine's: with UCX over CMA a post copies every byte before it returns.
+``push_stream`` (R-XFER-3).
+
+Who posts a write (:class:`~kvxfer.agent.PushPost`): by default on backends that move
+engine memory directly, the engine's own ``hold()``/``stream()`` call, when the
+consumer is already connected and the writer thread has nothing queued (so a request's
+writes stay in order); everything else (a first contact's handshake, a registration
+that arrives after ``hold()``, staging backends) goes to one ordered writer thread. A
+writer thread costs a thread wake and a GIL hand-off per write, and behind an engine
+thread that keeps running Python it waits up to the interpreter's switch interval
+(5 ms) for the GIL at every step of the post.
 """
 
 from __future__ import annotations
@@ -14,14 +22,15 @@ import time
 
 from kvxfer import wire
 from kvxfer._agent_runtime import AgentRuntime
-from kvxfer._agent_types import Lease
+from kvxfer._agent_types import Lease, PushPost
+from kvxfer._peers import Peer
 from kvxfer._serial import SerialWorker
 from kvxfer.backend import XferOp
 from kvxfer.config import Direction
 from kvxfer.errors import KvxferError
 from kvxfer.transfer import FailureKind, Transfer, TransferState
 
-__all__ = ["PushProducer"]
+__all__ = ["InlineWrite", "PushProducer"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -30,10 +39,49 @@ log = logging.getLogger("kvxfer.agent")
 NOTICE_REUSE_S = 60.0
 
 
+#: One write the engine's call posts itself once the agent lock is released: the
+#: arguments of :meth:`PushProducer._post_write` (transfer, target, local, remote,
+#: tokens, final, early notice).
+InlineWrite = tuple[
+    Transfer,
+    wire.PushRegister,
+    tuple[tuple[int, ...], ...],
+    tuple[tuple[int, ...], ...],
+    int,
+    bool,
+    tuple[float, bytes] | None,
+]
+
+
 class PushProducer(AgentRuntime):
     """The push writer of an :class:`~kvxfer.agent.Agent` (internal)."""
 
     _pusher: SerialWorker
+
+    def _posts_inline(self) -> bool:
+        """Whether the engine's calls post writes themselves (:class:`PushPost`)."""
+        mode = self.config.push_post
+        if mode is PushPost.AUTO:
+            # A staging backend's post also copies the blocks out on the CPU first.
+            return not self._stages
+        return mode is PushPost.ENGINE
+
+    def _post_inline(self, writes: list[InlineWrite]) -> None:
+        """Post writes collected under the lock, on this (the engine's) thread; one
+        whose consumer is not connected yet goes to the writer (a handshake never runs
+        on the engine's thread)."""
+        for job in writes:
+            target = job[1]
+            peer = self._peers.cached(
+                target.host, target.port, target.engine_id, target.incarnation
+            )
+            if peer is None:
+                self._pusher.submit(self._post_write, *job)
+                continue
+            try:
+                self._post_write(*job, peer=peer)
+            except Exception as exc:  # never into the engine's step: fail the write
+                self._fail(job[0], FailureKind.POST, exc)
 
     def _on_push_register(self, msg: wire.PushRegister) -> wire.Message:
         """A consumer registered its receiving blocks (side-channel server thread)."""
@@ -69,21 +117,31 @@ class PushProducer(AgentRuntime):
         # arrives instead of decoding and authenticating it on the transfer's path.
         return wire.Ack(notice=encoded[1] if current else b"")
 
-    def _start_push(self, lease: Lease) -> None:
+    def _start_push(self, lease: Lease, inline: list[InlineWrite] | None = None) -> None:
         """Write what is left of a ready lease to the consumer that registered for it."""
         if lease.target is None or not lease.ready or lease.final_posted:
             return
         total = max((len(g) for g in lease.blocks), default=0)
-        self._write(lease, lease.pushed_blocks, total, final=True)
+        self._write(lease, lease.pushed_blocks, total, final=True, inline=inline)
 
-    def _write(self, lease: Lease, start: int, stop: int, *, final: bool) -> None:
+    def _write(
+        self,
+        lease: Lease,
+        start: int,
+        stop: int,
+        *,
+        final: bool,
+        inline: list[InlineWrite] | None = None,
+    ) -> None:
         """Queue one WRITE of blocks ``[start, stop)`` of a lease (R-XFER-2/3).
 
         Called under the agent lock; the handshake with the consumer (which can take a
         timeout when it is gone) runs on the push worker, never under the lock. One
         worker keeps a request's writes in order. Each write's notice names the blocks
         it covers, and the last one says it is final, so the consumer settles only
-        when no block is missing.
+        when no block is missing. ``inline``: the engine's call collects the write
+        there instead, to post it itself after the lock (see :class:`PushPost`), when
+        the writer has nothing queued that it could overtake.
         """
         target = lease.target
         assert target is not None and self.exposed_layout is not None
@@ -103,9 +161,11 @@ class PushProducer(AgentRuntime):
         # Tokens inside the written slice: whole blocks, except the request's tail.
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         early, lease.final_notice = (lease.final_notice if final else None), None
-        self._pusher.submit(
-            self._post_write, transfer, target, local, remote, max(tokens, 0), final, early
-        )
+        job: InlineWrite = (transfer, target, local, remote, max(tokens, 0), final, early)
+        if inline is not None and self._pusher.idle and self._posts_inline():
+            inline.append(job)
+        else:
+            self._pusher.submit(self._post_write, *job)
 
     def _post_write(
         self,
@@ -116,12 +176,16 @@ class PushProducer(AgentRuntime):
         tokens: int,
         final: bool,
         early: tuple[float, bytes] | None = None,
+        peer: Peer | None = None,
     ) -> None:
-        try:
-            peer = self._peers.get(target.host, target.port, target.engine_id, target.incarnation)
-        except KvxferError as exc:
-            self._fail(transfer, FailureKind.HANDSHAKE, exc)
-            return
+        if peer is None:
+            try:
+                peer = self._peers.get(
+                    target.host, target.port, target.engine_id, target.incarnation
+                )
+            except KvxferError as exc:
+                self._fail(transfer, FailureKind.HANDSHAKE, exc)
+                return
         transfer.meta["push_peer"] = peer
         notice = self._pushed_notice(target, remote, final, early)
         if transfer.done:  # failed meanwhile (agent closing, lease gone)

@@ -6,6 +6,7 @@ importing the Agent; :mod:`kvxfer.agent` re-exports the public ones.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "AgentStats",
     "BlockIds",
     "Lease",
+    "PushPost",
     "Ticket",
     "as_groups",
     "describe_blocks",
@@ -32,6 +34,24 @@ __all__ = [
 ]
 
 BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]] | Sequence[Sequence[int]]
+
+
+class PushPost(enum.Enum):
+    """Which thread posts a push producer's writes (:attr:`AgentConfig.push_post`)."""
+
+    AUTO = "auto"
+    """ENGINE on backends that move engine memory directly, WRITER on staging ones
+    (host bounce), whose post also copies the blocks out on the CPU."""
+    ENGINE = "engine"
+    """The caller of :meth:`~kvxfer.agent.Agent.hold` (or ``stream``) posts the write
+    itself when the consumer is already connected and no earlier write is queued; the
+    first write to a consumer (a handshake) still goes to the writer thread. No thread
+    hand-off on the write's path, and no waiting for the GIL behind an engine thread
+    that keeps running Python (a background thread waits up to the interpreter's switch
+    interval, 5 ms, at each step). The cost: a transport that copies inside its post
+    (UCX over CMA on one host) copies on the caller's thread, as a pull's read does."""
+    WRITER = "writer"
+    """Every write goes to the agent's writer thread; hold() only queues it."""
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +80,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
             producer's lease expiry: clock skew between hosts must stay below it.
         progress_interval_s: Sleep of the progress thread while transfers are in flight.
+        push_post: Which thread posts a push producer's writes (see :class:`PushPost`).
     """
 
     engine_id: str
@@ -83,8 +104,15 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress_interval_s: float = 0.0002
     lease_guard_s: float = 0.5
     backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
+    push_post: PushPost = PushPost.AUTO
 
     def __post_init__(self) -> None:
+        if not isinstance(self.push_post, PushPost):
+            raise ConfigError(
+                "push_post",
+                self.push_post,
+                "must be a PushPost: " + ", ".join(repr(p.value) for p in PushPost),
+            )
         if not self.engine_id:
             raise ConfigError("engine_id", self.engine_id, "must be a non-empty string")
         for key in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):

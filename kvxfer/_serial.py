@@ -33,6 +33,7 @@ class SerialWorker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._pending = 0  # submitted and not finished (the running call included)
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         """Queue ``fn(*args)``; ignored once shut down."""
@@ -43,7 +44,14 @@ class SerialWorker:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                     self._thread.start()
+        with self._lock:
+            self._pending += 1
         self._queue.put((fn, args))
+
+    @property
+    def idle(self) -> bool:
+        """True when no submitted call is queued or running."""
+        return self._pending == 0
 
     def shutdown(self) -> None:
         """Stop after the call in progress; queued calls are dropped. Idempotent."""
@@ -61,3 +69,6 @@ class SerialWorker:
                 fn(*args)
             except Exception:  # a writer thread never dies silently
                 log.exception("kvxfer %s", self._name)
+            finally:
+                with self._lock:
+                    self._pending -= 1

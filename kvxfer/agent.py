@@ -41,13 +41,14 @@ import msgspec
 import numpy as np
 
 from kvxfer import wire
-from kvxfer._agent_push import NOTICE_REUSE_S, PushProducer
+from kvxfer._agent_push import NOTICE_REUSE_S, InlineWrite, PushProducer
 from kvxfer._agent_runtime import IDLE_NAP_S
 from kvxfer._agent_types import (
     AgentConfig,
     AgentStats,
     BlockIds,
     Lease,
+    PushPost,
     Ticket,
     as_groups,
 )
@@ -69,7 +70,7 @@ from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.transfer import FailureKind, Transfer, TransferState
 
-__all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "Ticket"]
+__all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -295,8 +296,10 @@ class Agent(PushProducer):
             else:
                 lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
             lease.ready = True
+            inline: list[InlineWrite] = []
             if self.config.direction is Direction.PUSH and lease.target is not None:
-                self._start_push(lease)
+                self._start_push(lease, inline)
+        self._post_inline(inline)  # outside the lock: a post may copy every byte
         if self.config.direction is Direction.PULL:
             # The lease wants the progress thread's faster pace (see _run); a push has
             # nothing to poll until its writer posted, which wakes the thread if needed.
@@ -332,6 +335,7 @@ class Agent(PushProducer):
             raise ConfigError("push_stream", False, "stream() needs push_stream enabled")
         _, layout = self._require_registered()
         groups = as_groups(block_ids, len(layout.groups))
+        inline: list[InlineWrite] = []
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -347,8 +351,9 @@ class Agent(PushProducer):
                 lease.blocks, lease.num_tokens = groups, num_tokens
                 return
             lease.blocks, lease.num_tokens = groups, num_tokens
-            self._write(lease, lease.pushed_blocks, closed, final=False)
+            self._write(lease, lease.pushed_blocks, closed, final=False, inline=inline)
             lease.pushed_blocks = closed
+        self._post_inline(inline)
 
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""

@@ -24,11 +24,11 @@ import pytest
 
 from kvxfer import _agent_runtime
 from kvxfer._agent_runtime import WAITED_TICK_S
-from kvxfer.agent import Agent, AgentConfig, Ticket
+from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
 from kvxfer.config import Direction, Role
-from kvxfer.errors import TransferTimeout
+from kvxfer.errors import ConfigError, TransferTimeout
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
@@ -50,6 +50,7 @@ class GatedBackend(FakeBackend):
         self.gate = threading.Event()
         self.gate.set()
         self.posting = threading.Event()
+        self.posters: list[str] = []  # the thread of each post, in order
 
     def post(
         self,
@@ -59,6 +60,7 @@ class GatedBackend(FakeBackend):
         remote_ids: npt.NDArray[np.int64],
         notification: bytes = b"",
     ) -> XferHandle:
+        self.posters.append(threading.current_thread().name)
         self.posting.set()
         if not self.gate.wait(30):
             raise AssertionError("the test never opened the gate")
@@ -75,11 +77,25 @@ def _fp(direction: Direction) -> Fingerprint:
     )
 
 
-def _agent(role: Role, direction: Direction, cache: HostKVCache) -> tuple[Agent, GatedBackend]:
+def _agent(
+    role: Role,
+    direction: Direction,
+    cache: HostKVCache,
+    push_post: PushPost = PushPost.AUTO,
+    stages: bool = False,
+) -> tuple[Agent, GatedBackend]:
     name = f"{role.value}-{next(_names)}"
     backend = GatedBackend(BackendOptions(agent_name=name))
+    if stages:  # poses as a staging backend (host bounce): only its capabilities change
+        backend._caps = msgspec.structs.replace(backend._caps, stages_through_host=True)
     agent = Agent(
-        AgentConfig(engine_id=name, fingerprint=_fp(direction), role=role, direction=direction),
+        AgentConfig(
+            engine_id=name,
+            fingerprint=_fp(direction),
+            role=role,
+            direction=direction,
+            push_post=push_post,
+        ),
         backend=backend,
     )
     agent.register(cache.layout())
@@ -96,11 +112,13 @@ class _PushAgents(NamedTuple):
     cons_cache: HostKVCache
 
 
-def _push_agents(num_blocks: int) -> _PushAgents:
+def _push_agents(
+    num_blocks: int, push_post: PushPost = PushPost.AUTO, stages: bool = False
+) -> _PushAgents:
     """A push producer (its cache filled with the SEED pattern) and consumer."""
     prod_cache = HostKVCache(SHAPE, 16, num_blocks, fill_seed=SEED)
     cons_cache = HostKVCache(SHAPE, 16, num_blocks)
-    prod, prod_be = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
+    prod, prod_be = _agent(Role.PRODUCER, Direction.PUSH, prod_cache, push_post, stages)
     cons, cons_be = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
     return _PushAgents(prod, prod_be, prod_cache, cons, cons_be, cons_cache)
 
@@ -151,7 +169,7 @@ def _start(
     while rid not in prod.holding():  # the registration arrives from a worker thread
         assert time.monotonic() < deadline, "the consumer never registered"
         time.sleep(0.001)
-    prod.hold(rid, src, tokens)  # hands the write to the writer thread
+    prod.hold(rid, src, tokens)  # posts the write (or hands it to the writer thread)
     return transfer
 
 
@@ -249,6 +267,7 @@ class _GatedEndpoint:
         self.gate = threading.Event()
         self.gate.set()
         self.posting = threading.Event()
+        self.posters: list[str] = []  # the thread of each post, in order
 
     def post(self, *args: Any) -> Any:
         self.posting.set()
@@ -263,7 +282,8 @@ class _GatedEndpoint:
 def test_a_real_ucx_write_in_flight_does_not_stall_the_producer() -> None:
     """The real UCX backend: while the push writer's post holds the backend (copying),
     the engine's freed() and progress() still answer; they used to wait for the whole
-    copy because polling a notification took the backend's lock."""
+    copy because polling a notification took the backend's lock. (Writes posted by the
+    writer thread: with PushPost.ENGINE the engine's own hold() would be the post.)"""
     shape = ModelShape(name="test", layers=2, kv_heads=2, head_dim=32)
     cache = HostKVCache(shape, 16, 64, fill_seed=SEED)
     prod = Agent(
@@ -279,6 +299,7 @@ def test_a_real_ucx_write_in_flight_does_not_stall_the_producer() -> None:
             role=Role.PRODUCER,
             direction=Direction.PUSH,
             backend="ucx",
+            push_post=PushPost.WRITER,
         )
     )
     cons = AgentProc(ProcSpec(engine_id="ucx-gated-d", role="kv_consumer", direction="push"))
@@ -351,7 +372,16 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
         _start(Direction.PUSH, prod, cons, "warm", [0], [0]).wait(10)
         prod_be.gate.clear()
         prod_be.posting.clear()
-        transfer = _start(Direction.PUSH, prod, cons, "big", [7, 8], [3, 4])
+        started: list[Transfer] = []
+        # The engine's hold() posts the write itself (PushPost.AUTO on a direct backend),
+        # so it is the call that blocks in the post here: issue it from its own thread.
+        poster = threading.Thread(
+            target=lambda: started.append(
+                _start(Direction.PUSH, prod, cons, "big", [7, 8], [3, 4])
+            ),
+            daemon=True,
+        )
+        poster.start()
         assert prod_be.posting.wait(10), "the write never started"
         time.sleep(0.05)  # the progress thread sees the write inside its post
         ticks.clear()
@@ -362,7 +392,8 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
         # interval up to five times as many.
         assert len(ticks) < 3 * window / 0.05, f"{len(ticks)} ticks in {window}s"
         prod_be.gate.set()
-        transfer.wait(10)
+        poster.join(10)
+        started[0].wait(10)
         assert cons_cache.mismatches([3, 4], [7, 8], SEED) == 0
     finally:
         prod_be.gate.set()
@@ -481,3 +512,67 @@ def test_expect_push_wakes_an_idle_progress_thread(monkeypatch: pytest.MonkeyPat
     finally:
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize(
+    ("push_post", "stages", "inline"),
+    [
+        (PushPost.AUTO, False, True),
+        (PushPost.AUTO, True, False),  # a staging backend: its post copies on the CPU
+        (PushPost.ENGINE, True, True),
+        (PushPost.WRITER, False, False),
+    ],
+)
+def test_who_posts_a_push_write(push_post: PushPost, stages: bool, inline: bool) -> None:
+    """hold() posts a push's write on the engine's own thread (no thread hand-off, no
+    waiting for the GIL behind a busy engine) once the consumer is connected; the first
+    write (a handshake) always goes to the writer thread."""
+    agents = _push_agents(16, push_post, stages)
+    prod, prod_be, cons, cons_cache = agents.prod, agents.prod_be, agents.cons, agents.cons_cache
+    me = threading.current_thread().name
+    try:
+        for rid, src, dst in (("first", [0], [0]), ("second", [1, 2], [5, 6])):
+            transfer = _start(Direction.PUSH, prod, cons, rid, src, dst)
+            if inline and rid == "second":  # posted (and here landed) inside hold()
+                assert prod_be.posters[-1] == me
+            transfer.wait(10)
+            assert transfer.state is TransferState.DONE
+        assert cons_cache.mismatches([5, 6], [1, 2], SEED) == 0
+        assert prod_be.posters[0] == "kvxfer-push"  # the first contact handshakes there
+        assert prod_be.posters[1] == (me if inline else "kvxfer-push")
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_a_write_queued_on_the_writer_is_never_overtaken_by_the_engine() -> None:
+    """While the writer thread has a write queued or in its post, the engine's next
+    write goes behind it (a request's writes stay in order; no two posts race)."""
+    agents = _push_agents(16, PushPost.ENGINE)
+    prod, prod_be, cons, cons_cache = agents.prod, agents.prod_be, agents.cons, agents.cons_cache
+    me = threading.current_thread().name
+    try:
+        prod_be.gate.clear()
+        prod_be.posting.clear()
+        first = _start(Direction.PUSH, prod, cons, "first", [0], [0])  # handshake: writer
+        assert prod_be.posting.wait(10), "the first write never started"
+        second = _start(Direction.PUSH, prod, cons, "second", [1], [1])  # writer busy
+        assert prod_be.posters == ["kvxfer-push"]  # hold() returned without posting
+        prod_be.gate.set()
+        first.wait(10)
+        second.wait(10)
+        assert prod_be.posters == ["kvxfer-push", "kvxfer-push"]
+        assert cons_cache.mismatches([0, 1], [0, 1], SEED) == 0
+        third = _start(Direction.PUSH, prod, cons, "third", [2], [2])  # writer idle again
+        third.wait(10)
+        assert prod_be.posters[-1] == me
+    finally:
+        prod_be.gate.set()
+        cons.close()
+        prod.close()
+
+
+def test_push_post_must_be_a_push_post() -> None:
+    with pytest.raises(ConfigError, match="push_post") as err:
+        AgentConfig(engine_id="e", fingerprint=_fp(Direction.PUSH), push_post="engine")  # type: ignore[arg-type]
+    assert "'engine'" in str(err.value) and "PushPost" in str(err.value)

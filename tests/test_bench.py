@@ -384,6 +384,27 @@ def test_verify_is_exact_and_catches_corruption(case: bc.Case) -> None:
     assert check() > 0
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--engine-busy-ms", "-1"], "--engine-busy-ms -1: must be 0 or more"),
+        (["--engine-busy-ms", "1e9"], "under 60000"),
+    ],
+)
+def test_bad_engine_busy_is_refused(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main([*argv, "--quick"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_push_post_choices_are_the_agents() -> None:
+    args = bench._parser().parse_args(["--push-post", "writer", "--engine-busy-ms", "2.5"])
+    assert args.push_post == "writer" and args.engine_busy_ms == 2.5
+    with pytest.raises(SystemExit):
+        bench._parser().parse_args(["--push-post", "inline"])
+
+
 def test_memcpy_bench_copies_the_bytes_asked() -> None:
     src = [np.arange(1 << 16, dtype=np.uint16).reshape(16, -1) for _ in range(3)]
     m = MemcpyBench(src, scratch_bytes=1 << 15)
@@ -432,6 +453,8 @@ def test_smoke_tiny_case_through_two_processes() -> None:
             "--max-reps",
             "2",
             "--no-planning",
+            "--engine-busy-ms",  # the producer's engine thread stays busy after a push
+            "1",
             "--json",
         ],
         capture_output=True,

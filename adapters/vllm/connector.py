@@ -56,6 +56,7 @@ from kvxfer.adapters.vllm.startup import (
     data_plane_rails,
     parse_vllm_config,
     positive_seconds,
+    push_post,
     require_nixl_rbln,
 )
 from kvxfer.adapters.vllm.worker import WorkerSide
@@ -285,6 +286,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size: int = int(vllm_config.cache_config.block_size)
         self._lease_s = positive_seconds(self.cfg, LEASE_KEY, 30.0)
         self._transfer_timeout_s = positive_seconds(self.cfg, TIMEOUT_KEY, 30.0)
+        self._push_post = push_post(self.cfg)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -373,6 +375,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
             auth_secret=os.environ.get(AUTH_SECRET_ENV) or None,
             rails=rails,
             stripe_width=self.cfg.stripe_width,
+            push_post=self._push_post,
         )
         backend = None
         if backend_name == "host_bounce" and any(r.mem is not MemKind.DRAM for r in layout.regions):

@@ -12,17 +12,20 @@ import logging
 import os
 from typing import Any
 
+from kvxfer.agent import PushPost
 from kvxfer.config import TransferConfig, parse_kv_transfer_config
 from kvxfer.errors import ConfigError
 
 __all__ = [
     "AUTH_SECRET_ENV",
     "LEASE_KEY",
+    "PUSH_POST_KEY",
     "TIMEOUT_KEY",
     "check_model_support",
     "data_plane_rails",
     "parse_vllm_config",
     "positive_seconds",
+    "push_post",
     "require_nixl_rbln",
 ]
 
@@ -47,6 +50,7 @@ _CONFIG_FIELDS = (
 # and how long a consumer waits for a load before failing it.
 LEASE_KEY = "kv_lease_duration"  # seconds a producer holds blocks (default 30, as upstream)
 TIMEOUT_KEY = "transfer_timeout_s"  # seconds before a pending load fails (default 30)
+PUSH_POST_KEY = "push_post"  # which thread posts a push producer's writes (PushPost)
 
 
 def parse_vllm_config(vllm_config: Any) -> TransferConfig:
@@ -65,6 +69,18 @@ def positive_seconds(cfg: TransferConfig, key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"kv_connector_extra_config.{key}", value, "must be a number > 0")
     return float(value)
+
+
+def push_post(cfg: TransferConfig) -> PushPost:
+    """``kv_connector_extra_config.push_post``: "auto" (default), "engine" or "writer"."""
+    value = cfg.extra_passthrough.get(PUSH_POST_KEY, PushPost.AUTO.value)
+    try:
+        return PushPost(value)
+    except ValueError:
+        choices = ", ".join(repr(p.value) for p in PushPost)
+        raise ConfigError(
+            f"kv_connector_extra_config.{PUSH_POST_KEY}", value, f"must be one of {choices}"
+        ) from None
 
 
 def check_model_support(cfg: TransferConfig, kv_cache_config: Any) -> None:

@@ -39,6 +39,17 @@ class Measure:
     verify_tables: tuple[Any, Any] | None
     last_runs: int
     _block_cache: dict[tuple[bc.Case, bool], npt.NDArray[np.int64]]
+    engine_busy_s: float
+
+    def engine_busy(self) -> None:
+        """``--engine-busy-ms``: keep this (the engine's) thread running Python for a
+        while after starting a push, as an engine's step goes on after hold(): a
+        background thread of this process then gets the GIL only at the interpreter's
+        switch interval. Raw NIXL's producer does the same after its write returns."""
+        end = time.perf_counter() + self.engine_busy_s
+        spins = 0
+        while time.perf_counter() < end:
+            spins += 1
 
     # -- helpers ----------------------------------------------------------------------
     def _blocks(self, case: bc.Case, *, own: bool) -> npt.NDArray[np.int64]:
@@ -188,6 +199,7 @@ class Measure:
         if case.backend == "host_bounce":
             self._stage(case, out=True)
         s, make_s = self.raw.xfer("WRITE", self.dlists[0], lids, self.dlists[1], rids, tag, 300)
+        self.engine_busy()
         return {
             "t0": t0,
             "ids_s": ids_s,

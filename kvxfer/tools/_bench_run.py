@@ -87,8 +87,11 @@ class Runner:
         netns: NetnsPair | None = None,
         planning: bool = False,
         max_reps: int | None = None,
+        push_post: str = "auto",
+        engine_busy_s: float = 0.0,
     ) -> None:
         self.reps = reps
+        self.options = {"push_post": push_post, "engine_busy_s": engine_busy_s}
         # A noisy case (the paired ratio's confidence interval still wide) gets more
         # reps, up to this many.
         self.max_reps = max(reps, max_reps if max_reps is not None else reps)
@@ -121,6 +124,8 @@ class Runner:
             self._procs[side], self._conns[side] = proc, parent
         for side in self._conns:
             self._recv(side, 120)
+        for side in self._conns:
+            self.call(side, "options", self.options)
 
     def close(self) -> None:
         for conn in self._conns.values():

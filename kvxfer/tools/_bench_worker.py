@@ -83,6 +83,13 @@ class _Worker(Measure):
         self.last_runs = 0
         self._block_cache = {}
         self._push_before: Any = None  # the push agent's stats as its last hold began
+        self.push_post = "auto"  # AgentConfig.push_post of the push agents
+        self.engine_busy_s = 0.0  # Python the producer runs after starting a push
+
+    def cmd_options(self, payload: dict[str, Any]) -> None:
+        """Run-wide options (``--push-post``, ``--engine-busy-ms``)."""
+        self.push_post = str(payload["push_post"])
+        self.engine_busy_s = float(payload["engine_busy_s"])
 
     # -- set-up -----------------------------------------------------------------------
     def cmd_cache(self, case: bc.Case) -> dict[str, Any]:
@@ -111,7 +118,7 @@ class _Worker(Measure):
         self.raw_peer = self.raw.add_peer(payload["raw"])
 
     def cmd_agents(self, case: bc.Case) -> dict[str, Any]:
-        from kvxfer.agent import Agent, AgentConfig
+        from kvxfer.agent import Agent, AgentConfig, PushPost
         from kvxfer.compat import Fingerprint
         from kvxfer.config import Direction, Role
 
@@ -146,6 +153,7 @@ class _Worker(Measure):
                     transfer_timeout_s=300.0,
                     auth_secret=_SECRET,
                     backend_extra=extra,
+                    push_post=PushPost(self.push_post),
                 )
             )
             self.agents[d] = agent
@@ -237,6 +245,7 @@ class _Worker(Measure):
         # would be the bench's own load on the producer (an engine looks once a step);
         # cmd_pushed collects the outcome after the consumer saw the data.
         self._push_before = before
+        self.engine_busy()
         return {"t0": t0, "hold_s": t1 - t0}
 
     def cmd_pushed(self, rid: str) -> dict[str, Any]:

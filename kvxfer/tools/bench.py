@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvxfer._agent_types import PushPost
 from kvxfer.tools import _bench_cases as bc
 from kvxfer.tools import _bench_report as report
 
@@ -123,6 +124,20 @@ def _parser() -> argparse.ArgumentParser:
         "--from-json",
         metavar="FILE",
         help="report (and --plot) a run saved with --json instead of measuring",
+    )
+    p.add_argument(
+        "--push-post",
+        choices=[m.value for m in PushPost],
+        default=PushPost.AUTO.value,
+        help="which thread posts kvxfer's push writes (AgentConfig.push_post; auto)",
+    )
+    p.add_argument(
+        "--engine-busy-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="the push producer's engine thread runs Python this long after starting "
+        "each push (kvxfer's hold(), raw NIXL's write), as an engine's step goes on (0)",
     )
     p.add_argument(
         "--timeout",
@@ -247,7 +262,14 @@ def run(args: argparse.Namespace, results: list[Result]) -> None:
         max_reps = (
             args.max_reps if args.max_reps is not None else (reps if args.quick else 3 * reps)
         )
-        runner = Runner(reps=reps, timeout_s=args.timeout, netns=pair, max_reps=max_reps)
+        runner = Runner(
+            reps=reps,
+            timeout_s=args.timeout,
+            netns=pair,
+            max_reps=max_reps,
+            push_post=args.push_post,
+            engine_busy_s=args.engine_busy_ms / 1e3,
+        )
         runner.start()
         try:
             runner.run(cases, collect)
@@ -285,6 +307,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.reps is not None and args.reps < 1:
         print("kvxfer bench: --reps must be >= 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.engine_busy_ms < 60_000:
+        print(
+            f"kvxfer bench: --engine-busy-ms {args.engine_busy_ms:g}: must be 0 or more "
+            "and under 60000",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.from_json:

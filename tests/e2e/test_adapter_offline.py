@@ -26,8 +26,14 @@ from kvxfer.adapters.vllm.scheduler import (
     base_request_id,
     is_remote_prefill,
 )
-from kvxfer.adapters.vllm.startup import check_model_support, data_plane_rails, positive_seconds
+from kvxfer.adapters.vllm.startup import (
+    check_model_support,
+    data_plane_rails,
+    positive_seconds,
+    push_post,
+)
 from kvxfer.adapters.vllm.worker import WorkerSide, remote_ticket
+from kvxfer.agent import PushPost
 from kvxfer.config import Direction, Role, parse_kv_transfer_config
 from kvxfer.errors import ConfigError, RailError
 from tests.railfakes import FakeNic, build_sysfs
@@ -543,6 +549,15 @@ def test_adapter_keys_are_type_checked(value: Any) -> None:
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config.transfer_timeout_s"):
         positive_seconds(cfg, "transfer_timeout_s", 30.0)
     assert positive_seconds(_cfg(transfer_timeout_s=2), "transfer_timeout_s", 30.0) == 2.0
+
+
+def test_push_post_is_read_from_the_extra_config() -> None:
+    assert push_post(_cfg()) is PushPost.AUTO
+    assert push_post(_cfg(push_post="writer")) is PushPost.WRITER
+    for bad in ("inline", 1, None):
+        with pytest.raises(ConfigError, match=r"kv_connector_extra_config.push_post") as err:
+            push_post(_cfg(push_post=bad))
+        assert "'engine'" in str(err.value) and repr(bad) in str(err.value)
 
 
 # --- with vLLM imported (no server) ---------------------------------------------------
