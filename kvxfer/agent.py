@@ -267,7 +267,9 @@ class Agent(PushProducer):
         Pull: the blocks stay untouched until the consumer's completion notice, an
         abort, or the lease's expiry; then the request id appears in :meth:`freed`.
         Push: the blocks are written to the consumer as soon as it registered its
-        receiving blocks (at once if it already did).
+        receiving blocks (at once if it already did: by default on direct backends the
+        write is posted here, on the caller's thread, once the consumer is connected;
+        see :class:`PushPost`).
 
         ``staged``: the engine already copied exactly these blocks out with
         ``backend.stage_out`` after their last forward (host bounce), so a pull's hold
