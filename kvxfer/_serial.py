@@ -1,9 +1,10 @@
 """A single thread that runs submitted calls one after another (the push writer).
 
 Lighter than a one-worker ``ThreadPoolExecutor`` on the push path: no future per call,
-a C queue, and nothing on the caller's side but a ``put`` (the writer hand-off sits on
-every push's critical path). Calls run in submission order, which keeps a request's
-streamed writes ahead of its final one.
+a C queue, and nothing on the caller's side but a ``put`` and a count (the writer
+hand-off sits on the critical path of every push it posts). Calls run in submission
+order, which keeps a request's streamed writes ahead of its final one; :attr:`idle`
+tells the agent whether a write posted elsewhere could overtake a queued one.
 """
 
 from __future__ import annotations
