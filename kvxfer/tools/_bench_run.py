@@ -269,10 +269,11 @@ class Runner:
             "consumer", "expect_push", {"case": cb, "rid": rid, "verify": verify, **prod["push"]}
         )
         self._recv("consumer")  # registered with the producer
-        # hold() returns at once and the write goes on in the producer's agent: the
-        # reply is read only after the consumer's, so that this process sleeps through
-        # the write as it does through raw NIXL's (whose call returns after its copy).
-        # Woken mid-write, it took CPU from the copy on a small host.
+        # The reply to hold() is read only after the consumer's result, so that this
+        # process sleeps through the write as it does through raw NIXL's, whether
+        # hold() posts it itself (push_post engine: it returns after a CMA copy) or
+        # leaves it to the agent's writer thread (it returns at once). Woken mid-write,
+        # this process took CPU from the copy on a small host.
         self._send("producer", "hold", {"case": cb, "direction": "push", "rid": rid})
         try:
             got = self._recv("consumer")
