@@ -1,0 +1,108 @@
+"""kvxfer.blocks: the one normaliser of block id lists (R-DESC-1, R-DESC-7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvxfer.blocks import block_array, block_groups, describe, to_wire
+from kvxfer.errors import PlanError
+
+
+@given(st.lists(st.integers(0, 10_000), unique=True, max_size=64))
+def test_valid_ids_round_trip_as_read_only_int64(ids: list[int]) -> None:
+    arr = block_array(ids, num_blocks=10_001)
+    assert arr.dtype == np.int64 and arr.ndim == 1
+    assert arr.tolist() == ids
+    assert not arr.flags.writeable
+    # numpy input of any integer dtype gives the same result
+    for dtype in (np.int32, np.int64, np.uint32, np.uint64):
+        assert block_array(np.array(ids, dtype=dtype)).tolist() == ids
+
+
+@given(
+    st.lists(st.integers(0, 1000), unique=True, min_size=1, max_size=20),
+    st.data(),
+)
+def test_a_repeated_id_is_refused_naming_its_position(ids: list[int], data: st.DataObject) -> None:
+    dup_of = data.draw(st.integers(0, len(ids) - 1))
+    at = data.draw(st.integers(dup_of + 1, len(ids)))
+    bad = [*ids[:at], ids[dup_of], *ids[at:]]
+    with pytest.raises(PlanError, match=rf"\[{at}\]={ids[dup_of]}: block id repeated"):
+        block_array(bad)
+    with pytest.raises(PlanError, match="repeated"):
+        block_array(np.array(bad))
+
+
+@given(
+    st.lists(st.integers(0, 100), unique=True, max_size=10),
+    st.data(),
+    st.one_of(
+        st.booleans(),
+        st.floats(allow_nan=True),
+        st.text(max_size=3),
+        st.none(),
+        st.just(np.float32(1.0)),
+        st.just(np.bool_(True)),
+    ),
+)
+def test_a_non_integer_id_is_refused_not_converted(
+    ids: list[int], data: st.DataObject, bad: object
+) -> None:
+    pos = data.draw(st.integers(0, len(ids)))
+    seq = [*ids[:pos], bad, *ids[pos:]]
+    with pytest.raises(
+        PlanError, match=rf"\[{pos}\].*must be an integer, not {type(bad).__name__}"
+    ):
+        block_array(seq)
+
+
+@pytest.mark.parametrize("arr", [np.array([1.0, 2.0]), np.array([True, False]), np.array(["1"])])
+def test_non_integer_arrays_are_refused(arr: np.ndarray) -> None:
+    with pytest.raises(PlanError, match="must be integers"):
+        block_array(arr)
+
+
+@given(st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63), st.integers(50, 2**62)))
+def test_out_of_range_ids_of_any_size_are_plan_errors(bad: int) -> None:
+    with pytest.raises(PlanError, match=rf"\[1\]={bad}: out of range"):
+        block_array([3, bad], num_blocks=50)
+
+
+def test_unsigned_ids_past_int64_are_out_of_range() -> None:
+    with pytest.raises(PlanError, match="out of range"):
+        block_array(np.array([1, 2**63 + 5], dtype=np.uint64))
+
+
+def test_groups_flat_list_rules() -> None:
+    one = block_groups([1, 2], 1)
+    assert to_wire(one) == ((1, 2),)
+    with pytest.raises(PlanError, match="one flat list given, the layout has 2 KV groups"):
+        block_groups([1, 2], 2)
+    shared = block_groups([1, 2], 2, broadcast=True)
+    assert to_wire(shared) == ((1, 2), (1, 2))
+    per = block_groups([[1, 2], [5]], 2)
+    assert to_wire(per) == ((1, 2), (5,))
+    assert to_wire(block_groups(np.array([[1, 2], [3, 4]]), 2)) == ((1, 2), (3, 4))
+    with pytest.raises(PlanError, match="3 group\\(s\\) given, the layout has 2"):
+        block_groups([[1], [2], [3]], 2)
+    assert to_wire(block_groups([], 1)) == ((),)
+    assert to_wire(block_groups([[], []], 2)) == ((), ())
+
+
+def test_groups_name_the_group_of_a_bad_id() -> None:
+    with pytest.raises(
+        PlanError, match=r"remote block_ids \(group 1\)\[0\]=9: out of range \[0, 4\)"
+    ):
+        block_groups([[1], [9]], 2, side="remote", num_blocks=4)
+    with pytest.raises(PlanError, match="need a list"):
+        block_groups("12", 1)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="need a list"):
+        block_groups(7, 1)  # type: ignore[arg-type]
+
+
+def test_describe_is_log_sized() -> None:
+    assert describe([1, 2]) == "invalid blocks: [1, 2]"
+    assert describe(np.arange(20)) == "20 invalid blocks: [0, 1, 2, 3] ... [18, 19]"
