@@ -1,7 +1,7 @@
 """The two bench processes (producer and consumer) of ``kvxfer bench``.
 
 Each owns a model-shaped host KV cache, the kvxfer agents of the current case group,
-and one :class:`~kvxfer.tools._bench_raw.RawNixl` on the same memory. The parent sends
+and one :class:`~kvxfer.tools.bench.raw_nixl.RawNixl` on the same memory. The parent sends
 ``(command, payload)`` tuples of plain values and gets ``("ok", value)`` or
 ``("error", text)`` back; a command may send an intermediate ``("ok", ...)`` before its
 final reply (``expect_push`` and ``raw_expect`` say when they are waiting).
@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvxfer.tools import _bench_cases as bc
-from kvxfer.tools._bench_data import MemcpyBench, fill_regions
-from kvxfer.tools._bench_measure import Measure
+import kvxfer.tools.bench.cases as bc
+from kvxfer.tools.bench.data import MemcpyBench, fill_regions
+from kvxfer.tools.bench.measure import Measure
 
 __all__ = ["worker_main"]
 
@@ -64,7 +64,7 @@ def _pool(cache: Any) -> None:
 
 class _Worker(Measure):
     def __init__(self, conn: Connection, side: str, host: str) -> None:
-        from kvxfer.tools._bench_raw import RawNixl
+        from kvxfer.tools.bench.raw_nixl import RawNixl
 
         self.conn, self.side, self.host = conn, side, host
         self.raw = RawNixl(f"bench-raw-{side}-{os.getpid()}")
@@ -322,7 +322,7 @@ _KVXFER_TRANSFER = frozenset({"hold", "pull", "expect_push"})
 def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> None:
     """Entry point of a bench process (``multiprocessing`` spawn target)."""
     if netns:
-        from kvxfer.tools._bench_netns import enter_netns
+        from kvxfer.tools.bench.netns import enter_netns
 
         enter_netns(netns)  # first, before any socket or thread exists
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -1,6 +1,6 @@
 """What a bench process measures and checks: block lists and plans of a case, byte
 verification, the host-bounce copies done directly, raw NIXL transfers, memcpy, and
-the planning cost. Mixed into the bench process class of :mod:`._bench_worker`.
+the planning cost. Mixed into the bench process class of :mod:`.worker`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.tools import _bench_cases as bc
-from kvxfer.tools._bench_data import MemcpyBench, verify_regions, zero_rows
-from kvxfer.tools._bench_raw import RawNixl
+import kvxfer.tools.bench.cases as bc
+from kvxfer.tools.bench.data import MemcpyBench, verify_regions, zero_rows
+from kvxfer.tools.bench.raw_nixl import RawNixl
 
 __all__ = ["DONE_NOTICE", "Measure"]
 
