@@ -7,9 +7,12 @@ The package, one module per job:
 * :mod:`.cases` - the pure parts: model shapes, the case matrix, block lists, memory
   estimates, the bytes the descriptor algebra must move, the ratio math;
 * :mod:`.runner` - the parent side: two bench processes and the script of each case;
-* :mod:`.worker` - a bench process (producer or consumer): its cache and kvxfer agents;
-* :mod:`.measure` - what a bench process measures beside kvxfer: raw NIXL, the direct
-  host-bounce copies, byte verification, memcpy, the planning cost;
+* :mod:`.worker` - a bench process (producer or consumer): its command loop, the
+  set-up of its cache and kvxfer agents, and the kvxfer transfers;
+* :mod:`.side` - a bench process's state, and what both of its measurements use (block
+  lists, plans, byte verification, the direct host-bounce copies);
+* :mod:`.measure` - what a bench process measures beside kvxfer: raw NIXL, memcpy, the
+  planning cost;
 * :mod:`.raw_nixl` - the raw NIXL baseline: a bare ``nixl_agent`` on the same memory;
 * :mod:`.data` - the provenance fill, the exact byte check and memcpy;
 * :mod:`.netns` - two network namespaces joined by a veth pair (``--netns``);
