@@ -24,8 +24,21 @@ import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.report as report
 from kvxfer.agent import PushPost
 
-__all__ = ["PLANNING", "QUICK", "main", "parser", "plan_cases", "run", "unavailable_backends"]
+__all__ = [
+    "DESCRIPTION",
+    "PLANNING",
+    "QUICK",
+    "main",
+    "parser",
+    "plan_cases",
+    "run",
+    "unavailable_backends",
+]
 
+#: What ``kvxfer bench --help`` says the command is.
+DESCRIPTION = (
+    "``kvxfer bench``: model-shaped KV transfers, kvxfer beside raw NIXL and memcpy (R-CLI-3)."
+)
 _ALL: dict[str, str] = {
     "models": ",".join(m for m in bc.SHAPES if m != bc.THIN),
     "block_sizes": "16,128,1024",
@@ -82,7 +95,7 @@ PLANNING = ((bc.QWEN, 4000), (bc.THIN, 128000))
 
 def parser() -> argparse.ArgumentParser:
     """The options of ``kvxfer bench``."""
-    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=DESCRIPTION)
     p.add_argument("--quick", action="store_true", help="a small matrix (under a minute)")
     for key, text in (
         ("models", f"model shapes ({', '.join(bc.SHAPES)})"),
