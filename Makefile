@@ -11,8 +11,8 @@ demo: env
 	$(VENV)/bin/kvxfer demo
 
 lint: env
-	$(VENV)/bin/ruff check kvxfer backends adapters tests examples benchmarks
-	$(VENV)/bin/ruff format --check kvxfer backends adapters tests examples benchmarks
+	$(VENV)/bin/ruff check kvxfer backends adapters tests examples
+	$(VENV)/bin/ruff format --check kvxfer backends adapters tests examples
 
 typecheck: env
 	$(VENV)/bin/mypy

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVXFER_VENV:-.venv}
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-echo "== ruff" && "$VENV/bin/ruff" check kvxfer backends adapters tests examples benchmarks
+echo "== ruff" && "$VENV/bin/ruff" check kvxfer backends adapters tests examples
 echo "== mypy --strict" && "$VENV/bin/mypy"
 echo "== pytest" && "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"

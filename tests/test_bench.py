@@ -18,11 +18,11 @@ import pytest
 
 from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.testing.kvcache import HostKVCache
-from kvxfer.tools import _bench_cases as bc
-from kvxfer.tools import _bench_report as report
-from kvxfer.tools import bench
-from kvxfer.tools._bench_data import MemcpyBench, fill_regions, verify_regions, zero_rows
-from kvxfer.tools._bench_run import RESULT_FIELDS, assemble, failed
+from kvxfer.tools.bench import cases as bc
+from kvxfer.tools.bench import cli as bench
+from kvxfer.tools.bench import report
+from kvxfer.tools.bench.data import MemcpyBench, fill_regions, verify_regions, zero_rows
+from kvxfer.tools.bench.runner import RESULT_FIELDS, assemble, failed
 
 ALL: dict[str, Any] = {
     "models": list(bc.SHAPES),
@@ -104,7 +104,7 @@ def test_matrix_rejects_unknown_values(key: str, value: list[Any]) -> None:
 
 
 def test_quick_preset_covers_the_bar_and_every_backend_and_mode() -> None:
-    args = bench._parser().parse_args(["--quick", "--mem-budget", "64"])
+    args = bench.parser().parse_args(["--quick", "--mem-budget", "64"])
     cases, skipped = bench.plan_cases(args)
     assert not [r for r in skipped if r["status"] == "skipped"]
     assert len(cases) <= 16
@@ -117,7 +117,7 @@ def test_quick_preset_covers_the_bar_and_every_backend_and_mode() -> None:
 
 
 def test_selectors_override_the_preset() -> None:
-    args = bench._parser().parse_args(
+    args = bench.parser().parse_args(
         ["--quick", "--backends", "ucx", "--directions", "pull", "--mem-budget", "64"]
     )
     cases, _ = bench.plan_cases(args)
@@ -202,7 +202,7 @@ def test_memory_estimate_and_trimming() -> None:
 
 def test_plan_cases_reports_what_will_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "unavailable_backends", lambda names: {"host_bounce": "gone"})
-    args = bench._parser().parse_args(
+    args = bench.parser().parse_args(
         [
             "--models",
             "qwen2.5-32b,gpt-oss-20b",
@@ -399,10 +399,10 @@ def test_bad_engine_busy_is_refused(
 
 
 def test_push_post_choices_are_the_agents() -> None:
-    args = bench._parser().parse_args(["--push-post", "writer", "--engine-busy-ms", "2.5"])
+    args = bench.parser().parse_args(["--push-post", "writer", "--engine-busy-ms", "2.5"])
     assert args.push_post == "writer" and args.engine_busy_ms == 2.5
     with pytest.raises(SystemExit):
-        bench._parser().parse_args(["--push-post", "inline"])
+        bench.parser().parse_args(["--push-post", "inline"])
 
 
 def test_memcpy_bench_copies_the_bytes_asked() -> None:
@@ -429,7 +429,9 @@ def test_memcpy_bench_threads_share_the_same_bytes(threads: int) -> None:
 
 
 # -- one real run ---------------------------------------------------------------------------
-def test_smoke_tiny_case_through_two_processes() -> None:
+def test_smoke_tiny_case_through_two_processes(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = subprocess.run(
         [
             sys.executable,
@@ -506,6 +508,17 @@ def test_smoke_tiny_case_through_two_processes() -> None:
             assert r["memcpy_2t_s"] is None and "bounce_vs_direct" not in r
     bars = {o["bar"]: o for o in objs if o["kind"] == "bar"}
     assert "floor" in bars["host_bounce time vs direct ucx"]["note"]
+    # --tables: the Markdown tables of docs/PERFORMANCE.md from the saved run.
+    saved = tmp_path / "run.jsonl"
+    saved.write_text(out.stdout)
+    assert bench.main(["--tables", str(saved)]) == 0
+    md = capsys.readouterr().out
+    assert "4 cases verified byte for byte, 0 failed, 0 skipped." in md
+    assert md.count("#### ") == 9
+    pulls = md.split("#### Every ucx pull")[1].split("#### ")[0]
+    ucx_pull = next(r for r in cases if (r["backend"], r["direction"]) == ("ucx", "pull"))
+    assert ucx_pull["label"] in pulls and "host_bounce" not in pulls
+    assert bench.main(["--tables", str(tmp_path / "missing.jsonl")]) == 2
 
 
 def test_from_json_reports_a_saved_run(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -523,6 +536,18 @@ def test_from_json_reports_a_saved_run(tmp_path: Any, capsys: pytest.CaptureFixt
     assert bench.main(["--from-json", str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_plan_micro_bench_times_every_case(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvxfer.tools.bench import plan_micro
+
+    assert plan_micro.main(["--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert len(lines) == 3 * 5  # three (tokens, block size) cases, five planning steps
+    for line in lines:
+        tokens, bs, descs, *_, runs, us, ns = line.split()
+        assert int(descs) == -(-int(tokens) // int(bs)) * 56
+        assert 1 <= int(runs) <= int(descs) and float(us) > 0 and float(ns) > 0
+
+
 def test_noisy_cases_get_more_reps_until_the_ratio_is_settled() -> None:
     assert bc.median_ci([1.0] * 4) is None  # too few to say
     lo, hi = bc.median_ci([0.9, 1.0, 1.1, 1.0, 0.95, 1.05, 1.0]) or (0.0, 0.0)
@@ -537,7 +562,7 @@ def test_raw_nixl_background_polls_pause_during_kvxfers_turn() -> None:
     """Raw NIXL's background poller serves raw NIXL's transfers only: paused while a
     rep's kvxfer transfer runs (its wakeups were load on kvxfer's copy that raw NIXL's
     did not carry), polling again once resumed."""
-    from kvxfer.tools._bench_raw import RawNixl
+    from kvxfer.tools.bench.raw_nixl import RawNixl
 
     raw = RawNixl("bench-raw-pause-test")
     drains: list[float] = []

@@ -166,6 +166,23 @@ class RawNixl:
             raise RuntimeError(f"raw NIXL {op} ended in state {state}")
         return t2 - t0, t1 - t0
 
+    def time_request(
+        self,
+        op: str,
+        local: Any,
+        local_ids: npt.NDArray[np.int32],
+        remote: Any,
+        remote_ids: npt.NDArray[np.int32],
+    ) -> float:
+        """Seconds ``make_prepped_xfer`` takes to build a request, which is released
+        unposted (NIXL's share of planning)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            handle = self._nixl.make_prepped_xfer(op, local, local_ids, remote, remote_ids, b"")
+            t1 = time.perf_counter()
+            handle.release()
+        return t1 - t0
+
     def xfer_runs(
         self, op: str, runs: Any, peer: str, notif: bytes, timeout_s: float
     ) -> tuple[float, float]:

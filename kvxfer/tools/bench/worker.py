@@ -1,10 +1,13 @@
 """The two bench processes (producer and consumer) of ``kvxfer bench``.
 
 Each owns a model-shaped host KV cache, the kvxfer agents of the current case group,
-and one :class:`~kvxfer.tools._bench_raw.RawNixl` on the same memory. The parent sends
-``(command, payload)`` tuples of plain values and gets ``("ok", value)`` or
-``("error", text)`` back; a command may send an intermediate ``("ok", ...)`` before its
-final reply (``expect_push`` and ``raw_expect`` say when they are waiting).
+and one :class:`~kvxfer.tools.bench.raw_nixl.RawNixl` on the same memory, all held in a
+:class:`~kvxfer.tools.bench.side.BenchSide` that the two command sets share: this
+module's :class:`Worker` (set-up and kvxfer) and :class:`~.measure.Measure` (raw NIXL,
+memcpy, planning). The parent sends ``(command, payload)`` tuples of plain values and
+gets ``("ok", value)`` or ``("error", text)`` back; a command may send an intermediate
+``("ok", ...)`` before its final reply (``expect_push`` and ``raw_expect`` say when
+they are waiting).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvxfer.tools import _bench_cases as bc
-from kvxfer.tools._bench_data import MemcpyBench, fill_regions
-from kvxfer.tools._bench_measure import Measure
+import kvxfer.tools.bench.cases as bc
+from kvxfer.tools.bench.data import MemcpyBench, fill_regions
+from kvxfer.tools.bench.measure import Measure
+from kvxfer.tools.bench.side import BenchSide
 
-__all__ = ["worker_main"]
+__all__ = ["Worker", "worker_main"]
 
 _SECRET = "kvxfer-bench-shared-secret"
 
@@ -62,60 +66,51 @@ def _pool(cache: Any) -> None:
     ]
 
 
-class _Worker(Measure):
-    def __init__(self, conn: Connection, side: str, host: str) -> None:
-        from kvxfer.tools._bench_raw import RawNixl
+class Worker:
+    """The set-up and kvxfer commands of one bench process (its raw NIXL, memcpy and
+    planning commands are :class:`~kvxfer.tools.bench.measure.Measure`'s)."""
 
-        self.conn, self.side, self.host = conn, side, host
-        self.raw = RawNixl(f"bench-raw-{side}-{os.getpid()}")
-        self.raw_peer: str | None = None
-        self.cache: Any = None
+    def __init__(self, side: BenchSide, host: str) -> None:
+        self.state, self.host = side, host
         self.cache_reg: Any = None
-        self.peer_layout: Any = None  # the other side's cache layout
-        self.memcpy: MemcpyBench | None = None
         self.case: bc.Case | None = None
-        self.agents: dict[str, Any] = {}
         self.staging_reg: Any = None
-        self.exposed: Any = None
-        self.dlists: tuple[Any, Any] | None = None
-        self.tables: tuple[Any, Any] | None = None
-        self.verify_tables: tuple[Any, Any] | None = None
-        self.last_runs = 0
-        self._block_cache = {}
         self._push_before: Any = None  # the push agent's stats as its last hold began
         self.push_post = "auto"  # AgentConfig.push_post of the push agents
-        self.engine_busy_s = 0.0  # Python the producer runs after starting a push
 
     def cmd_options(self, payload: dict[str, Any]) -> None:
         """Run-wide options (``--push-post``, ``--engine-busy-ms``)."""
         self.push_post = str(payload["push_post"])
-        self.engine_busy_s = float(payload["engine_busy_s"])
+        self.state.engine_busy_s = float(payload["engine_busy_s"])
 
     # -- set-up -----------------------------------------------------------------------
     def cmd_cache(self, case: bc.Case) -> dict[str, Any]:
         from kvxfer.testing.kvcache import HostKVCache
 
         self.cmd_close_cache(None)
-        self.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
-        _pool(self.cache)
-        if self.side == "producer":
-            fill_regions(self.cache.regions)
+        self.state.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
+        _pool(self.state.cache)
+        if self.state.side == "producer":
+            fill_regions(self.state.cache.regions)
         else:
-            for r in self.cache.regions:
+            for r in self.state.cache.regions:
                 r.fill(0)  # touch every page: no first-touch faults in the timings
             moved, _ = bc.expected_bytes(case)
-            self.memcpy = MemcpyBench(self.cache.regions, min(moved, bc.MEMCPY_SCRATCH))
-        self.cache_reg = self.raw.register(self.cache.layout())
-        return {"layout": msgspec.to_builtins(self.cache.layout()), "raw": self.raw.metadata()}
+            self.state.memcpy = MemcpyBench(self.state.cache.regions, min(moved, bc.MEMCPY_SCRATCH))
+        self.cache_reg = self.state.raw.register(self.state.cache.layout())
+        return {
+            "layout": msgspec.to_builtins(self.state.cache.layout()),
+            "raw": self.state.raw.metadata(),
+        }
 
     def cmd_peer(self, payload: dict[str, Any]) -> None:
         from kvxfer.layout import KVLayout
 
         if payload.get("layout") is not None:
-            self.peer_layout = msgspec.convert(payload["layout"], KVLayout)
-        if self.raw_peer is not None:  # new registrations: the peer's metadata changed
-            self.raw.remove_peer(self.raw_peer)
-        self.raw_peer = self.raw.add_peer(payload["raw"])
+            self.state.peer_layout = msgspec.convert(payload["layout"], KVLayout)
+        if self.state.raw_peer is not None:  # new registrations: the peer's metadata changed
+            self.state.raw.remove_peer(self.state.raw_peer)
+        self.state.raw_peer = self.state.raw.add_peer(payload["raw"])
 
     def cmd_agents(self, case: bc.Case) -> dict[str, Any]:
         from kvxfer.agent import Agent, AgentConfig, PushPost
@@ -124,10 +119,10 @@ class _Worker(Measure):
 
         self.cmd_close_agents(None)
         self.case = case
-        layout = self.cache.layout()
+        layout = self.state.cache.layout()
         if case.backend == "nixl_rbln":
             layout = _as_device(layout)
-        role = Role.PRODUCER if self.side == "producer" else Role.CONSUMER
+        role = Role.PRODUCER if self.state.side == "producer" else Role.CONSUMER
         extra = {"rbln_adapter": "emulated"} if case.backend == "nixl_rbln" else {}
         if case.backend == "host_bounce":
             extra = {"transport": "ucx"}
@@ -136,7 +131,7 @@ class _Worker(Measure):
             direction = Direction(d)
             agent = Agent(
                 AgentConfig(
-                    engine_id=f"bench-{self.side}-{d}",
+                    engine_id=f"bench-{self.state.side}-{d}",
                     fingerprint=Fingerprint(
                         model=f"bench/{case.model}",
                         dtype="bfloat16",
@@ -156,75 +151,78 @@ class _Worker(Measure):
                     push_post=PushPost(self.push_post),
                 )
             )
-            self.agents[d] = agent
+            self.state.agents[d] = agent
             agent.register(layout)
             host, port = agent.serve()
             out[d] = {"host": host, "port": port, "engine_id": agent.config.engine_id}
-        self.exposed = self.agents["pull"].exposed_layout
+        self.state.exposed = self.state.agents["pull"].exposed_layout
         if case.backend == "host_bounce":
             # Raw NIXL moves the same staging buffers the kvxfer backend moves.
-            self.staging_reg = self.raw.register(self.exposed)
-        out["exposed"] = msgspec.to_builtins(self.exposed)
-        out["raw"] = self.raw.metadata()
+            self.staging_reg = self.state.raw.register(self.state.exposed)
+        out["exposed"] = msgspec.to_builtins(self.state.exposed)
+        out["raw"] = self.state.raw.metadata()
         return out
 
     def cmd_agents_peer(self, payload: dict[str, Any]) -> None:
         from kvxfer.descriptors import DescriptorTable
         from kvxfer.layout import KVLayout
 
-        assert self.case is not None and self.cache is not None
+        assert self.case is not None and self.state.cache is not None
         self.cmd_peer({"raw": payload["raw"]})
         opts = _options(self.case)
         peer_exposed = msgspec.convert(payload["exposed"], KVLayout)
-        local = DescriptorTable.build(self.exposed, opts)
+        local = DescriptorTable.build(self.state.exposed, opts)
         remote = DescriptorTable.build(peer_exposed, opts)
-        self.tables = (local, remote)
-        self.dlists = (self.raw.prep(None, local), self.raw.prep(self.raw_peer, remote))
+        self.state.tables = (local, remote)
+        self.state.dlists = (
+            self.state.raw.prep(None, local),
+            self.state.raw.prep(self.state.raw_peer, remote),
+        )
         if self.case.backend == "host_bounce":
             vt = (
-                DescriptorTable.build(self.cache.layout(), opts),
-                DescriptorTable.build(self.peer_layout, opts),
+                DescriptorTable.build(self.state.cache.layout(), opts),
+                DescriptorTable.build(self.state.peer_layout, opts),
             )
-            self.verify_tables = vt
+            self.state.verify_tables = vt
         else:
-            self.verify_tables = self.tables
+            self.state.verify_tables = self.state.tables
 
     def cmd_connect(self, payload: dict[str, Any]) -> float:
         t0 = time.perf_counter()
-        self.agents[payload["direction"]].connect(
+        self.state.agents[payload["direction"]].connect(
             payload["host"], payload["port"], payload["engine_id"]
         )
         return time.perf_counter() - t0
 
     def cmd_close_agents(self, _: Any) -> None:
-        if self.dlists is not None:
-            for d in self.dlists:
-                self.raw.release(d)
-            self.dlists = None
-        for agent in self.agents.values():
+        if self.state.dlists is not None:
+            for d in self.state.dlists:
+                self.state.raw.release(d)
+            self.state.dlists = None
+        for agent in self.state.agents.values():
             agent.close()
-        self.agents = {}
+        self.state.agents = {}
         if self.staging_reg is not None:
-            self.raw.deregister(self.staging_reg)
+            self.state.raw.deregister(self.staging_reg)
             self.staging_reg = None
-        self.tables = self.verify_tables = None
+        self.state.tables = self.state.verify_tables = None
 
     def cmd_close_cache(self, _: Any) -> None:
         self.cmd_close_agents(None)
-        if self.raw_peer is not None:
-            self.raw.remove_peer(self.raw_peer)
-            self.raw_peer = None
+        if self.state.raw_peer is not None:
+            self.state.raw.remove_peer(self.state.raw_peer)
+            self.state.raw_peer = None
         if self.cache_reg is not None:
-            self.raw.deregister(self.cache_reg)
+            self.state.raw.deregister(self.cache_reg)
             self.cache_reg = None
-        if self.memcpy is not None:
-            self.memcpy.close()
-        self.cache = self.memcpy = None
+        if self.state.memcpy is not None:
+            self.state.memcpy.close()
+        self.state.cache = self.state.memcpy = None
 
     # -- kvxfer -----------------------------------------------------------------------
     def cmd_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
         case = msgspec.convert(payload["case"], bc.Case)
-        agent = self.agents[payload["direction"]]
+        agent = self.state.agents[payload["direction"]]
         if payload["direction"] == "push":
             # The consumer registers from a worker thread: start the clock only once
             # its registration is here (it opens the lease), as a real prefill would
@@ -234,7 +232,7 @@ class _Worker(Measure):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the consumer never registered {payload['rid']}")
                 time.sleep(0.0005)
-        blocks = self._blocks(case, own=True)
+        blocks = self.state.blocks(case, own=True)
         before = agent.stats()
         t0 = time.perf_counter()
         ticket = agent.hold(payload["rid"], blocks, case.tokens)
@@ -245,12 +243,12 @@ class _Worker(Measure):
         # would be the bench's own load on the producer (an engine looks once a step);
         # cmd_pushed collects the outcome after the consumer saw the data.
         self._push_before = before
-        self.engine_busy()
+        self.state.engine_busy()
         return {"t0": t0, "hold_s": t1 - t0}
 
     def cmd_pushed(self, rid: str) -> dict[str, Any]:
         """The producer's side of a finished push: its lease freed, its post time."""
-        agent = self.agents["push"]
+        agent = self.state.agents["push"]
         deadline = time.monotonic() + 300
         while rid not in agent.freed():
             if time.monotonic() > deadline:
@@ -265,7 +263,7 @@ class _Worker(Measure):
 
     def cmd_freed(self, rid: str) -> bool:
         deadline = time.monotonic() + 30
-        while rid not in self.agents["pull"].freed():
+        while rid not in self.state.agents["pull"].freed():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.0005)
@@ -276,14 +274,14 @@ class _Worker(Measure):
 
         case = msgspec.convert(payload["case"], bc.Case)
         ticket = msgspec.convert(payload["ticket"], Ticket)
-        self._prepare_verify(case, payload["verify"])
-        agent = self.agents["pull"]
-        blocks = self._blocks(case, own=True)
+        self.state.prepare_verify(case, payload["verify"])
+        agent = self.state.agents["pull"]
+        blocks = self.state.blocks(case, own=True)
         t0 = time.perf_counter()
         transfer = agent.pull(ticket, blocks)
         transfer.wait(300)
         s = time.perf_counter() - t0
-        bad = self._verify(case) if payload["verify"] else None
+        bad = self.state.verify(case) if payload["verify"] else None
         return {
             "s": s,
             "bad": bad,
@@ -295,7 +293,7 @@ class _Worker(Measure):
         from kvxfer.agent import Ticket
 
         case = msgspec.convert(payload["case"], bc.Case)
-        self._prepare_verify(case, payload["verify"])
+        self.state.prepare_verify(case, payload["verify"])
         stub = Ticket(
             engine_id=payload["engine_id"],
             host=payload["host"],
@@ -304,12 +302,23 @@ class _Worker(Measure):
             block_ids=((),),
             num_tokens=case.tokens,
         )
-        transfer = self.agents["push"].expect_push(stub, self._blocks(case, own=True))
-        self.conn.send(("ok", "registered"))
+        transfer = self.state.agents["push"].expect_push(stub, self.state.blocks(case, own=True))
+        self.state.conn.send(("ok", "registered"))
         transfer.wait(300)
         t1 = time.perf_counter()
-        bad = self._verify(case) if payload["verify"] else None
+        bad = self.state.verify(case) if payload["verify"] else None
         return {"t1": t1, "bad": bad, "stats": self._stats(transfer)}
+
+    @staticmethod
+    def _stats(transfer: Any) -> dict[str, Any]:
+        s = transfer.stats
+        return {
+            "bytes": s.bytes,
+            "descriptors": s.descriptors,
+            "plan_s": s.plan_s,
+            "post_s": s.post_s,
+            "transfer_s": s.transfer_s,
+        }
 
 
 #: Commands that start kvxfer's transfer of a rep. Raw NIXL's background poller pauses
@@ -322,13 +331,17 @@ _KVXFER_TRANSFER = frozenset({"hold", "pull", "expect_push"})
 def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> None:
     """Entry point of a bench process (``multiprocessing`` spawn target)."""
     if netns:
-        from kvxfer.tools._bench_netns import enter_netns
+        from kvxfer.tools.bench.netns import enter_netns
 
         enter_netns(netns)  # first, before any socket or thread exists
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("KVXFER_RBLN_ADAPTER", "emulated")
     try:
-        worker = _Worker(conn, side, host)
+        from kvxfer.tools.bench.raw_nixl import RawNixl
+
+        state = BenchSide(conn, side, RawNixl(f"bench-raw-{side}-{os.getpid()}"))
+        worker = Worker(state, host)
+        measure = Measure(state)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -341,16 +354,16 @@ def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> No
                 break
             if cmd == "stop":
                 break
-            handler = getattr(worker, f"cmd_{cmd}", None)
+            handler = getattr(worker, f"cmd_{cmd}", None) or getattr(measure, f"cmd_{cmd}", None)
             try:
                 if handler is None:
                     raise ValueError(f"unknown bench command {cmd!r}")
                 if cmd in ("cache", "agents"):
                     payload = msgspec.convert(payload, bc.Case)
                 if cmd in _KVXFER_TRANSFER:
-                    worker.raw.pause()  # until this process's next other command
+                    state.raw.pause()  # until this process's next other command
                 else:
-                    worker.raw.resume()
+                    state.raw.resume()
                 conn.send(("ok", handler(payload)))
             except Exception as exc:
                 detail = traceback.format_exc(limit=4)
@@ -359,4 +372,4 @@ def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> No
         try:
             worker.cmd_close_cache(None)
         finally:
-            worker.raw.close()
+            state.raw.close()

@@ -20,9 +20,9 @@ from typing import Any
 
 import msgspec
 
-from kvxfer.tools import _bench_cases as bc
-from kvxfer.tools._bench_netns import NetnsPair
-from kvxfer.tools._bench_worker import worker_main
+import kvxfer.tools.bench.cases as bc
+from kvxfer.tools.bench.netns import NetnsPair
+from kvxfer.tools.bench.worker import worker_main
 
 __all__ = ["RESULT_FIELDS", "BenchError", "Runner", "assemble", "failed"]
 

@@ -1,6 +1,7 @@
 """The Markdown tables of docs/PERFORMANCE.md, from a ``kvxfer bench --json`` run.
 
-Run: ``.venv/bin/python benchmarks/perf_tables.py run.jsonl [more.jsonl ...] > tables.md``
+Run: ``kvxfer bench --tables run.jsonl [more.jsonl ...] > tables.md`` (or
+``python -m kvxfer.tools.bench.tables run.jsonl ...``).
 
 Every number comes from the JSON lines the bench wrote (one object per case); nothing
 is measured here. Sections: the bar, kvxfer against raw NIXL and memcpy by
@@ -16,6 +17,8 @@ import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+__all__ = ["load", "main"]
 
 Row = dict[str, Any]
 
@@ -264,11 +267,17 @@ def planning(rows: Sequence[Row]) -> str:
     return _table(head, body)
 
 
-def main(argv: Sequence[str]) -> int:
-    if not argv:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print every section's table from the given ``--json`` files; 2 without any."""
+    paths = list(sys.argv[1:] if argv is None else argv)
+    if not paths:
         print(__doc__)
         return 2
-    rows = load(argv)
+    try:
+        rows = load(paths)
+    except (OSError, ValueError) as exc:
+        print(f"kvxfer bench --tables: cannot read the runs: {exc}", file=sys.stderr)
+        return 2
     sections = [
         ("The bar", bars(rows)),
         ("kvxfer against raw NIXL and memcpy, by configuration", by_configuration(rows)),
@@ -286,4 +295,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -2,8 +2,13 @@
 instance, on the e2e test bed's tiny model, plus the per-request KV transfer time
 from decode's connector stats.
 
-    .venv/bin/python -m benchmarks.vllm_pd [--modes pull push] [--requests 12]
+    .venv/bin/python -m examples.vllm.pd_ttft [--modes pull push] [--requests 12]
         [--prompt-tokens 320] [--max-tokens 64] [--json out.json]
+
+Run it from the repository root: it starts its engines with the end-to-end test bed
+(``tests/e2e``: the tiny model, the server and P/D pair starters), so it is an example
+of driving kvxfer under real vLLM, not part of the installed package. It is the seed of
+a TTFT benchmark; ``kvxfer bench`` measures the transfers themselves.
 
 Single stream (one request at a time) and bursts of ``--concurrency``; the unified
 instance and the P/D pair run side by side and get the prompts interleaved, so both

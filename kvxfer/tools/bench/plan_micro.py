@@ -1,4 +1,7 @@
-"""How long planning a request takes, on a Qwen3-0.6B-shaped KV cache.
+"""How long planning a request takes, on a Qwen3-0.6B-shaped KV cache: a micro-bench
+of the descriptor algebra alone, in one process, with no NIXL and no memory behind the
+addresses (``kvxfer bench``'s planning cases time the same steps inside a real run,
+beside the NIXL request and the transfer).
 
 28 layers x (K, V) = 56 regions of 8 KV heads x 128 head dim in bf16, so one block of
 one region is ``block_size * 2 KiB``. For each case the script times, median of
@@ -10,7 +13,7 @@ repeats:
   of 4 blocks (a recycled free list), and scattered (random permutations), where
   almost nothing merges.
 
-Run: ``.venv/bin/python benchmarks/bench_plan.py [--repeats N]``.
+Run: ``python -m kvxfer.tools.bench.plan_micro [--repeats N]``.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.descriptors import DescriptorTable, build_plan
 from kvxfer.layout import KVLayout, KVPart, MemKind, Region
+
+__all__ = ["main"]
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 28, 8, 128, 2
 CASES = [(4096, 16), (4096, 1024), (131072, 16)]  # (tokens, block_size)
@@ -81,10 +86,11 @@ def plan_merged(
     return build_plan(local, remote, lb, rb, n).runs(local, remote, merge=True)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print one line per case and planning step: descriptors, runs, µs, ns/descriptor."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=0, help="default: by size")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     header = (
         f"{'tokens':>7} {'bs':>5} {'descs':>7} {'case':<28} {'runs':>7} {'us':>9} {'ns/desc':>8}"
@@ -119,7 +125,8 @@ def main() -> None:
             print(
                 f"{tokens:>7} {bs:>5} {n:>7} {name:<28} {runs:>7} {us:>9.1f} {us * 1e3 / n:>8.1f}"
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

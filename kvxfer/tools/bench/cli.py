@@ -1,4 +1,4 @@
-"""``kvxfer bench``: model-shaped KV transfers, kvxfer beside raw NIXL and memcpy (R-CLI-3).
+"""The ``kvxfer bench`` command line: the presets, the case selection, the run loop.
 
 Two processes (a producer and a consumer, on loopback or with ``--netns`` in two
 network namespaces joined by a veth pair) hold model-shaped KV caches in host memory.
@@ -20,12 +20,25 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvxfer._agent_types import PushPost
-from kvxfer.tools import _bench_cases as bc
-from kvxfer.tools import _bench_report as report
+import kvxfer.tools.bench.cases as bc
+import kvxfer.tools.bench.report as report
+from kvxfer.agent import PushPost
 
-__all__ = ["QUICK", "main"]
+__all__ = [
+    "DESCRIPTION",
+    "PLANNING",
+    "QUICK",
+    "main",
+    "parser",
+    "plan_cases",
+    "run",
+    "unavailable_backends",
+]
 
+#: What ``kvxfer bench --help`` says the command is.
+DESCRIPTION = (
+    "``kvxfer bench``: model-shaped KV transfers, kvxfer beside raw NIXL and memcpy (R-CLI-3)."
+)
 _ALL: dict[str, str] = {
     "models": ",".join(m for m in bc.SHAPES if m != bc.THIN),
     "block_sizes": "16,128,1024",
@@ -80,8 +93,9 @@ QUICK: tuple[dict[str, str], ...] = (
 PLANNING = ((bc.QWEN, 4000), (bc.THIN, 128000))
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvxfer bench", description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    """The options of ``kvxfer bench``."""
+    p = argparse.ArgumentParser(prog="kvxfer bench", description=DESCRIPTION)
     p.add_argument("--quick", action="store_true", help="a small matrix (under a minute)")
     for key, text in (
         ("models", f"model shapes ({', '.join(bc.SHAPES)})"),
@@ -124,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
         "--from-json",
         metavar="FILE",
         help="report (and --plot) a run saved with --json instead of measuring",
+    )
+    p.add_argument(
+        "--tables",
+        nargs="+",
+        metavar="FILE",
+        help="print the Markdown tables of docs/PERFORMANCE.md from runs saved with "
+        "--json (several files: one matrix run in parts) instead of measuring",
     )
     p.add_argument(
         "--push-post",
@@ -195,7 +216,7 @@ def plan_cases(args: argparse.Namespace) -> tuple[list[bc.Case], list[Result]]:
         cases += [c for c in more if c not in cases]
         impossible += [(c, why) for c, why in bad if (c, why) not in impossible]
     cases = bc.order_cases(cases)
-    from kvxfer.tools._bench_run import failed
+    from kvxfer.tools.bench.runner import failed
 
     skipped = [failed(c, why, "skipped") for c, why in impossible]
     missing = unavailable_backends(sorted({c.backend for c in cases}))
@@ -237,8 +258,8 @@ def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
 def run(args: argparse.Namespace, results: list[Result]) -> None:
     """Run the bench, appending result objects in matrix order, planning last (an
     interrupted run keeps what it measured)."""
-    from kvxfer.tools._bench_netns import netns_pair
-    from kvxfer.tools._bench_run import Runner
+    from kvxfer.tools.bench.netns import netns_pair
+    from kvxfer.tools.bench.runner import Runner
 
     cases, skipped = plan_cases(args)
     planning: list[bc.Case] = []
@@ -304,7 +325,11 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvxfer bench``; 0 when every case ran and verified (see ``--check``)."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
+    if args.tables:
+        from kvxfer.tools.bench.tables import main as print_tables
+
+        return print_tables(args.tables)
     if args.reps is not None and args.reps < 1:
         print("kvxfer bench: --reps must be >= 1", file=sys.stderr)
         return 2
