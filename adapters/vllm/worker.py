@@ -19,16 +19,23 @@ never imported: tensors are duck-typed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan, as_groups
+from kvxfer.adapters.vllm import params as kvparams
+from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
+from kvxfer.agent import Agent
 from kvxfer.config import Direction, Role, TransferConfig
 from kvxfer.layout import KVLayout
+from kvxfer.transfer import Transfer, TransferState
 
-__all__ = ["WorkerSide", "describe_kv_caches", "remote_ticket", "unique_tensors"]
+__all__ = ["AgentFactory", "WorkerSide", "describe_kv_caches", "unique_tensors"]
+
+#: Builds a worker's Agent once its KV cache is known: ``factory(layout, tensors)``
+#: (the tensors are the distinct KV tensors, for backends that copy by tensor).
+AgentFactory = Callable[[KVLayout, Sequence[Any]], Agent]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 
@@ -73,50 +80,14 @@ def describe_kv_caches(
     )
 
 
-def remote_ticket(load: LoadSpec, tp_rank: int, local_blocks: Groups) -> Any:
-    """The :class:`~kvxfer.agent.Ticket` one rank pulls (or expects a push) with.
-
-    Upstream's convention: the producer advertises rank 0's side channel and rank *r*
-    listens on ``remote_port + r``; kvxfer adds each rank's incarnation in
-    ``remote_incarnations``. The remote blocks are cut to what this request needs:
-    the leading ``skip_blocks`` are local prefix hits, and the producer may hold more
-    blocks than the prompt fills (it decoded further). A push ticket may carry no
-    blocks at all (the producer's are matched by id there).
-    """
-    from kvxfer.agent import Ticket
-
-    params = load.remote_params
-    incarnations = params.get("remote_incarnations") or []
-    if tp_rank < len(incarnations):
-        incarnation = int(incarnations[tp_rank])
-    else:
-        incarnation = int(params.get("remote_incarnation") or 0) if tp_rank == 0 else 0
-    if params.get("remote_block_ids"):
-        remote = as_groups(params["remote_block_ids"])
-        skip = load.skip_blocks
-        blocks = tuple(r[skip : skip + len(g)] for r, g in zip(remote, local_blocks))
-    else:
-        blocks = tuple(() for _ in local_blocks)
-    return Ticket(
-        engine_id=str(params["remote_engine_id"]),
-        host=str(params["remote_host"]),
-        port=int(params["remote_port"]) + tp_rank,
-        request_id=load.transfer_id,
-        block_ids=blocks,
-        num_tokens=load.num_tokens,
-        incarnation=incarnation,
-        lease_expiry=float(params.get("lease_expiry") or 0.0),
-        tp_size=int(params.get("tp_size") or 1),
-    )
-
-
 class WorkerSide:
     """One worker's Agent and the transfers it has in flight.
 
     Args:
         config: The parsed connector configuration.
-        agent_factory: Builds the Agent once the layout is known (injected so tests
-            can pass a small fake): ``agent_factory(layout) -> Agent``.
+        agent_factory: Builds the Agent once the layout is known (in vLLM:
+            :func:`kvxfer.adapters.vllm.startup.agent_factory`; tests pass one over a
+            fake backend).
         tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
         tp_size: This instance's tensor-parallel size (a producer's must be equal).
         defer_registration: Device-to-device: register only once the engine's warm-up
@@ -127,7 +98,7 @@ class WorkerSide:
         self,
         config: TransferConfig,
         *,
-        agent_factory: Callable[[KVLayout], Any],
+        agent_factory: AgentFactory,
         tp_rank: int = 0,
         tp_size: int = 1,
         defer_registration: bool = False,
@@ -137,10 +108,10 @@ class WorkerSide:
         self.tp_size = tp_size
         self._agent_factory = agent_factory
         self._defer = defer_registration
-        self.agent: Any = None
+        self.agent: Agent | None = None
         self.layout: KVLayout | None = None
         self.tensors: list[Any] = []
-        self._inflight: dict[str, Any] = {}  # vLLM request id -> Transfer
+        self._inflight: dict[str, Transfer] = {}  # vLLM request id -> its load
         self._held: dict[str, str] = {}  # lease id -> vLLM request id (not yet freed)
         # Host bounce: prompts staged after their last forward (request id -> blocks),
         # so that their hold, a step later, does not copy the same bytes again.
@@ -163,9 +134,9 @@ class WorkerSide:
         self.layout = layout
         self.tensors = unique_tensors(kv_caches)
         log.info("kvxfer: KV layout %s", layout.summary())
-        self.agent = self._agent_factory(layout)
-        self.agent.register(layout, defer=self._defer)
-        self.agent.serve()
+        self.agent = agent = self._agent_factory(layout, self.tensors)
+        agent.register(layout, defer=self._defer)
+        agent.serve()
 
     def handshake_info(self) -> dict[str, Any] | None:
         """What the scheduler side puts into tickets: this rank's advertised address."""
@@ -239,36 +210,26 @@ class WorkerSide:
                 log.exception("kvxfer: streaming %s failed", stream.request_id)
 
     def _start_load(self, load: LoadSpec) -> None:
-        mode = load.remote_params.get("transfer_mode")
-        if mode is not None and mode != self.config.direction.value:
-            # Upstream's key says which connector issued the ticket: refuse a pull/push
-            # mix by name (without it the handshake refuses, on the compatibility hash).
-            why = (
-                f"the producer {load.remote_params.get('remote_engine_id')} runs the "
-                f"{mode} connector (transfer_mode {mode!r}) but this instance runs the "
-                f"{self.config.direction.value} connector: pair pull with pull, push with push"
-            )
-            log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
-            self._fail_load(load.request_id, load.local_blocks, why)
-            return
-        remote_tp = load.remote_params.get("tp_size")
-        if isinstance(remote_tp, int) and remote_tp != self.tp_size:
-            why = (
-                f"the producer runs tensor-parallel size {remote_tp}, this instance "
-                f"{self.tp_size}: kvxfer's vLLM connectors pair equal TP sizes (rank r "
-                "with rank r)"
-            )
+        agent = self.agent
+        assert agent is not None  # start_step fails every load without one
+        why = kvparams.pairing_error(load.remote_params, self.config.direction, self.tp_size)
+        if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
             self._fail_load(load.request_id, load.local_blocks, why)
             return
         try:
-            ticket = remote_ticket(load, self.tp_rank, load.local_blocks)
+            ticket = kvparams.remote_ticket(
+                load.remote_params,
+                tp_rank=self.tp_rank,
+                transfer_id=load.transfer_id,
+                local_blocks=load.local_blocks,
+                skip_blocks=load.skip_blocks,
+                num_tokens=load.num_tokens,
+            )
             if self.config.direction is Direction.PUSH:
-                transfer = self.agent.expect_push(
-                    ticket, load.local_blocks, num_tokens=load.num_tokens
-                )
+                transfer = agent.expect_push(ticket, load.local_blocks, num_tokens=load.num_tokens)
             else:
-                transfer = self.agent.pull(ticket, load.local_blocks, num_tokens=load.num_tokens)
+                transfer = agent.pull(ticket, load.local_blocks, num_tokens=load.num_tokens)
         except Exception as exc:
             log.error("kvxfer: could not start the load of %s: %s", load.request_id, exc)
             self._fail_load(load.request_id, load.local_blocks, str(exc))
@@ -282,17 +243,10 @@ class WorkerSide:
         self._interval.failed(why)
 
     def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
-        from kvxfer.agent import Ticket
-
+        if self.agent is None:
+            return
         try:
-            ticket = Ticket(
-                engine_id=str(params["remote_engine_id"]),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]) + self.tp_rank,
-                request_id=transfer_id,
-                block_ids=((),),
-                num_tokens=0,
-            )
+            ticket = kvparams.release_ticket(params, tp_rank=self.tp_rank, transfer_id=transfer_id)
             self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
         except Exception as exc:
             log.warning("kvxfer: could not release %s on the producer: %s", transfer_id, exc)
@@ -306,8 +260,6 @@ class WorkerSide:
         :meth:`block_ids_with_load_errors` in the same step, as vLLM requires. Every id
         is reported once, and only ids vLLM still holds (vLLM asserts on others).
         """
-        from kvxfer.transfer import TransferState
-
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
             if state is TransferState.PENDING:
@@ -381,7 +333,7 @@ class _Interval:
         if value:
             self.data[key] = self.data.get(key, 0) + value
 
-    def observe(self, transfer: Any) -> None:
+    def observe(self, transfer: Transfer) -> None:
         stats = transfer.stats
         self._add("num_transfers", 1)
         if stats.failure is not None:
