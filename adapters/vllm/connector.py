@@ -145,18 +145,13 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
             if self.cfg.device_to_device:
                 require_nixl_rbln()
             self._rails = tuple(data_plane_rails(self.cfg))
-            self._worker = WorkerSide(
+            # Checks the Agent's settings now; builds it once the KV cache exists.
+            self._agent_factory = agent_factory(
+                vllm_config,
                 self.cfg,
-                agent_factory=agent_factory(
-                    vllm_config,
-                    self.cfg,
-                    direction=self.direction,
-                    tp_rank=self._tp_rank,
-                    rails=self._rails,
-                ),
+                direction=self.direction,
                 tp_rank=self._tp_rank,
-                tp_size=self._tp_size,
-                defer_registration=self.cfg.device_to_device,
+                rails=self._rails,
             )
             self._start_link_monitor()
 
@@ -173,9 +168,13 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     # Worker side
     # ==================================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(
+        self._worker = WorkerSide.from_kv_caches(
+            self.cfg,
             kv_caches,
+            agent_factory=self._agent_factory,
+            tp_rank=self._tp_rank,
+            tp_size=self._tp_size,
+            defer_registration=self.cfg.device_to_device,
             block_size=self.block_size,
             num_blocks=int(self._kv_cache_config.num_blocks),
             kv_layout=str(self._kv_cache_config.kv_cache_layout or "NHD"),
@@ -190,8 +189,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     def get_handshake_metadata(self) -> KvxferHandshakeMetadata | None:
         if self._worker is None:
             return None
-        info = self._worker.handshake_info()
-        return None if info is None else KvxferHandshakeMetadata(**info)
+        return KvxferHandshakeMetadata(**self._worker.handshake_info())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None

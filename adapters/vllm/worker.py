@@ -83,11 +83,15 @@ def describe_kv_caches(
 class WorkerSide:
     """One worker's Agent and the transfers it has in flight.
 
+    Built by :meth:`from_kv_caches` once vLLM allocated the KV cache (the Agent
+    needs its layout); the Agent is registered (or, device-to-device, deferred) and
+    serving when the constructor returns.
+
     Args:
         config: The parsed connector configuration.
-        agent_factory: Builds the Agent once the layout is known (in vLLM:
-            :func:`kvxfer.adapters.vllm.startup.agent_factory`; tests pass one over a
-            fake backend).
+        agent: This worker's Agent (not yet registered).
+        layout: The KV cache's layout.
+        tensors: The distinct KV tensors (vLLM's, not copied).
         tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
         tp_size: This instance's tensor-parallel size (a producer's must be equal).
         defer_registration: Device-to-device: register only once the engine's warm-up
@@ -97,20 +101,21 @@ class WorkerSide:
     def __init__(
         self,
         config: TransferConfig,
+        agent: Agent,
+        layout: KVLayout,
+        tensors: Sequence[Any],
         *,
-        agent_factory: AgentFactory,
         tp_rank: int = 0,
         tp_size: int = 1,
         defer_registration: bool = False,
     ) -> None:
         self.config = config
+        self.agent = agent
+        self.layout = layout
+        self.tensors = list(tensors)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self._agent_factory = agent_factory
         self._defer = defer_registration
-        self.agent: Agent | None = None
-        self.layout: KVLayout | None = None
-        self.tensors: list[Any] = []
         self._inflight: dict[str, Transfer] = {}  # vLLM request id -> its load
         self._held: dict[str, str] = {}  # lease id -> vLLM request id (not yet freed)
         # Host bounce: prompts staged after their last forward (request id -> blocks),
@@ -122,26 +127,42 @@ class WorkerSide:
         self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
         self._producer = config.role is not Role.CONSUMER
         self._interval = _Interval(push=config.direction is Direction.PUSH)
+        agent.register(layout, defer=defer_registration)
+        agent.serve()
 
-    # -- set-up ------------------------------------------------------------------------
-    def register_kv_caches(
-        self, kv_caches: Mapping[str, Any], *, block_size: int, num_blocks: int, kv_layout: str
-    ) -> None:
-        """Describe the cache, build the Agent, register (or defer) and serve."""
+    @classmethod
+    def from_kv_caches(
+        cls,
+        config: TransferConfig,
+        kv_caches: Mapping[str, Any],
+        *,
+        agent_factory: AgentFactory,
+        block_size: int,
+        num_blocks: int,
+        kv_layout: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        defer_registration: bool = False,
+    ) -> WorkerSide:
+        """Describe vLLM's KV cache, build the Agent with ``agent_factory`` (in vLLM:
+        :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve."""
         layout = describe_kv_caches(
             kv_caches, block_size=block_size, num_blocks=num_blocks, kv_layout=kv_layout
         )
-        self.layout = layout
-        self.tensors = unique_tensors(kv_caches)
         log.info("kvxfer: KV layout %s", layout.summary())
-        self.agent = agent = self._agent_factory(layout, self.tensors)
-        agent.register(layout, defer=self._defer)
-        agent.serve()
+        tensors = unique_tensors(kv_caches)
+        return cls(
+            config,
+            agent_factory(layout, tensors),
+            layout,
+            tensors,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            defer_registration=defer_registration,
+        )
 
-    def handshake_info(self) -> dict[str, Any] | None:
+    def handshake_info(self) -> dict[str, Any]:
         """What the scheduler side puts into tickets: this rank's advertised address."""
-        if self.agent is None:
-            return None
         host, port = self.agent.address
         return {
             "host": host,
@@ -154,10 +175,6 @@ class WorkerSide:
     def start_step(self, plan: StepPlan) -> None:
         """Start what the scheduler queued. Never raises."""
         agent = self.agent
-        if agent is None:
-            for load in plan.loads:  # cannot happen after start-up; fail, do not hang
-                self._fail_load(load.request_id, load.local_blocks, "no agent")
-            return
         if self._defer:
             self._defer = False
             try:
@@ -190,7 +207,7 @@ class WorkerSide:
         """Producer, after the step's forward: stage the prompts it completed (host
         bounce) or write the blocks it closed (push_stream). Never raises."""
         agent = self.agent
-        if agent is None or not agent.registered or not (plan.stages or plan.streams):
+        if not agent.registered or not (plan.stages or plan.streams):
             return
         try:
             for stage in plan.stages:
@@ -211,7 +228,6 @@ class WorkerSide:
 
     def _start_load(self, load: LoadSpec) -> None:
         agent = self.agent
-        assert agent is not None  # start_step fails every load without one
         why = kvparams.pairing_error(load.remote_params, self.config.direction, self.tp_size)
         if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
@@ -243,8 +259,6 @@ class WorkerSide:
         self._interval.failed(why)
 
     def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
-        if self.agent is None:
-            return
         try:
             ticket = kvparams.release_ticket(params, tp_rank=self.tp_rank, transfer_id=transfer_id)
             self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
@@ -277,7 +291,7 @@ class WorkerSide:
                     transfer.error,
                 )
         sending: set[str] = set()
-        if self.agent is not None and self._producer:
+        if self._producer:
             for lease_id in self.agent.freed():
                 held_rid = self._held.pop(str(lease_id), None)
                 if held_rid is not None:
@@ -298,8 +312,7 @@ class WorkerSide:
         return self._interval.take()
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
+        self.agent.close()
 
 
 #: Agent counters a producer reports per interval (deltas), under these stats keys.

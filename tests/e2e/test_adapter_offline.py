@@ -325,9 +325,14 @@ def _worker(
             ),
         )
 
-    w = WorkerSide(cfg, agent_factory=factory)
-    w.register_kv_caches(caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="LBHNC")
-    return w
+    return WorkerSide.from_kv_caches(
+        cfg,
+        caches,
+        agent_factory=factory,
+        block_size=BS,
+        num_blocks=NUM_BLOCKS,
+        kv_layout="LBHNC",
+    )
 
 
 def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, SchedulerSide]:
@@ -336,7 +341,6 @@ def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, Schedu
     d = Direction(direction)
     ps, cs = _side(Role.PRODUCER, d), _side(Role.CONSUMER, d)
     info = p.handshake_info()
-    assert info is not None
     ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
     return p, c, ps, cs
 
@@ -673,9 +677,7 @@ def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(
     p = _worker("kv_producer", "pull", _caches(fill=True), stages=True)
     ps = _side(Role.PRODUCER, stage_early=True)
     info = p.handshake_info()
-    assert info is not None
     ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
-    assert p.agent is not None
     copies: list[list[Any]] = []
     holds: list[bool] = []
     real_stage, real_hold = p.agent.backend.stage_out, p.agent.hold
