@@ -2,8 +2,8 @@
 
 The connector facade (:mod:`kvxfer.adapters.vllm.connector`) drives this state machine
 from vLLM's scheduler hooks. It keeps no transfer logic: per request it decides which
-of four things the worker's Agent must do on a coming step, and builds
-upstream-compatible ``kv_transfer_params``:
+of four things the worker's Agent must do on a coming step, and hands out each held
+prompt's ticket as ``kv_transfer_params`` (through :mod:`~kvxfer.adapters.vllm.params`):
 
 * **stage** (producer, host bounce, pull): after the forward that completes a
   prompt, copy its blocks into the staging buffers, so they are readable before the

@@ -4,10 +4,12 @@ onto one :class:`kvxfer.Agent` per worker process (one per tensor-parallel rank)
 No transfer logic lives here: the Agent owns handshakes, plans, leases and progress.
 This module only translates:
 
-* ``register_kv_caches`` -> :func:`describe_kv_caches` -> ``Agent.register`` (deferred
-  for device-to-device until the first real step) + ``Agent.serve``
+* ``register_kv_caches`` -> :meth:`WorkerSide.from_kv_caches`: :func:`describe_kv_caches`,
+  the Agent built, ``Agent.register`` (deferred for device-to-device until the first
+  real step) + ``Agent.serve``
 * a step's :class:`~kvxfer.adapters.vllm.scheduler.StepPlan` -> ``hold`` / ``pull`` /
-  ``expect_push`` / ``abort``, and (after the forward) host-bounce staging
+  ``expect_push`` / ``abort`` (tickets read by :mod:`~kvxfer.adapters.vllm.params`),
+  and (after the forward) host-bounce staging
 * ``get_transfer_results`` -> ``Transfer.poll()`` of what is in flight, ``Agent.freed()``
 * ``get_kv_connector_stats`` -> per-interval counters vLLM aggregates across ranks
 
