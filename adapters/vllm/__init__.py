@@ -1,6 +1,9 @@
 """kvxfer's vLLM adapter: KV connectors for vLLM's ``KVConnectorBase_V1``.
 
 Import it as ``kvxfer.adapters.vllm`` (never as the top-level ``adapters`` folder).
+Two rooms that share no code: the connector (``connector``, ``scheduler``, ``worker``,
+``params``, ``startup``, ``stats``, ``plugin``) and ``kvxfer proxy``
+(:mod:`kvxfer.adapters.vllm.proxy`). See docs/VLLM_ADAPTER_NOTES.md.
 The connector classes load lazily: importing this package (as vLLM's plugin loader
 does in every process, including the API server) pulls in neither vLLM nor torch.
 
