@@ -22,14 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-#: The connector names vLLM can be given, mapped to the module defining them.
-#: ``RblnNixlConnector`` is the pull connector under its historical name.
-CONNECTOR_MODULE = "kvxfer.adapters.vllm.connector"
-CONNECTOR_NAMES: tuple[str, ...] = (
-    "RblnNixlPullConnector",
-    "RblnNixlPushConnector",
-    "RblnNixlConnector",
-)
+from kvxfer.adapters.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAMES
 
 __all__ = [
     "CONNECTOR_MODULE",

@@ -51,8 +51,13 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvxfer.adapters.vllm import params as kvparams
-from kvxfer.adapters.vllm.params import WireGroups, is_remote_prefill
+from kvxfer.adapters.vllm.params import (
+    WireGroups,
+    is_remote_prefill,
+    remote_block_groups,
+    remote_num_tokens,
+    ticket_params,
+)
 from kvxfer.agent import Ticket
 from kvxfer.config import Direction, Role
 from kvxfer.errors import ConfigError
@@ -264,8 +269,8 @@ class SchedulerSide:
         assert params is not None
         available = int(request.num_prompt_tokens)
         try:
-            remote_tokens = kvparams.remote_num_tokens(params)
-            groups = kvparams.remote_block_groups(params)
+            remote_tokens = remote_num_tokens(params)
+            groups = remote_block_groups(params)
         except ConfigError as exc:
             # Claim the prompt anyway: the worker refuses the load with this error and
             # vLLM fails (or recomputes) this request; the engine keeps running.
@@ -464,6 +469,4 @@ class SchedulerSide:
             lease_expiry=expiry,
             tp_size=self.tp_size,
         )
-        return True, kvparams.ticket_params(
-            ticket, direction=self.direction, incarnations=self.incarnations
-        )
+        return True, ticket_params(ticket, direction=self.direction, incarnations=self.incarnations)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.adapters.vllm import params as kvparams
+from kvxfer.adapters.vllm.params import pairing_error, release_ticket, remote_ticket
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
 from kvxfer.config import Direction, Role, TransferConfig
@@ -230,13 +230,13 @@ class WorkerSide:
 
     def _start_load(self, load: LoadSpec) -> None:
         agent = self.agent
-        why = kvparams.pairing_error(load.remote_params, self.config.direction, self.tp_size)
+        why = pairing_error(load.remote_params, self.config.direction, self.tp_size)
         if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
             self._fail_load(load.request_id, load.local_blocks, why)
             return
         try:
-            ticket = kvparams.remote_ticket(
+            ticket = remote_ticket(
                 load.remote_params,
                 tp_rank=self.tp_rank,
                 transfer_id=load.transfer_id,
@@ -262,7 +262,7 @@ class WorkerSide:
 
     def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
         try:
-            ticket = kvparams.release_ticket(params, tp_rank=self.tp_rank, transfer_id=transfer_id)
+            ticket = release_ticket(params, tp_rank=self.tp_rank, transfer_id=transfer_id)
             self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
         except Exception as exc:
             log.warning("kvxfer: could not release %s on the producer: %s", transfer_id, exc)
