@@ -29,31 +29,31 @@ import pytest
 from aiohttp import web
 
 from kvxfer.adapters.vllm import proxy as proxy_mod
-from kvxfer.adapters.vllm._config import ProxyConfig, load_tokenizer, normalize_url
-from kvxfer.adapters.vllm._dispatch import (
+from kvxfer.adapters.vllm.proxy import Proxy, start_proxy
+from kvxfer.adapters.vllm.proxy.dispatch import (
     PREFILL_PARAMS,
     SseScanner,
     learn_endpoint,
     prefill_body,
     push_receiver_params,
 )
-from kvxfer.adapters.vllm._metrics import Counter, Histogram
-from kvxfer.adapters.vllm._routing import (
+from kvxfer.adapters.vllm.proxy.metrics import Counter, Histogram
+from kvxfer.adapters.vllm.proxy.options import ProxyConfig, load_tokenizer, normalize_url, options
+from kvxfer.adapters.vllm.proxy.routing import (
     AffinityResult,
     Decider,
     DecodePolicy,
     Instance,
+    InstanceKind,
     InstanceState,
     PrefillPolicy,
     PrefixIndex,
     PromptInfo,
     Reason,
-    Role,
     Route,
     TokenEstimator,
     extract_prompt,
 )
-from kvxfer.adapters.vllm.proxy import Proxy, start_proxy
 from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
 
@@ -61,8 +61,8 @@ EST = TokenEstimator(4.0)
 LONG = "The quick brown fox jumps over the lazy dog. " * 40  # ~1800 chars, 7 blocks
 
 
-def _inst(url: str, role: Role = Role.PREFILL, **kw: Any) -> Instance:
-    return Instance(url, role, state=InstanceState.HEALTHY, **kw)
+def _inst(url: str, kind: InstanceKind = InstanceKind.PREFILL, **kw: Any) -> Instance:
+    return Instance(url, kind, state=InstanceState.HEALTHY, **kw)
 
 
 # -- prompts and estimates -------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_policies_never_pick_unhealthy_and_spread_ties() -> None:
     assert [c.instance.url for c in picks if c] == ["p1", "p3", "p1", "p3"]
     p1.state = p3.state = InstanceState.UNHEALTHY
     assert pol.pick([p1, p2, p3]) is None
-    d1, d2 = _inst("d1", Role.DECODE), _inst("d2", Role.DECODE)
+    d1, d2 = _inst("d1", InstanceKind.DECODE), _inst("d2", InstanceKind.DECODE)
     dpol = DecodePolicy()
     d1.active = 2
     assert dpol.pick([d1, d2]) is d2
@@ -208,7 +208,7 @@ def test_policies_never_pick_unhealthy_and_spread_ties() -> None:
 
 
 def test_instance_health_state_machine() -> None:
-    i = Instance("p", Role.PREFILL)
+    i = Instance("p", InstanceKind.PREFILL)
     assert not i.healthy and i.last_error  # out until a check passed
     assert i.observe(True, rise=1) and i.healthy and i.last_error == ""
     i.kv_endpoint = {"remote_engine_id": "e"}
@@ -1030,7 +1030,7 @@ def test_start_proxy_from_sync_code() -> None:
 
 
 def test_cli_parses_flags_and_rejects_bad_ones(capsys: pytest.CaptureFixture[str]) -> None:
-    args = proxy_mod._parser().parse_args(
+    args = proxy_mod.build_parser().parse_args(
         [
             "--prefill",
             "127.0.0.1:8100",
@@ -1097,3 +1097,18 @@ def test_cli_serves_and_stops_cleanly_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_defaults_are_the_config_defaults_and_every_field_has_a_flag() -> None:
+    # One declaration: the parser's defaults are ProxyConfig's, and each CLI field
+    # comes back from config_from_args under its own name.
+    parser = proxy_mod.build_parser()
+    cfg = proxy_mod.config_from_args(parser.parse_args(["--decode", "http://h:1"]))
+    assert cfg == ProxyConfig(decode=("http://h:1",))
+    flags = {a.dest for a in parser._actions}
+    fields = {f.name for f, opt, _ in options() if opt.cli}
+    assert fields <= flags and "max_body_bytes" not in flags
+    cfg = proxy_mod.config_from_args(
+        parser.parse_args(["--decode", "h:1", "--no-prefill-fallback", "--upstream-keepalive", "2"])
+    )
+    assert not cfg.prefill_fallback and cfg.upstream_keepalive_s == 2.0

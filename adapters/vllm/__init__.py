@@ -1,6 +1,9 @@
 """kvxfer's vLLM adapter: KV connectors for vLLM's ``KVConnectorBase_V1``.
 
 Import it as ``kvxfer.adapters.vllm`` (never as the top-level ``adapters`` folder).
+Two rooms that share no code: the connector (``connector``, ``scheduler``, ``worker``,
+``params``, ``startup``, ``stats``, ``plugin``) and ``kvxfer proxy``
+(:mod:`kvxfer.adapters.vllm.proxy`). See docs/VLLM_ADAPTER_NOTES.md.
 The connector classes load lazily: importing this package (as vLLM's plugin loader
 does in every process, including the API server) pulls in neither vLLM nor torch.
 
@@ -19,14 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-#: The connector names vLLM can be given, mapped to the module defining them.
-#: ``RblnNixlConnector`` is the pull connector under its historical name.
-CONNECTOR_MODULE = "kvxfer.adapters.vllm.connector"
-CONNECTOR_NAMES: tuple[str, ...] = (
-    "RblnNixlPullConnector",
-    "RblnNixlPushConnector",
-    "RblnNixlConnector",
-)
+from kvxfer.adapters.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAMES
 
 __all__ = [
     "CONNECTOR_MODULE",

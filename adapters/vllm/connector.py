@@ -1,14 +1,17 @@
 """kvxfer's KV connectors for vLLM 0.32 (``KVConnectorBase_V1``).
 
-Layout of the adapter:
+This module is the thin facade vLLM instantiates (one instance per role: SCHEDULER in
+the engine core, WORKER in each worker process; with vLLM's uni-process executor both
+live in the engine-core process, as two separate objects). Each hook maps onto one
+call of the side it belongs to; the rest of the adapter:
 
-* this module: the thin facade vLLM instantiates (one instance per role: SCHEDULER
-  in the engine core, WORKER in each worker process; with vLLM's uni-process
-  executor both live in the engine-core process, as two separate objects), start-up
-  checks (config, model support, rails) and stats/metrics;
-* :mod:`~kvxfer.adapters.vllm.scheduler`: per-request state and ticket params, no
-  vLLM imports;
-* :mod:`~kvxfer.adapters.vllm.worker`: KV tensors -> layout -> Agent calls.
+* :mod:`~kvxfer.adapters.vllm.startup`: start-up checks (config, model support,
+  rails) and the worker's Agent (:func:`~kvxfer.adapters.vllm.startup.agent_factory`);
+* :mod:`~kvxfer.adapters.vllm.scheduler`: per-request state, the step plan;
+* :mod:`~kvxfer.adapters.vllm.worker`: KV tensors -> layout -> Agent calls;
+* :mod:`~kvxfer.adapters.vllm.params`: tickets <-> ``kv_transfer_params``;
+* :mod:`~kvxfer.adapters.vllm.stats`: interval stats and Prometheus series;
+* :mod:`~kvxfer.adapters.vllm.plugin`: the ``vllm.general_plugins`` entry point.
 
 Connectors: :class:`RblnNixlPullConnector` (the consumer READs),
 :class:`RblnNixlPushConnector` (experimental; the producer WRITEs) and
@@ -27,9 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import secrets
-import statistics
 from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,19 +39,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvxfer.adapters.vllm.plugin import attach_to_vllm_logging
 from kvxfer.adapters.vllm.scheduler import SchedulerSide
 from kvxfer.adapters.vllm.scheduler import StepPlan as StepPlan
 from kvxfer.adapters.vllm.startup import (
-    AUTH_SECRET_ENV,
     LEASE_KEY,
     TIMEOUT_KEY,
+    agent_factory,
     check_model_support,
     data_plane_rails,
     parse_vllm_config,
@@ -59,10 +55,10 @@ from kvxfer.adapters.vllm.startup import (
     push_post,
     require_nixl_rbln,
 )
+from kvxfer.adapters.vllm.stats import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
-from kvxfer.layout import KVLayout, MemKind
 
 __all__ = [
     "KvxferConnectorMetadata",
@@ -93,165 +89,6 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[mis
     port: int
     incarnation: int
     tp_rank: int = 0
-
-
-@dataclasses.dataclass
-class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Per-interval transfer counters (see ``worker._Interval`` for the keys).
-
-    vLLM aggregates them over ranks and steps (numbers add, lists concatenate), logs
-    ``reduce()`` as "KV Transfer metrics: ..." on the API server and feeds
-    :class:`KvxferPromMetrics`.
-    """
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KvxferConnectorStats:
-        for key, value in (other.data or {}).items():
-            if isinstance(value, list):
-                self.data[key] = [*self.data.get(key, []), *value]
-            else:
-                self.data[key] = self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = self.data
-        times = [float(t) for t in d.get("transfer_s", [])]
-        out: dict[str, int | float] = {
-            "num_transfers": int(d.get("num_transfers", 0)),
-            "num_failed": int(d.get("num_failed", 0)),
-            "MiB": round(float(d.get("bytes", 0)) / 2**20, 3),
-        }
-        if times:
-            out["avg_transfer_ms"] = round(1e3 * statistics.fmean(times), 3)
-            out["p50_transfer_ms"] = round(1e3 * statistics.median(times), 3)
-            out["max_transfer_ms"] = round(1e3 * max(times), 3)
-            seconds = sum(times)
-            if seconds > 0:
-                out["avg_MiB_per_s"] = round(float(d.get("bytes", 0)) / 2**20 / seconds, 1)
-        for key in sorted(d):
-            if key.startswith(("failed_", "num_leases_", "num_handshakes", "num_push_")):
-                out[key] = int(d[key])
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(
-            v for k, v in self.data.items() if k.startswith("num_") or k.startswith("failed_")
-        )
-
-
-class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """kvxfer's Prometheus series, labelled like vLLM's own (model, engine).
-
-    ``vllm:kvxfer_transfers`` / ``vllm:kvxfer_failed_transfers`` (counters, consumer
-    loads), ``vllm:kvxfer_bytes`` (counter), ``vllm:kvxfer_transfer_time_seconds``
-    (histogram per request) and, on producers, ``vllm:kvxfer_leases_released`` /
-    ``vllm:kvxfer_leases_expired`` / ``vllm:kvxfer_leases_aborted`` (and
-    ``vllm:kvxfer_push_writes`` in push mode).
-    """
-
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def per_engine(metric: Any) -> dict[int, Any]:
-            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
-
-        counter: Any = self._counter_cls
-        histogram: Any = self._histogram_cls
-        self.transfers = per_engine(
-            counter(
-                name="vllm:kvxfer_transfers",
-                documentation="KV loads settled by kvxfer (done or failed).",
-                labelnames=labelnames,
-            )
-        )
-        self.failed = per_engine(
-            counter(
-                name="vllm:kvxfer_failed_transfers",
-                documentation="KV loads kvxfer reported as failed to vLLM.",
-                labelnames=labelnames,
-            )
-        )
-        self.bytes = per_engine(
-            counter(
-                name="vllm:kvxfer_bytes",
-                documentation="KV bytes moved by completed kvxfer loads.",
-                labelnames=labelnames,
-            )
-        )
-        self.leases_released = per_engine(
-            counter(
-                name="vllm:kvxfer_leases_released",
-                documentation="Producer: held requests freed by their consumer.",
-                labelnames=labelnames,
-            )
-        )
-        self.leases_expired = per_engine(
-            counter(
-                name="vllm:kvxfer_leases_expired",
-                documentation="Producer: held requests freed by lease expiry.",
-                labelnames=labelnames,
-            )
-        )
-        self.leases_aborted = per_engine(
-            counter(
-                name="vllm:kvxfer_leases_aborted",
-                documentation="Producer: held requests freed because the consumer gave "
-                "them up before transferring (request aborted, local prefix hit).",
-                labelnames=labelnames,
-            )
-        )
-        self.push_writes = per_engine(
-            counter(
-                name="vllm:kvxfer_push_writes",
-                documentation="Push producer: KV WRITEs completed (push_stream: several "
-                "per request).",
-                labelnames=labelnames,
-            )
-        )
-        self.transfer_time = per_engine(
-            histogram(
-                name="vllm:kvxfer_transfer_time_seconds",
-                documentation="Per-request KV transfer time (handshake included).",
-                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5],
-                labelnames=labelnames,
-            )
-        )
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        d = transfer_stats_data
-        for metric, key in (
-            (self.transfers, "num_transfers"),
-            (self.failed, "num_failed"),
-            (self.bytes, "bytes"),
-            (self.leases_released, "num_leases_released"),
-            (self.leases_expired, "num_leases_expired"),
-            (self.leases_aborted, "num_leases_aborted"),
-            (self.push_writes, "num_push_writes"),
-        ):
-            value = d.get(key, 0)
-            if value:
-                metric[engine_idx].inc(value)
-        for seconds in d.get("transfer_s", []):
-            self.transfer_time[engine_idx].observe(float(seconds))
-
-
-def _attention_backend(vllm_config: Any, fallback: str) -> str:
-    """The resolved attention backend's name (part of the compatibility hash)."""
-    context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
-    names = set()
-    for layer in context.values():
-        backend = getattr(layer, "attn_backend", None)
-        if backend is not None and hasattr(backend, "get_name"):
-            names.add(str(backend.get_name()))
-    return ",".join(sorted(names)) or fallback
 
 
 def _tp_rank() -> int:
@@ -285,8 +122,8 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         self.engine_id: str = str(vllm_config.kv_transfer_config.engine_id)
         self.block_size: int = int(vllm_config.cache_config.block_size)
         self._lease_s = positive_seconds(self.cfg, LEASE_KEY, 30.0)
-        self._transfer_timeout_s = positive_seconds(self.cfg, TIMEOUT_KEY, 30.0)
-        self._push_post = push_post(self.cfg)
+        positive_seconds(self.cfg, TIMEOUT_KEY, 30.0)  # refused at start-up on both sides
+        push_post(self.cfg)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -308,16 +145,17 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
             if self.cfg.device_to_device:
                 require_nixl_rbln()
             self._rails = tuple(data_plane_rails(self.cfg))
-            self._worker = WorkerSide(
+            # Checks the Agent's settings now; builds it once the KV cache exists.
+            self._agent_factory = agent_factory(
+                vllm_config,
                 self.cfg,
-                agent_factory=self._make_agent,
+                direction=self.direction,
                 tp_rank=self._tp_rank,
-                tp_size=self._tp_size,
-                defer_registration=self.cfg.device_to_device,
+                rails=self._rails,
             )
             self._start_link_monitor()
 
-    # -- worker process: rails, link monitor, agent -------------------------------------
+    # -- worker process: rails, link monitor ---------------------------------------------
     def _start_link_monitor(self) -> None:
         if not self._rails or self.cfg.link_down_exit_s <= 0:
             return
@@ -326,84 +164,17 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         self._linkmon = LinkMonitor(sysfs_link_probe(self._rails), self.cfg.link_down_exit_s)
         self._linkmon.start()
 
-    def _make_agent(self, layout: KVLayout) -> Any:
-        from vllm import envs
-        from vllm.platforms import current_platform
-
-        from kvxfer.agent import Agent, AgentConfig
-        from kvxfer.backend import BackendOptions
-        from kvxfer.compat import Fingerprint
-
-        vc = self._vllm_config
-        mc, cc = vc.model_config, vc.cache_config
-        dtype = str(mc.dtype).removeprefix("torch.")
-        kv_dtype = dtype if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
-        spec = vc.speculative_config
-        draft = ""
-        if spec is not None and getattr(spec, "draft_model_config", None) is not None:
-            draft = str(spec.draft_model_config.model)
-        served = mc.served_model_name
-        model = str(served[0] if isinstance(served, list | tuple) else (served or mc.model))
-        fingerprint = Fingerprint(
-            model=model,
-            revision=str(mc.revision or ""),
-            dtype=dtype,
-            kv_cache_dtype=kv_dtype,
-            attention_backend=_attention_backend(
-                vc, f"{current_platform.device_type}:{layout.kv_layout}"
-            ),
-            direction=self.direction,
-            draft_model=draft,
-        )
-        dp_index = int(getattr(vc.parallel_config, "data_parallel_index", 0) or 0)
-        port = int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT) + dp_index * self._tp_size + self._tp_rank
-        rails = tuple(r.name for r in self._rails)
-        backend_name = "nixl_rbln" if self.cfg.device_to_device else "host_bounce"
-        config = AgentConfig(
-            engine_id=self.engine_id,
-            fingerprint=fingerprint,
-            role=self.cfg.role,
-            direction=self.direction,
-            backend=backend_name,
-            side_channel_host=str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST),
-            side_channel_port=port,
-            plan=self.cfg.plan_options(int(vc.scheduler_config.max_num_batched_tokens)),
-            push_stream=self.cfg.push_stream,
-            enforce_handshake_compat=self.cfg.enforce_handshake_compat,
-            lease_s=self._lease_s,
-            transfer_timeout_s=self._transfer_timeout_s,
-            auth_secret=os.environ.get(AUTH_SECRET_ENV) or None,
-            rails=rails,
-            stripe_width=self.cfg.stripe_width,
-            push_post=self._push_post,
-        )
-        backend = None
-        if backend_name == "host_bounce" and any(r.mem is not MemKind.DRAM for r in layout.regions):
-            # KV cache in device memory: stage with torch copies over the same tensors.
-            from kvxfer.backends.host_bounce import HostBounceBackend, torch_copy_op
-
-            assert self._worker is not None
-            backend = HostBounceBackend(
-                BackendOptions(
-                    agent_name=f"{self.engine_id}#r{self._tp_rank}#{secrets.token_hex(8)}",
-                    rails=rails,
-                    stripe_width=self.cfg.stripe_width,
-                ),
-                copy_op=torch_copy_op(self._worker.tensors),
-            )
-        try:
-            return Agent(config, backend=backend)
-        except ImportError as exc:  # MissingDependency: nixl-rbln or NIXL itself
-            log.error("RBLN NIXL (D2D): cannot start: %s", exc)
-            raise
-
     # ==================================================================================
     # Worker side
     # ==================================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(
+        self._worker = WorkerSide.from_kv_caches(
+            self.cfg,
             kv_caches,
+            agent_factory=self._agent_factory,
+            tp_rank=self._tp_rank,
+            tp_size=self._tp_size,
+            defer_registration=self.cfg.device_to_device,
             block_size=self.block_size,
             num_blocks=int(self._kv_cache_config.num_blocks),
             kv_layout=str(self._kv_cache_config.kv_cache_layout or "NHD"),
@@ -418,8 +189,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     def get_handshake_metadata(self) -> KvxferHandshakeMetadata | None:
         if self._worker is None:
             return None
-        info = self._worker.handshake_info()
-        return None if info is None else KvxferHandshakeMetadata(**info)
+        return KvxferHandshakeMetadata(**self._worker.handshake_info())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -14,9 +14,16 @@ import contextlib
 import logging
 from typing import Any
 
-from kvxfer.adapters.vllm import CONNECTOR_MODULE, CONNECTOR_NAMES
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAMES", "attach_to_vllm_logging", "register"]
 
-__all__ = ["attach_to_vllm_logging", "register"]
+#: The connector names vLLM can be given, mapped to the module defining them.
+#: ``RblnNixlConnector`` is the pull connector under its historical name.
+CONNECTOR_MODULE = "kvxfer.adapters.vllm.connector"
+CONNECTOR_NAMES: tuple[str, ...] = (
+    "RblnNixlPullConnector",
+    "RblnNixlPushConnector",
+    "RblnNixlConnector",
+)
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 

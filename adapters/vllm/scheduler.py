@@ -2,8 +2,8 @@
 
 The connector facade (:mod:`kvxfer.adapters.vllm.connector`) drives this state machine
 from vLLM's scheduler hooks. It keeps no transfer logic: per request it decides which
-of four things the worker's Agent must do on a coming step, and builds
-upstream-compatible ``kv_transfer_params``:
+of four things the worker's Agent must do on a coming step, and hands out each held
+prompt's ticket as ``kv_transfer_params`` (through :mod:`~kvxfer.adapters.vllm.params`):
 
 * **stage** (producer, host bounce, pull): after the forward that completes a
   prompt, copy its blocks into the staging buffers, so they are readable before the
@@ -51,7 +51,16 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvxfer.adapters.vllm.params import (
+    WireGroups,
+    is_remote_prefill,
+    remote_block_groups,
+    remote_num_tokens,
+    ticket_params,
+)
+from kvxfer.agent import Ticket
 from kvxfer.config import Direction, Role
+from kvxfer.errors import ConfigError
 
 __all__ = [
     "HoldSpec",
@@ -70,14 +79,10 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 
 #: vLLM request statuses after which a producer's KV is complete and worth holding.
 _NORMAL_FINISH = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-#: Keys a pull consumer needs in ``kv_transfer_params`` to reach the producer's blocks.
-_PULL_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
-#: Keys a push consumer needs: the producer's address (it learns nothing else first).
-_PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 #: vLLM's per-engine request id randomisation: ``-`` and 8 hex digits at the end.
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
-Groups = tuple[tuple[int, ...], ...]
+Groups = WireGroups
 
 
 def base_request_id(request_id: str) -> str:
@@ -184,29 +189,6 @@ class _Consumer(enum.Enum):
     RELEASED = "released"
 
 
-def is_remote_prefill(params: Mapping[str, Any] | None, direction: Direction) -> bool:
-    """True when ``params`` ask this (decode) instance to take the prompt's KV remotely
-    and name the producer completely enough for ``direction``."""
-    if not params or not params.get("do_remote_prefill"):
-        return False
-    keys = _PUSH_KEYS if direction is Direction.PUSH else _PULL_KEYS
-    return all(params.get(k) is not None for k in keys)
-
-
-def as_groups(block_ids: Any) -> Groups:
-    """Upstream sends one list per KV group; older routers send one flat list."""
-    seq = list(block_ids or ())
-    if seq and isinstance(seq[0], list | tuple):
-        return tuple(tuple(int(b) for b in g) for g in seq)
-    return (tuple(int(b) for b in seq),)
-
-
-def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value)
-
-
 class SchedulerSide:
     """Per-request bookkeeping behind the connector's scheduler hooks.
 
@@ -286,11 +268,17 @@ class SchedulerSide:
             return 0, False  # already loaded, failed or released: never claim twice
         assert params is not None
         available = int(request.num_prompt_tokens)
-        remote_tokens = _int_or_none(params.get("remote_num_tokens"))
-        if remote_tokens is not None and remote_tokens > 0:
+        try:
+            remote_tokens = remote_num_tokens(params)
+            groups = remote_block_groups(params)
+        except ConfigError as exc:
+            # Claim the prompt anyway: the worker refuses the load with this error and
+            # vLLM fails (or recomputes) this request; the engine keeps running.
+            log.error("kvxfer: request %s: bad %s; its load will fail", request.request_id, exc)
+            remote_tokens, groups = None, ()
+        if remote_tokens is not None:
             available = min(available, remote_tokens)
-        if params.get("remote_block_ids"):
-            groups = as_groups(params["remote_block_ids"])
+        if groups:
             available = min(available, min(len(g) for g in groups) * self.block_size)
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -470,31 +458,15 @@ class SchedulerSide:
                 lease_s=self.lease_s,
             )
         )
-        return True, self.ticket_params(rid, groups, num_tokens, expiry)
-
-    def ticket_params(
-        self,
-        request_id: str,
-        groups: Groups,
-        num_tokens: int,
-        lease_expiry: float,
-    ) -> dict[str, Any]:
-        """Upstream-shaped ``kv_transfer_params`` for the consumer (plus kvxfer's keys:
-        ``remote_incarnation``, ``remote_incarnations``, ``lease_expiry``)."""
-        incarnations = list(self.incarnations)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_request_id": request_id,
-            "remote_block_ids": [list(g) for g in groups],
-            "remote_num_tokens": num_tokens,
-            "tp_size": self.tp_size,
-            "pp_size": 1,
-            "transfer_mode": self.direction.value,
-            "remote_incarnation": incarnations[0] if incarnations else 0,
-            "remote_incarnations": incarnations,
-            "lease_expiry": lease_expiry,
-        }
+        ticket = Ticket(
+            engine_id=self.engine_id,
+            host=self.host,
+            port=self.port,
+            request_id=rid,
+            block_ids=groups,
+            num_tokens=num_tokens,
+            incarnation=self.incarnations[0] if self.incarnations else 0,
+            lease_expiry=expiry,
+            tp_size=self.tp_size,
+        )
+        return True, ticket_params(ticket, direction=self.direction, incarnations=self.incarnations)

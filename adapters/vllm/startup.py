@@ -1,26 +1,39 @@
-"""Start-up checks of the vLLM connectors, importable without vLLM or torch.
+"""Start-up of the vLLM connectors: checks, and the worker's Agent.
 
-Everything here runs in the connector's constructor, the first connector code vLLM
-runs in its engine core, so a refusal stops the server before any KV memory is
-registered, with the key, value and rule (``ConfigError``), R-RAIL-2's NIC report
+The checks run in the connector's constructor, the first connector code vLLM runs in
+its engine core, so a refusal stops the server before any KV memory is registered,
+with the key, value and rule (``ConfigError``), R-RAIL-2's NIC report
 (``RailError``) or the missing package's install hint (``MissingDependency``).
+
+:func:`agent_factory` turns vLLM's config into the worker's
+:class:`~kvxfer.agent.AgentConfig` (fingerprint, side-channel port per rank,
+backend) and returns the function :class:`~kvxfer.adapters.vllm.worker.WorkerSide`
+calls once the KV cache is known. Importable without vLLM or torch (vLLM is imported
+inside the functions that read its runtime state).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+from collections.abc import Sequence
 from typing import Any
 
-from kvxfer.agent import PushPost
-from kvxfer.config import TransferConfig, parse_kv_transfer_config
+from kvxfer.adapters.vllm.worker import AgentFactory
+from kvxfer.agent import Agent, AgentConfig, PushPost
+from kvxfer.backend import Backend, BackendOptions
+from kvxfer.compat import Fingerprint
+from kvxfer.config import Direction, TransferConfig, parse_kv_transfer_config
 from kvxfer.errors import ConfigError
+from kvxfer.layout import KVLayout, MemKind
 
 __all__ = [
     "AUTH_SECRET_ENV",
     "LEASE_KEY",
     "PUSH_POST_KEY",
     "TIMEOUT_KEY",
+    "agent_factory",
     "check_model_support",
     "data_plane_rails",
     "parse_vllm_config",
@@ -161,3 +174,119 @@ def require_nixl_rbln() -> None:
     except ImportError as exc:
         log.error("RBLN NIXL (D2D): cannot start: %s", exc)
         raise
+
+
+def _attention_backend(vllm_config: Any, fallback: str) -> str:
+    """The resolved attention backend's name (part of the compatibility hash)."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", None) or {}
+    names = set()
+    for layer in context.values():
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None and hasattr(backend, "get_name"):
+            names.add(str(backend.get_name()))
+    return ",".join(sorted(names)) or fallback
+
+
+def _fingerprint(vllm_config: Any, layout: KVLayout, direction: Direction) -> Fingerprint:
+    """What must match between the two instances of a pair (R-COMPAT)."""
+    from vllm.platforms import current_platform
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    dtype = str(mc.dtype).removeprefix("torch.")
+    kv_dtype = dtype if cc.cache_dtype in (None, "auto") else str(cc.cache_dtype)
+    spec = vllm_config.speculative_config
+    draft = ""
+    if spec is not None and getattr(spec, "draft_model_config", None) is not None:
+        draft = str(spec.draft_model_config.model)
+    served = mc.served_model_name
+    model = str(served[0] if isinstance(served, list | tuple) else (served or mc.model))
+    return Fingerprint(
+        model=model,
+        revision=str(mc.revision or ""),
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        attention_backend=_attention_backend(
+            vllm_config, f"{current_platform.device_type}:{layout.kv_layout}"
+        ),
+        direction=direction,
+        draft_model=draft,
+    )
+
+
+def agent_factory(
+    vllm_config: Any,
+    cfg: TransferConfig,
+    *,
+    direction: Direction,
+    tp_rank: int,
+    rails: Sequence[Any] = (),
+) -> AgentFactory:
+    """The function that builds this worker's Agent once its KV cache is known.
+
+    The ``kv_connector_extra_config`` values are checked now (start-up); vLLM's
+    runtime state (side-channel host and port, attention backend) is read when the
+    factory runs, after vLLM allocated the cache.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``.
+        cfg: The parsed connector configuration.
+        direction: The connector's direction.
+        tp_rank: This worker's tensor-parallel rank (side-channel port offset).
+        rails: The data-plane rails (:func:`data_plane_rails`).
+
+    Raises:
+        ConfigError: a bad ``kv_lease_duration``, ``transfer_timeout_s`` or
+            ``push_post``.
+    """
+    lease_s = positive_seconds(cfg, LEASE_KEY, 30.0)
+    timeout_s = positive_seconds(cfg, TIMEOUT_KEY, 30.0)
+    post = push_post(cfg)
+    engine_id = str(vllm_config.kv_transfer_config.engine_id)
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    rail_names = tuple(r.name for r in rails)
+    backend_name = "nixl_rbln" if cfg.device_to_device else "host_bounce"
+
+    def build(layout: KVLayout, tensors: Sequence[Any]) -> Agent:
+        from vllm import envs
+
+        pc = vllm_config.parallel_config
+        dp_index = int(getattr(pc, "data_parallel_index", 0) or 0)
+        port = int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT) + dp_index * tp_size + tp_rank
+        config = AgentConfig(
+            engine_id=engine_id,
+            fingerprint=_fingerprint(vllm_config, layout, direction),
+            role=cfg.role,
+            direction=direction,
+            backend=backend_name,
+            side_channel_host=str(envs.VLLM_NIXL_SIDE_CHANNEL_HOST),
+            side_channel_port=port,
+            plan=cfg.plan_options(int(vllm_config.scheduler_config.max_num_batched_tokens)),
+            push_stream=cfg.push_stream,
+            enforce_handshake_compat=cfg.enforce_handshake_compat,
+            lease_s=lease_s,
+            transfer_timeout_s=timeout_s,
+            auth_secret=os.environ.get(AUTH_SECRET_ENV) or None,
+            rails=rail_names,
+            stripe_width=cfg.stripe_width,
+            push_post=post,
+        )
+        backend: Backend | None = None
+        if backend_name == "host_bounce" and any(r.mem is not MemKind.DRAM for r in layout.regions):
+            # KV cache in device memory: stage with torch copies over the same tensors.
+            from kvxfer.backends.host_bounce import HostBounceBackend, torch_copy_op
+
+            backend = HostBounceBackend(
+                BackendOptions(
+                    agent_name=f"{engine_id}#r{tp_rank}#{secrets.token_hex(8)}",
+                    rails=rail_names,
+                    stripe_width=cfg.stripe_width,
+                ),
+                copy_op=torch_copy_op(list(tensors)),
+            )
+        try:
+            return Agent(config, backend=backend)
+        except ImportError as exc:  # MissingDependency: nixl-rbln or NIXL itself
+            log.error("RBLN NIXL (D2D): cannot start: %s", exc)
+            raise
+
+    return build

@@ -4,10 +4,12 @@ onto one :class:`kvxfer.Agent` per worker process (one per tensor-parallel rank)
 No transfer logic lives here: the Agent owns handshakes, plans, leases and progress.
 This module only translates:
 
-* ``register_kv_caches`` -> :func:`describe_kv_caches` -> ``Agent.register`` (deferred
-  for device-to-device until the first real step) + ``Agent.serve``
+* ``register_kv_caches`` -> :meth:`WorkerSide.from_kv_caches`: :func:`describe_kv_caches`,
+  the Agent built, ``Agent.register`` (deferred for device-to-device until the first
+  real step) + ``Agent.serve``
 * a step's :class:`~kvxfer.adapters.vllm.scheduler.StepPlan` -> ``hold`` / ``pull`` /
-  ``expect_push`` / ``abort``, and (after the forward) host-bounce staging
+  ``expect_push`` / ``abort`` (tickets read by :mod:`~kvxfer.adapters.vllm.params`),
+  and (after the forward) host-bounce staging
 * ``get_transfer_results`` -> ``Transfer.poll()`` of what is in flight, ``Agent.freed()``
 * ``get_kv_connector_stats`` -> per-interval counters vLLM aggregates across ranks
 
@@ -19,16 +21,23 @@ never imported: tensors are duck-typed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan, as_groups
+from kvxfer.adapters.vllm.params import pairing_error, release_ticket, remote_ticket
+from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
+from kvxfer.agent import Agent
 from kvxfer.config import Direction, Role, TransferConfig
 from kvxfer.layout import KVLayout
+from kvxfer.transfer import Transfer, TransferState
 
-__all__ = ["WorkerSide", "describe_kv_caches", "remote_ticket", "unique_tensors"]
+__all__ = ["AgentFactory", "WorkerSide", "describe_kv_caches", "unique_tensors"]
+
+#: Builds a worker's Agent once its KV cache is known: ``factory(layout, tensors)``
+#: (the tensors are the distinct KV tensors, for backends that copy by tensor).
+AgentFactory = Callable[[KVLayout, Sequence[Any]], Agent]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 
@@ -73,50 +82,18 @@ def describe_kv_caches(
     )
 
 
-def remote_ticket(load: LoadSpec, tp_rank: int, local_blocks: Groups) -> Any:
-    """The :class:`~kvxfer.agent.Ticket` one rank pulls (or expects a push) with.
-
-    Upstream's convention: the producer advertises rank 0's side channel and rank *r*
-    listens on ``remote_port + r``; kvxfer adds each rank's incarnation in
-    ``remote_incarnations``. The remote blocks are cut to what this request needs:
-    the leading ``skip_blocks`` are local prefix hits, and the producer may hold more
-    blocks than the prompt fills (it decoded further). A push ticket may carry no
-    blocks at all (the producer's are matched by id there).
-    """
-    from kvxfer.agent import Ticket
-
-    params = load.remote_params
-    incarnations = params.get("remote_incarnations") or []
-    if tp_rank < len(incarnations):
-        incarnation = int(incarnations[tp_rank])
-    else:
-        incarnation = int(params.get("remote_incarnation") or 0) if tp_rank == 0 else 0
-    if params.get("remote_block_ids"):
-        remote = as_groups(params["remote_block_ids"])
-        skip = load.skip_blocks
-        blocks = tuple(r[skip : skip + len(g)] for r, g in zip(remote, local_blocks))
-    else:
-        blocks = tuple(() for _ in local_blocks)
-    return Ticket(
-        engine_id=str(params["remote_engine_id"]),
-        host=str(params["remote_host"]),
-        port=int(params["remote_port"]) + tp_rank,
-        request_id=load.transfer_id,
-        block_ids=blocks,
-        num_tokens=load.num_tokens,
-        incarnation=incarnation,
-        lease_expiry=float(params.get("lease_expiry") or 0.0),
-        tp_size=int(params.get("tp_size") or 1),
-    )
-
-
 class WorkerSide:
     """One worker's Agent and the transfers it has in flight.
 
+    Built by :meth:`from_kv_caches` once vLLM allocated the KV cache (the Agent
+    needs its layout); the Agent is registered (or, device-to-device, deferred) and
+    serving when the constructor returns.
+
     Args:
         config: The parsed connector configuration.
-        agent_factory: Builds the Agent once the layout is known (injected so tests
-            can pass a small fake): ``agent_factory(layout) -> Agent``.
+        agent: This worker's Agent (not yet registered).
+        layout: The KV cache's layout.
+        tensors: The distinct KV tensors (vLLM's, not copied).
         tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
         tp_size: This instance's tensor-parallel size (a producer's must be equal).
         defer_registration: Device-to-device: register only once the engine's warm-up
@@ -126,21 +103,22 @@ class WorkerSide:
     def __init__(
         self,
         config: TransferConfig,
+        agent: Agent,
+        layout: KVLayout,
+        tensors: Sequence[Any],
         *,
-        agent_factory: Callable[[KVLayout], Any],
         tp_rank: int = 0,
         tp_size: int = 1,
         defer_registration: bool = False,
     ) -> None:
         self.config = config
+        self.agent = agent
+        self.layout = layout
+        self.tensors = list(tensors)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self._agent_factory = agent_factory
         self._defer = defer_registration
-        self.agent: Any = None
-        self.layout: KVLayout | None = None
-        self.tensors: list[Any] = []
-        self._inflight: dict[str, Any] = {}  # vLLM request id -> Transfer
+        self._inflight: dict[str, Transfer] = {}  # vLLM request id -> its load
         self._held: dict[str, str] = {}  # lease id -> vLLM request id (not yet freed)
         # Host bounce: prompts staged after their last forward (request id -> blocks),
         # so that their hold, a step later, does not copy the same bytes again.
@@ -151,26 +129,42 @@ class WorkerSide:
         self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
         self._producer = config.role is not Role.CONSUMER
         self._interval = _Interval(push=config.direction is Direction.PUSH)
+        agent.register(layout, defer=defer_registration)
+        agent.serve()
 
-    # -- set-up ------------------------------------------------------------------------
-    def register_kv_caches(
-        self, kv_caches: Mapping[str, Any], *, block_size: int, num_blocks: int, kv_layout: str
-    ) -> None:
-        """Describe the cache, build the Agent, register (or defer) and serve."""
+    @classmethod
+    def from_kv_caches(
+        cls,
+        config: TransferConfig,
+        kv_caches: Mapping[str, Any],
+        *,
+        agent_factory: AgentFactory,
+        block_size: int,
+        num_blocks: int,
+        kv_layout: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        defer_registration: bool = False,
+    ) -> WorkerSide:
+        """Describe vLLM's KV cache, build the Agent with ``agent_factory`` (in vLLM:
+        :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve."""
         layout = describe_kv_caches(
             kv_caches, block_size=block_size, num_blocks=num_blocks, kv_layout=kv_layout
         )
-        self.layout = layout
-        self.tensors = unique_tensors(kv_caches)
         log.info("kvxfer: KV layout %s", layout.summary())
-        self.agent = self._agent_factory(layout)
-        self.agent.register(layout, defer=self._defer)
-        self.agent.serve()
+        tensors = unique_tensors(kv_caches)
+        return cls(
+            config,
+            agent_factory(layout, tensors),
+            layout,
+            tensors,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            defer_registration=defer_registration,
+        )
 
-    def handshake_info(self) -> dict[str, Any] | None:
+    def handshake_info(self) -> dict[str, Any]:
         """What the scheduler side puts into tickets: this rank's advertised address."""
-        if self.agent is None:
-            return None
         host, port = self.agent.address
         return {
             "host": host,
@@ -183,10 +177,6 @@ class WorkerSide:
     def start_step(self, plan: StepPlan) -> None:
         """Start what the scheduler queued. Never raises."""
         agent = self.agent
-        if agent is None:
-            for load in plan.loads:  # cannot happen after start-up; fail, do not hang
-                self._fail_load(load.request_id, load.local_blocks, "no agent")
-            return
         if self._defer:
             self._defer = False
             try:
@@ -219,7 +209,7 @@ class WorkerSide:
         """Producer, after the step's forward: stage the prompts it completed (host
         bounce) or write the blocks it closed (push_stream). Never raises."""
         agent = self.agent
-        if agent is None or not agent.registered or not (plan.stages or plan.streams):
+        if not agent.registered or not (plan.stages or plan.streams):
             return
         try:
             for stage in plan.stages:
@@ -239,36 +229,25 @@ class WorkerSide:
                 log.exception("kvxfer: streaming %s failed", stream.request_id)
 
     def _start_load(self, load: LoadSpec) -> None:
-        mode = load.remote_params.get("transfer_mode")
-        if mode is not None and mode != self.config.direction.value:
-            # Upstream's key says which connector issued the ticket: refuse a pull/push
-            # mix by name (without it the handshake refuses, on the compatibility hash).
-            why = (
-                f"the producer {load.remote_params.get('remote_engine_id')} runs the "
-                f"{mode} connector (transfer_mode {mode!r}) but this instance runs the "
-                f"{self.config.direction.value} connector: pair pull with pull, push with push"
-            )
-            log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
-            self._fail_load(load.request_id, load.local_blocks, why)
-            return
-        remote_tp = load.remote_params.get("tp_size")
-        if isinstance(remote_tp, int) and remote_tp != self.tp_size:
-            why = (
-                f"the producer runs tensor-parallel size {remote_tp}, this instance "
-                f"{self.tp_size}: kvxfer's vLLM connectors pair equal TP sizes (rank r "
-                "with rank r)"
-            )
+        agent = self.agent
+        why = pairing_error(load.remote_params, self.config.direction, self.tp_size)
+        if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
             self._fail_load(load.request_id, load.local_blocks, why)
             return
         try:
-            ticket = remote_ticket(load, self.tp_rank, load.local_blocks)
+            ticket = remote_ticket(
+                load.remote_params,
+                tp_rank=self.tp_rank,
+                transfer_id=load.transfer_id,
+                local_blocks=load.local_blocks,
+                skip_blocks=load.skip_blocks,
+                num_tokens=load.num_tokens,
+            )
             if self.config.direction is Direction.PUSH:
-                transfer = self.agent.expect_push(
-                    ticket, load.local_blocks, num_tokens=load.num_tokens
-                )
+                transfer = agent.expect_push(ticket, load.local_blocks, num_tokens=load.num_tokens)
             else:
-                transfer = self.agent.pull(ticket, load.local_blocks, num_tokens=load.num_tokens)
+                transfer = agent.pull(ticket, load.local_blocks, num_tokens=load.num_tokens)
         except Exception as exc:
             log.error("kvxfer: could not start the load of %s: %s", load.request_id, exc)
             self._fail_load(load.request_id, load.local_blocks, str(exc))
@@ -282,17 +261,8 @@ class WorkerSide:
         self._interval.failed(why)
 
     def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
-        from kvxfer.agent import Ticket
-
         try:
-            ticket = Ticket(
-                engine_id=str(params["remote_engine_id"]),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]) + self.tp_rank,
-                request_id=transfer_id,
-                block_ids=((),),
-                num_tokens=0,
-            )
+            ticket = release_ticket(params, tp_rank=self.tp_rank, transfer_id=transfer_id)
             self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
         except Exception as exc:
             log.warning("kvxfer: could not release %s on the producer: %s", transfer_id, exc)
@@ -306,8 +276,6 @@ class WorkerSide:
         :meth:`block_ids_with_load_errors` in the same step, as vLLM requires. Every id
         is reported once, and only ids vLLM still holds (vLLM asserts on others).
         """
-        from kvxfer.transfer import TransferState
-
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
             if state is TransferState.PENDING:
@@ -325,7 +293,7 @@ class WorkerSide:
                     transfer.error,
                 )
         sending: set[str] = set()
-        if self.agent is not None and self._producer:
+        if self._producer:
             for lease_id in self.agent.freed():
                 held_rid = self._held.pop(str(lease_id), None)
                 if held_rid is not None:
@@ -346,8 +314,7 @@ class WorkerSide:
         return self._interval.take()
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
+        self.agent.close()
 
 
 #: Agent counters a producer reports per interval (deltas), under these stats keys.
@@ -381,7 +348,7 @@ class _Interval:
         if value:
             self.data[key] = self.data.get(key, 0) + value
 
-    def observe(self, transfer: Any) -> None:
+    def observe(self, transfer: Transfer) -> None:
         stats = transfer.stats
         self._add("num_transfers", 1)
         if stats.failure is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch  # a required dependency (scripts/setup_env.sh), never skipped
 
+from kvxfer.adapters.vllm.params import remote_ticket
 from kvxfer.adapters.vllm.scheduler import (
     LoadSpec,
     SchedulerSide,
@@ -32,7 +33,7 @@ from kvxfer.adapters.vllm.startup import (
     positive_seconds,
     push_post,
 )
-from kvxfer.adapters.vllm.worker import WorkerSide, remote_ticket
+from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
 from kvxfer.config import Direction, Role, parse_kv_transfer_config
 from kvxfer.errors import ConfigError, RailError
@@ -249,7 +250,17 @@ def test_remote_ticket_per_rank_port_incarnation_and_block_cut() -> None:
         skip_blocks=2,
         num_tokens=100,
     )
-    t0, t1 = remote_ticket(load, 0, load.local_blocks), remote_ticket(load, 1, load.local_blocks)
+    t0, t1 = (
+        remote_ticket(
+            params,
+            tp_rank=rank,
+            transfer_id=load.transfer_id,
+            local_blocks=load.local_blocks,
+            skip_blocks=load.skip_blocks,
+            num_tokens=load.num_tokens,
+        )
+        for rank in (0, 1)
+    )
     assert (t0.port, t0.incarnation, t1.port, t1.incarnation) == (5600, 5, 5601, 6)
     # Skip the local hits, and stop where the local blocks stop (the producer decoded on).
     assert t0.block_ids == ((9, 10),) and t0.request_id == "t"
@@ -298,7 +309,7 @@ def _worker(
         direction=cfg.direction,
     )
 
-    def factory(layout: Any) -> Agent:
+    def factory(layout: Any, tensors: Any) -> Agent:
         return Agent(
             AgentConfig(
                 engine_id=engine_id,
@@ -314,9 +325,14 @@ def _worker(
             ),
         )
 
-    w = WorkerSide(cfg, agent_factory=factory)
-    w.register_kv_caches(caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="LBHNC")
-    return w
+    return WorkerSide.from_kv_caches(
+        cfg,
+        caches,
+        agent_factory=factory,
+        block_size=BS,
+        num_blocks=NUM_BLOCKS,
+        kv_layout="LBHNC",
+    )
 
 
 def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, SchedulerSide]:
@@ -325,7 +341,6 @@ def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, Schedu
     d = Direction(direction)
     ps, cs = _side(Role.PRODUCER, d), _side(Role.CONSUMER, d)
     info = p.handshake_info()
-    assert info is not None
     ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
     return p, c, ps, cs
 
@@ -473,6 +488,36 @@ def test_a_load_that_cannot_start_is_a_failed_load_not_an_exception() -> None:
         assert recving == failed == {"d-1"} and c.block_ids_with_load_errors() == {1, 2}
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_block_ids", [[1, "2"]]),
+        ("remote_block_ids", [[1, 1]]),
+        ("remote_block_ids", [True, 2]),
+        ("remote_num_tokens", "40"),
+        ("remote_port", "5600"),
+    ],
+)
+def test_bad_kv_transfer_params_fail_that_request_and_name_the_key(
+    key: str, value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The scheduler claims the prompt without raising into vLLM; the worker refuses the
+    # load with the key, value and rule, and reports it as a failed load.
+    s = _side(Role.CONSUMER)
+    req = FakeRequest("d-9", {**_ticket([1, 2], 40), key: value}, num_prompt_tokens=40)
+    n, is_async = s.get_num_new_matched_tokens(req, 0)
+    assert (n, is_async) == (40, True)
+    s.update_state_after_alloc(req, [[3, 4]], n, 0)
+    c = _worker("kv_consumer", "pull", _caches(fill=False))
+    try:
+        c.start_step(s.build_step_plan())
+        _, recving, failed = c.transfer_results()
+        assert recving == failed == {"d-9"} and c.block_ids_with_load_errors() == {3, 4}
+    finally:
+        c.close()
+    assert f"kv_transfer_params.{key}=" in caplog.text
 
 
 def test_a_producer_of_another_tp_size_is_refused_by_name() -> None:
@@ -632,9 +677,7 @@ def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(
     p = _worker("kv_producer", "pull", _caches(fill=True), stages=True)
     ps = _side(Role.PRODUCER, stage_early=True)
     info = p.handshake_info()
-    assert info is not None
     ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
-    assert p.agent is not None
     copies: list[list[Any]] = []
     holds: list[bool] = []
     real_stage, real_hold = p.agent.backend.stage_out, p.agent.hold

@@ -37,20 +37,20 @@ __all__ = [
     "Decision",
     "DecodePolicy",
     "Instance",
+    "InstanceKind",
     "InstanceState",
     "PrefillChoice",
     "PrefillPolicy",
     "PrefixIndex",
     "PromptInfo",
     "Reason",
-    "Role",
     "Route",
     "TokenEstimator",
     "extract_prompt",
 ]
 
 
-class Role(enum.Enum):
+class InstanceKind(enum.Enum):
     """What an instance does for the proxy."""
 
     PREFILL = "prefill"
@@ -97,7 +97,7 @@ class Instance:
 
     Attributes:
         url: Base URL, e.g. ``http://127.0.0.1:8100`` (no trailing slash).
-        role: Prefill or decode.
+        kind: Prefill or decode.
         state: In rotation or not. Instances start UNHEALTHY until a check passes.
         active: Requests in flight to this instance.
         outstanding_tokens: Estimated prompt tokens in flight (prefill routing).
@@ -111,7 +111,7 @@ class Instance:
     """
 
     url: str
-    role: Role
+    kind: InstanceKind
     state: InstanceState = InstanceState.UNHEALTHY
     active: int = 0
     outstanding_tokens: int = 0

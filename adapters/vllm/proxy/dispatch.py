@@ -38,18 +38,18 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from kvxfer.adapters.vllm._config import ProxyConfig
-from kvxfer.adapters.vllm._metrics import ProxyMetrics
-from kvxfer.adapters.vllm._routing import (
+from kvxfer.adapters.vllm.proxy.metrics import ProxyMetrics
+from kvxfer.adapters.vllm.proxy.options import ProxyConfig
+from kvxfer.adapters.vllm.proxy.routing import (
     Decider,
     Decision,
     DecodePolicy,
     Instance,
+    InstanceKind,
     PrefillPolicy,
     PrefixIndex,
     PromptInfo,
     Reason,
-    Role,
     Route,
     TokenEstimator,
     extract_prompt,
@@ -412,10 +412,12 @@ class Dispatcher:
             choice = self.prefill_policy.pick(self.prefill, keys)
             if choice is None:
                 if not self.config.prefill_fallback:
-                    raise ProxyError(503, self._none_healthy(Role.PREFILL), stage=Stage.ROUTE)
+                    raise ProxyError(
+                        503, self._none_healthy(InstanceKind.PREFILL), stage=Stage.ROUTE
+                    )
                 decision = Decision(Route.DECODE_ONLY, Reason.PREFILL_UNAVAILABLE)
         if not any(d.healthy for d in self.decode):
-            raise ProxyError(503, self._none_healthy(Role.DECODE), stage=Stage.ROUTE)
+            raise ProxyError(503, self._none_healthy(InstanceKind.DECODE), stage=Stage.ROUTE)
         ex.route = decision.route
         self.metrics.decisions.inc(decision.route.value, decision.reason.value)
         if choice is not None:
@@ -427,10 +429,10 @@ class Dispatcher:
             return await self._serve_push(request, ex, body, prompt, choice.instance, keys)
         return await self._serve_pull(request, ex, body, prompt, choice.instance, keys)
 
-    def _none_healthy(self, role: Role) -> str:
-        pool = self.prefill if role is Role.PREFILL else self.decode
+    def _none_healthy(self, kind: InstanceKind) -> str:
+        pool = self.prefill if kind is InstanceKind.PREFILL else self.decode
         detail = "; ".join(f"{i.url}: {i.last_error or i.state.value}" for i in pool)
-        return f"no healthy {role.value} instance ({len(pool)} configured: {detail})"
+        return f"no healthy {kind.value} instance ({len(pool)} configured: {detail})"
 
     # -- flows -----------------------------------------------------------------------------
     async def _serve_decode_only(
@@ -494,7 +496,7 @@ class Dispatcher:
             return await self._serve_pull(request, ex, body, prompt, p_inst, keys, retries=0)
         d_inst = self.decode_policy.pick(self.decode)
         if d_inst is None:
-            raise ProxyError(503, self._none_healthy(Role.DECODE), stage=Stage.ROUTE)
+            raise ProxyError(503, self._none_healthy(InstanceKind.DECODE), stage=Stage.ROUTE)
         d_body = dict(body)
         d_body["kv_transfer_params"] = push_receiver_params(p_inst.kv_endpoint)
         p_payload = msgspec.json.encode(prefill_body(body))
@@ -586,7 +588,7 @@ class Dispatcher:
                     inst = nxt.instance
                 elif not cur.healthy:
                     raise
-                self.metrics.retries.inc(Role.PREFILL.value)
+                self.metrics.retries.inc(InstanceKind.PREFILL.value)
                 log.info("kvxfer proxy: %s: retrying prefill on %s", ex.request_id, inst.url)
                 continue
             finally:
@@ -636,9 +638,9 @@ class Dispatcher:
             if inst is None:
                 if last is not None:
                     raise last
-                raise ProxyError(503, self._none_healthy(Role.DECODE), stage=Stage.ROUTE)
+                raise ProxyError(503, self._none_healthy(InstanceKind.DECODE), stage=Stage.ROUTE)
             if last is not None:
-                self.metrics.retries.inc(Role.DECODE.value)
+                self.metrics.retries.inc(InstanceKind.DECODE.value)
                 log.info("kvxfer proxy: %s: retrying decode on %s", ex.request_id, inst.url)
             inst.acquire()
             t_sent = time.monotonic()
@@ -741,7 +743,7 @@ class Dispatcher:
 
     def _count_error(self, inst: Instance, kind: str) -> None:
         inst.errors_total += 1
-        self.metrics.errors.inc(inst.role.value, inst.url, kind)
+        self.metrics.errors.inc(inst.kind.value, inst.url, kind)
 
     def _learn(self, inst: Instance, params: Mapping[str, Any]) -> None:
         endpoint = learn_endpoint(params)

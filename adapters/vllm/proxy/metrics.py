@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from kvxfer.adapters.vllm._routing import Instance
+from kvxfer.adapters.vllm.proxy.routing import Instance
 
 __all__ = [
     "Counter",
@@ -334,7 +334,7 @@ class ProxyMetrics:
             name = "kvxfer_proxy_" + suffix
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
             for inst in instances:
-                labels = _labels(("role", "instance"), (inst.role.value, inst.url))
+                labels = _labels(("role", "instance"), (inst.kind.value, inst.url))
                 lines.append(f"{name}{labels} {int(value(inst))}")
         for name, help_text, gvalue in (
             ("in_flight_requests", "Client requests being served.", self.in_flight),
@@ -381,7 +381,7 @@ class ProxyMetrics:
             instances=[
                 InstanceStats(
                     url=i.url,
-                    role=i.role.value,
+                    role=i.kind.value,
                     state=i.state.value,
                     active=i.active,
                     outstanding_tokens=i.outstanding_tokens,
@@ -396,4 +396,4 @@ class ProxyMetrics:
 
     def transition(self, inst: Instance) -> None:
         """Count a health transition of ``inst`` (call after its state changed)."""
-        self.health_transitions.inc(inst.role.value, inst.url, inst.state.value)
+        self.health_transitions.inc(inst.kind.value, inst.url, inst.state.value)

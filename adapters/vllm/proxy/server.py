@@ -1,24 +1,13 @@
-"""``kvxfer proxy``: a prefill/decode (P/D) proxy in front of vLLM instances.
-
-Clients talk OpenAI (``/v1/completions``, ``/v1/chat/completions``); the proxy runs
-each request through a prefill instance and a decode instance (pull or push mode),
-or straight through a decode instance when P/D would not pay (short prompts).
-Several instances of each kind are health-checked and load-balanced: prefill by
-outstanding prompt tokens with prefix affinity, decode by active requests. Per-stage
-latencies are exported at ``/metrics`` (Prometheus) and ``/stats`` (JSON). See
-docs/PROXY.md.
-
-Usage::
-
-    kvxfer proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
-
-From Python (tests): :func:`start_proxy` runs one on a background thread and returns
-``(url, stop)``; :class:`Proxy` is the asyncio form (``async with Proxy(cfg) as p``).
+"""The proxy's server: :class:`Proxy` (aiohttp app, health checks, lifecycle),
+:func:`start_proxy` (a proxy on a background thread, for tests and the e2e suite) and
+:func:`main` (``kvxfer proxy``). Request handling lives in
+:mod:`~kvxfer.adapters.vllm.proxy.dispatch`, instance choice in
+:mod:`~kvxfer.adapters.vllm.proxy.routing`, the options in
+:mod:`~kvxfer.adapters.vllm.proxy.options`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -41,19 +30,25 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("aiohttp", "proxy", _exc) from _exc
 
-from kvxfer.adapters.vllm._config import ProxyConfig, load_tokenizer, normalize_url
-from kvxfer.adapters.vllm._dispatch import Dispatcher, ProxyError, Stage
-from kvxfer.adapters.vllm._metrics import ProxyMetrics
-from kvxfer.adapters.vllm._routing import (
+from kvxfer.adapters.vllm.proxy.dispatch import Dispatcher, ProxyError, Stage
+from kvxfer.adapters.vllm.proxy.metrics import ProxyMetrics
+from kvxfer.adapters.vllm.proxy.options import (
+    ProxyConfig,
+    build_parser,
+    config_from_args,
+    load_tokenizer,
+    normalize_url,
+)
+from kvxfer.adapters.vllm.proxy.routing import (
     Instance,
+    InstanceKind,
     InstanceState,
     PrefixIndex,
-    Role,
     TokenEstimator,
 )
 from kvxfer.config import Direction
 
-__all__ = ["Proxy", "ProxyConfig", "main", "start_proxy"]
+__all__ = ["Proxy", "main", "start_proxy"]
 
 log = logging.getLogger("kvxfer.proxy")
 
@@ -98,10 +93,12 @@ class Proxy:
         self.checks = config.health_interval_s > 0
         start_state = InstanceState.UNHEALTHY if self.checks else InstanceState.HEALTHY
         self.prefill = [
-            Instance(normalize_url(u), Role.PREFILL, state=start_state) for u in config.prefill
+            Instance(normalize_url(u), InstanceKind.PREFILL, state=start_state)
+            for u in config.prefill
         ]
         self.decode = [
-            Instance(normalize_url(u), Role.DECODE, state=start_state) for u in config.decode
+            Instance(normalize_url(u), InstanceKind.DECODE, state=start_state)
+            for u in config.decode
         ]
         if not self.checks:
             for inst in self.instances:
@@ -270,12 +267,12 @@ class Proxy:
     def _transitioned(self, inst: Instance) -> None:
         self.metrics.transition(inst)
         if inst.healthy:
-            log.info("kvxfer proxy: %s %s in rotation", inst.role.value, inst.url)
+            log.info("kvxfer proxy: %s %s in rotation", inst.kind.value, inst.url)
             return
         log.warning(
-            "kvxfer proxy: %s %s out of rotation: %s", inst.role.value, inst.url, inst.last_error
+            "kvxfer proxy: %s %s out of rotation: %s", inst.kind.value, inst.url, inst.last_error
         )
-        if inst.role is Role.PREFILL and self.index is not None:
+        if inst.kind is InstanceKind.PREFILL and self.index is not None:
             self.index.forget(inst.url)  # a restarted engine has an empty prefix cache
 
     # -- endpoints -----------------------------------------------------------------------
@@ -429,7 +426,7 @@ def start_proxy(
     while wait_ready_s and not proxy.ready:
         if time.monotonic() > deadline:
             states = "; ".join(
-                f"{i.role.value} {i.url}: {i.state.value} ({i.last_error})" for i in proxy.instances
+                f"{i.kind.value} {i.url}: {i.state.value} ({i.last_error})" for i in proxy.instances
             )
             stop()
             raise TimeoutError(
@@ -440,205 +437,6 @@ def start_proxy(
 
 
 # -- CLI -----------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    d = ProxyConfig()
-    p = argparse.ArgumentParser(
-        prog="kvxfer proxy",
-        description="A prefill/decode proxy in front of vLLM instances (OpenAI API).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--prefill",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="URL",
-        help="prefill instance(s), http://HOST:PORT; repeatable",
-    )
-    p.add_argument(
-        "--decode",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="URL",
-        help="decode instance(s), http://HOST:PORT; repeatable (at least one)",
-    )
-    p.add_argument("--host", default=d.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=d.port, help="port to listen on")
-    p.add_argument(
-        "--mode",
-        choices=[m.value for m in Direction],
-        default=d.mode.value,
-        help="pull: prefill, then decode pulls; push: decode registered first, prefill writes",
-    )
-    r = p.add_argument_group("routing")
-    r.add_argument(
-        "--short-prompt-tokens",
-        type=int,
-        default=d.short_prompt_tokens,
-        help="prompts under this many (estimated) tokens skip P/D; 0 disables",
-    )
-    r.add_argument(
-        "--no-prefill-fallback",
-        dest="prefill_fallback",
-        action="store_false",
-        help="with no healthy prefill instance answer 503 instead of decode-only",
-    )
-    r.add_argument(
-        "--chars-per-token",
-        type=float,
-        default=d.chars_per_token,
-        help="token estimate without a tokenizer",
-    )
-    r.add_argument("--tokenizer", help="tokenizer.json (or its directory) for exact counts")
-    r.add_argument(
-        "--no-prefix-affinity",
-        dest="prefix_affinity",
-        action="store_false",
-        help="route prefill by load alone",
-    )
-    r.add_argument(
-        "--affinity-block-chars",
-        type=int,
-        default=d.affinity_block_chars,
-        help="characters per prefix-affinity block",
-    )
-    r.add_argument(
-        "--affinity-max-blocks",
-        type=int,
-        default=d.affinity_max_blocks,
-        help="leading blocks hashed per prompt",
-    )
-    r.add_argument(
-        "--affinity-capacity",
-        type=int,
-        default=d.affinity_capacity,
-        help="prefix keys remembered (LRU)",
-    )
-    r.add_argument(
-        "--affinity-slack-tokens",
-        type=int,
-        default=d.affinity_slack_tokens,
-        help="extra outstanding tokens an affine prefill instance may carry and still win",
-    )
-    h = p.add_argument_group("health checks")
-    h.add_argument(
-        "--health-interval",
-        type=float,
-        default=d.health_interval_s,
-        help="seconds between GET /health rounds; 0 disables",
-    )
-    h.add_argument(
-        "--health-timeout", type=float, default=d.health_timeout_s, help="seconds per check"
-    )
-    h.add_argument(
-        "--health-fall",
-        type=int,
-        default=d.health_fall,
-        help="failed checks that take an instance out",
-    )
-    h.add_argument(
-        "--health-rise", type=int, default=d.health_rise, help="passed checks that put it back"
-    )
-    t = p.add_argument_group("timeouts and connections")
-    t.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=d.connect_timeout_s,
-        help="TCP connect timeout toward instances (s)",
-    )
-    t.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=d.prefill_timeout_s,
-        help="whole prefill request (s)",
-    )
-    t.add_argument(
-        "--decode-timeout",
-        type=float,
-        default=d.decode_timeout_s,
-        help="longest wait for decode's first byte or next chunk (s)",
-    )
-    t.add_argument(
-        "--retries",
-        type=int,
-        default=d.retries,
-        help="re-sends after a connection failure (pull mode)",
-    )
-    t.add_argument(
-        "--push-gate",
-        type=float,
-        default=d.push_gate_s,
-        help="push: longest wait for decode's request before prefill's (s)",
-    )
-    t.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        default=d.keepalive_timeout_s,
-        help="idle keep-alive of client connections (s); keep above any LB idle timeout",
-    )
-    t.add_argument(
-        "--upstream-keepalive",
-        type=float,
-        default=d.upstream_keepalive_s,
-        help="reuse idle connections to instances this long (s); keep below the engines' "
-        "keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default)",
-    )
-    t.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        help="cap on connections to instances; 0 = none",
-    )
-    t.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=d.shutdown_grace_s,
-        help="on SIGINT/SIGTERM, let in-flight requests finish this long (s)",
-    )
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    """The :class:`ProxyConfig` behind parsed CLI arguments (validated).
-
-    Raises:
-        ConfigError: A value breaks a rule.
-    """
-    config = ProxyConfig(
-        prefill=tuple(normalize_url(u) for u in args.prefill),
-        decode=tuple(normalize_url(u) for u in args.decode),
-        host=args.host,
-        port=args.port,
-        mode=Direction(args.mode),
-        short_prompt_tokens=args.short_prompt_tokens,
-        prefill_fallback=args.prefill_fallback,
-        chars_per_token=args.chars_per_token,
-        tokenizer=args.tokenizer,
-        prefix_affinity=args.prefix_affinity,
-        affinity_block_chars=args.affinity_block_chars,
-        affinity_max_blocks=args.affinity_max_blocks,
-        affinity_capacity=args.affinity_capacity,
-        affinity_slack_tokens=args.affinity_slack_tokens,
-        health_interval_s=args.health_interval,
-        health_timeout_s=args.health_timeout,
-        health_fall=args.health_fall,
-        health_rise=args.health_rise,
-        connect_timeout_s=args.connect_timeout,
-        prefill_timeout_s=args.prefill_timeout,
-        decode_timeout_s=args.decode_timeout,
-        retries=args.retries,
-        push_gate_s=args.push_gate,
-        keepalive_timeout_s=args.keepalive_timeout,
-        upstream_keepalive_s=args.upstream_keepalive,
-        max_connections=args.max_connections,
-        shutdown_grace_s=args.shutdown_grace,
-    )
-    config.validate()
-    return config
 
 
 async def _serve(proxy: Proxy) -> int:
@@ -669,7 +467,7 @@ async def _serve(proxy: Proxy) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvxfer proxy``; returns the exit status (2: bad arguments)."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(message)s"

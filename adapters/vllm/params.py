@@ -1,0 +1,279 @@
+"""kvxfer tickets <-> vLLM's ``kv_transfer_params``: the one place that maps them.
+
+A producer's scheduler side hands the consumer a :class:`~kvxfer.agent.Ticket` as
+upstream-shaped ``kv_transfer_params`` (:func:`ticket_params`), so routers written
+for vLLM's NIXL connector forward it untouched; a consumer's worker side reads it back
+per tensor-parallel rank (:func:`remote_ticket`, :func:`release_ticket`). Every read
+checks its key and fails with :class:`~kvxfer.errors.ConfigError` naming the key, the
+value and the rule; block lists go through :func:`kvxfer.blocks.block_groups`
+(integers only, no repeats; a flat list is one KV group).
+
+Keys, upstream's first::
+
+    do_remote_prefill, do_remote_decode   what the instance receiving the params does
+    remote_engine_id, remote_host,        the producer and rank 0's side channel
+    remote_port                           (rank r listens on remote_port + r)
+    remote_request_id                     the producer's vLLM request id
+    remote_block_ids                      one list per KV group (or one flat list)
+    tp_size, pp_size                      the producer's parallel sizes
+    remote_num_tokens                     kvxfer: tokens the held blocks end at
+    transfer_mode                         kvxfer: "pull" or "push" (which connector)
+    remote_incarnation(s)                 kvxfer: rank 0's / every rank's incarnation
+    lease_expiry                          kvxfer: wall-clock end of the producer's lease
+
+No vLLM or torch imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvxfer.agent import Ticket
+from kvxfer.blocks import block_groups, to_wire
+from kvxfer.config import Direction
+from kvxfer.errors import ConfigError, PlanError
+
+__all__ = [
+    "PULL_KEYS",
+    "PUSH_KEYS",
+    "WireGroups",
+    "is_remote_prefill",
+    "pairing_error",
+    "release_ticket",
+    "remote_block_groups",
+    "remote_num_tokens",
+    "remote_ticket",
+    "ticket_params",
+]
+
+#: Block ids as tickets carry them: one tuple of ints per KV group.
+WireGroups = tuple[tuple[int, ...], ...]
+
+#: Keys a pull consumer needs to reach the producer's blocks.
+PULL_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+#: Keys a push consumer needs: the producer's address (it learns nothing else first).
+PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port")
+
+_WHERE = "kv_transfer_params"
+
+
+def ticket_params(
+    ticket: Ticket, *, direction: Direction, incarnations: Sequence[int] = ()
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a producer returns for ``ticket``.
+
+    Args:
+        ticket: Rank 0's ticket (its port and incarnation are rank 0's).
+        direction: The producer's connector (``transfer_mode``).
+        incarnations: Every rank's incarnation, in rank order (rank r's ticket uses
+            entry r).
+    """
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": ticket.engine_id,
+        "remote_host": ticket.host,
+        "remote_port": ticket.port,
+        "remote_request_id": ticket.request_id,
+        "remote_block_ids": [list(g) for g in ticket.block_ids],
+        "remote_num_tokens": ticket.num_tokens,
+        "tp_size": ticket.tp_size,
+        "pp_size": 1,
+        "transfer_mode": direction.value,
+        "remote_incarnation": ticket.incarnation,
+        "remote_incarnations": list(incarnations),
+        "lease_expiry": ticket.lease_expiry,
+    }
+
+
+def is_remote_prefill(params: Mapping[str, Any] | None, direction: Direction) -> bool:
+    """True when ``params`` ask this (decode) instance to take the prompt's KV remotely
+    and name the producer completely enough for ``direction``."""
+    if not params or not params.get("do_remote_prefill"):
+        return False
+    keys = PUSH_KEYS if direction is Direction.PUSH else PULL_KEYS
+    return all(params.get(k) is not None for k in keys)
+
+
+def _bad(key: str, value: Any, rule: str) -> ConfigError:
+    return ConfigError(f"{_WHERE}.{key}", value, rule)
+
+
+def _required(params: Mapping[str, Any], key: str) -> Any:
+    value = params.get(key)
+    if value is None:
+        raise _bad(key, value, "is required for a remote prefill")
+    return value
+
+
+def _int(params: Mapping[str, Any], key: str, default: int, *, minimum: int = 0) -> int:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(key, value, f"must be an integer >= {minimum}")
+    return value
+
+
+def _float(params: Mapping[str, Any], key: str) -> float:
+    value = params.get(key)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(key, value, "must be a number")
+    return float(value)
+
+
+def _str(params: Mapping[str, Any], key: str) -> str:
+    value = _required(params, key)
+    if not isinstance(value, str) or not value:
+        raise _bad(key, value, "must be a non-empty string")
+    return value
+
+
+def remote_block_groups(params: Mapping[str, Any]) -> WireGroups:
+    """``remote_block_ids`` as one tuple per KV group (empty when absent: push).
+
+    Raises:
+        ConfigError: not a list of integer ids (or of such lists), or an id repeated.
+    """
+    raw = params.get("remote_block_ids")
+    if raw is None or (isinstance(raw, list | tuple) and not raw):
+        return ()
+    nested = isinstance(raw, list | tuple) and isinstance(raw[0], list | tuple)
+    try:
+        groups = block_groups(raw, len(raw) if nested else 1, side="remote")
+    except PlanError as exc:
+        raise _bad("remote_block_ids", raw, str(exc)) from None
+    return to_wire(groups)
+
+
+def remote_num_tokens(params: Mapping[str, Any]) -> int | None:
+    """``remote_num_tokens`` when given and > 0 (older producers leave it out).
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    value = _int(params, "remote_num_tokens", 0)
+    return value or None
+
+
+def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int) -> str | None:
+    """Why this instance cannot take the producer's KV at all (None when it can).
+
+    Upstream's ``transfer_mode`` names the producer's connector: a pull/push mix is
+    refused by name here (without the key the handshake refuses it, on the
+    compatibility hash). Ranks pair one to one, so TP sizes must be equal.
+    """
+    mode = params.get("transfer_mode")
+    if mode is not None and mode != direction.value:
+        return (
+            f"the producer {params.get('remote_engine_id')} runs the {mode} connector "
+            f"(transfer_mode {mode!r}) but this instance runs the {direction.value} "
+            "connector: pair pull with pull, push with push"
+        )
+    remote_tp = params.get("tp_size")
+    if isinstance(remote_tp, int) and not isinstance(remote_tp, bool) and remote_tp != tp_size:
+        return (
+            f"the producer runs tensor-parallel size {remote_tp}, this instance {tp_size}: "
+            "kvxfer's vLLM connectors pair equal TP sizes (rank r with rank r)"
+        )
+    return None
+
+
+def _rank_incarnation(params: Mapping[str, Any], tp_rank: int) -> int:
+    many = params.get("remote_incarnations")
+    if many is not None:
+        if not isinstance(many, list | tuple) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in many
+        ):
+            raise _bad("remote_incarnations", many, "must be a list of integers, one per rank")
+        if tp_rank < len(many):
+            return int(many[tp_rank])
+    return _int(params, "remote_incarnation", 0) if tp_rank == 0 else 0
+
+
+def _address(params: Mapping[str, Any], tp_rank: int) -> tuple[str, str, int]:
+    engine_id = _str(params, "remote_engine_id")
+    host = _str(params, "remote_host")
+    _required(params, "remote_port")
+    port = _int(params, "remote_port", 0, minimum=1) + tp_rank
+    if port > 65535:
+        raise _bad("remote_port", params["remote_port"], f"rank {tp_rank}'s port {port} > 65535")
+    return engine_id, host, port
+
+
+def remote_ticket(
+    params: Mapping[str, Any],
+    *,
+    tp_rank: int,
+    transfer_id: str,
+    local_blocks: WireGroups,
+    skip_blocks: int = 0,
+    num_tokens: int = 0,
+) -> Ticket:
+    """The :class:`~kvxfer.agent.Ticket` rank ``tp_rank`` pulls (or expects a push) with.
+
+    Upstream's convention: the producer advertises rank 0's side channel and rank *r*
+    listens on ``remote_port + r``; kvxfer adds each rank's incarnation in
+    ``remote_incarnations``. The remote blocks are cut to what this request needs: the
+    leading ``skip_blocks`` are local prefix hits, and the producer may hold more
+    blocks than the prompt fills (it decoded further). A push ticket may carry no
+    blocks at all (the producer's are matched by id there).
+
+    Args:
+        params: The producer's ``kv_transfer_params``.
+        tp_rank: This worker's tensor-parallel rank.
+        transfer_id: The id the producer's Agent knows the request by.
+        local_blocks: The consumer's blocks receiving the KV, one tuple per group.
+        skip_blocks: Leading remote blocks that are local prefix-cache hits.
+        num_tokens: The token count the local blocks end at.
+
+    Raises:
+        ConfigError: a key missing or malformed (named with its value and rule).
+    """
+    engine_id, host, port = _address(params, tp_rank)
+    remote = remote_block_groups(params)
+    remote_num_tokens(params)  # checked here too: the scheduler side relies on it
+    if remote:
+        if len(remote) != len(local_blocks):
+            raise _bad(
+                "remote_block_ids",
+                params.get("remote_block_ids"),
+                f"{len(remote)} KV group(s), this instance has {len(local_blocks)}",
+            )
+        blocks = tuple(
+            r[skip_blocks : skip_blocks + len(g)] for r, g in zip(remote, local_blocks, strict=True)
+        )
+    else:
+        blocks = tuple(() for _ in local_blocks)
+    return Ticket(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        request_id=transfer_id,
+        block_ids=blocks,
+        num_tokens=num_tokens,
+        incarnation=_rank_incarnation(params, tp_rank),
+        lease_expiry=_float(params, "lease_expiry"),
+        tp_size=_int(params, "tp_size", 1, minimum=1),
+    )
+
+
+def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str) -> Ticket:
+    """The ticket a consumer aborts to tell rank ``tp_rank`` of the producer to free
+    ``transfer_id`` now (it names the producer, no blocks).
+
+    Raises:
+        ConfigError: the producer's address keys missing or malformed.
+    """
+    engine_id, host, port = _address(params, tp_rank)
+    return Ticket(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        request_id=transfer_id,
+        block_ids=((),),
+        num_tokens=0,
+    )
