@@ -223,6 +223,30 @@ def test_dropped_notifications(pair: tuple[Side, Side, PeerHandle]) -> None:
     )
 
 
+def test_reordered_notifications_overtake_queued_ones(pair: tuple[Side, Side, PeerHandle]) -> None:
+    consumer, producer, peer = pair
+    consumer.backend.notify(peer, b"first")
+    consumer.backend.faults = Faults(reorder_notifications=True)
+    consumer.backend.notify(peer, b"second")
+    assert producer.backend.drain_notifications() == [
+        (consumer.name, b"second"),
+        (consumer.name, b"first"),
+    ]
+
+
+def test_stall_holds_a_posted_transfer_until_cleared(pair: tuple[Side, Side, PeerHandle]) -> None:
+    consumer, producer, peer = pair
+    h = consumer.backend.post(XferOp.READ, peer, np.arange(2), np.arange(2), b"n")
+    consumer.backend.faults = Faults(stall=True)  # after the post: read live, at each poll
+    before = consumer.cache.snapshot()
+    assert wait(consumer.backend, h) is XferStatus.PENDING
+    assert np.array_equal(consumer.cache.snapshot(), before)  # no byte moved
+    assert producer.backend.drain_notifications() == []
+    consumer.backend.faults = Faults()
+    assert wait(consumer.backend, h) is XferStatus.DONE
+    assert producer.backend.drain_notifications() == [(consumer.name, b"n")]
+
+
 def test_addresses_outside_registered_memory_are_refused(
     pair: tuple[Side, Side, PeerHandle],
 ) -> None:

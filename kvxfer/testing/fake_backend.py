@@ -9,13 +9,15 @@ transfer advances only when its initiator polls :meth:`~FakeBackend.status`; the
 notification reaches the target only after every byte landed.
 
 Faults are set per instance through :class:`Faults` (read when a transfer is posted,
-except ``gone``, which acts at once)::
+except ``gone`` and ``stall``, which act at once)::
 
     be.faults = Faults(fail_post=True)          # post raises BackendError
     be.faults = Faults(never_complete=True)     # status stays PENDING forever
     be.faults = Faults(fail_midway=0.5)         # half the bytes land, then FAILED
     peer.faults = Faults(gone=True)             # the peer left the fabric (process died)
     be.faults = Faults(duplicate_notifications=True, late_notifications=3)
+    be.faults = Faults(reorder_notifications=True)  # each one overtakes those queued
+    be.faults = Faults(stall=True)              # posted transfers wait until cleared
 
 Notification faults apply to the notifications an instance *sends* (transfer
 notifications and :meth:`~FakeBackend.notify`). Capabilities are configurable so the
@@ -88,6 +90,11 @@ class Faults(msgspec.Struct, kw_only=True):
         drop_notifications: notifications sent are lost.
         complete_after_polls: a transfer stays PENDING for this many status polls
             before its bytes move (0: the first poll completes it).
+        reorder_notifications: each notification sent goes to the head of the
+            receiver's queue, overtaking those not drained yet.
+        stall: transfers this endpoint initiated stay PENDING, no byte moved, while set
+            (read at every status poll, so a test opens the gate when its schedule
+            says: e.g. after the producer's engine reused the blocks being read).
     """
 
     fail_post: bool = False
@@ -98,6 +105,8 @@ class Faults(msgspec.Struct, kw_only=True):
     late_notifications: int = 0
     drop_notifications: bool = False
     complete_after_polls: int = 0
+    reorder_notifications: bool = False
+    stall: bool = False
 
 
 class _Metadata(msgspec.Struct, frozen=True):
@@ -385,7 +394,7 @@ class FakeBackend(Backend):
             if self._closed or peer is None or known is None or self._table is None:
                 xfer.state = XferStatus.FAILED
                 return xfer.state
-            if xfer.faults.never_complete:
+            if xfer.faults.never_complete or self.faults.stall:
                 return xfer.state
             xfer.polls += 1
             if xfer.polls <= xfer.faults.complete_after_polls:
@@ -430,9 +439,11 @@ class FakeBackend(Backend):
             return
         copies = 2 if faults.duplicate_notifications else 1
         for _ in range(copies):
-            receiver._inbox.append(
-                _Inbound(self.agent_name, bytes(payload), max(faults.late_notifications, 0))
-            )
+            note = _Inbound(self.agent_name, bytes(payload), max(faults.late_notifications, 0))
+            if faults.reorder_notifications:
+                receiver._inbox.insert(0, note)
+            else:
+                receiver._inbox.append(note)
 
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         with _LOCK:
