@@ -92,9 +92,10 @@ class Faults(msgspec.Struct, kw_only=True):
             before its bytes move (0: the first poll completes it).
         reorder_notifications: each notification sent goes to the head of the
             receiver's queue, overtaking those not drained yet.
-        stall: transfers this endpoint initiated stay PENDING, no byte moved, while set
-            (read at every status poll, so a test opens the gate when its schedule
-            says: e.g. after the producer's engine reused the blocks being read).
+        stall: transfers this endpoint initiated stay PENDING, no byte moved, while set,
+            even when the peer is gone (a transport that has not noticed anything yet).
+            Read at every status poll, so a test opens the gate when its schedule says:
+            e.g. after the producer's engine reused the blocks being read.
     """
 
     fail_post: bool = False
@@ -389,12 +390,14 @@ class FakeBackend(Backend):
                 return XferStatus.FAILED
             if xfer.state is not XferStatus.PENDING:
                 return xfer.state
+            if self.faults.stall:
+                return xfer.state  # a transport that has not noticed anything yet
             peer = self._live(xfer.peer)
             known = self._peers.get(PeerHandle(xfer.peer))
             if self._closed or peer is None or known is None or self._table is None:
                 xfer.state = XferStatus.FAILED
                 return xfer.state
-            if xfer.faults.never_complete or self.faults.stall:
+            if xfer.faults.never_complete:
                 return xfer.state
             xfer.polls += 1
             if xfer.polls <= xfer.faults.complete_after_polls:
