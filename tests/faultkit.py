@@ -163,9 +163,11 @@ def push_registered(producer: Side, request_id: str, timeout: float = 5.0) -> No
 class Stranger:
     """Anyone who reaches a side-channel port: sends well-formed frames, unsigned."""
 
-    def __init__(self, host: str, port: int, direction: Direction) -> None:
+    def __init__(
+        self, host: str, port: int, direction: Direction, *, compat_hash: str | None = None
+    ) -> None:
         self.address = f"tcp://{host}:{port}"
-        self.compat = fingerprint(direction).digest()
+        self.compat = fingerprint(direction).digest() if compat_hash is None else compat_hash
         self.ctx = zmq.Context()
 
     def request(self, message: wire.Message, timeout_ms: int = 3000) -> wire.Message:
