@@ -6,6 +6,11 @@ server drops frames over a hard size cap before reading them, answers each reque
 from one thread that never blocks on a client, and the client has a receive timeout,
 a fixed number of retries with backoff, and a fresh socket per try (a REQ socket that
 timed out cannot be reused).
+
+Nothing here delays the process's exit: the server's thread is a daemon, and a client's
+pending requests wait in short slices that :meth:`SideChannelClient.close` cuts short
+(a request towards a dead peer would otherwise keep its caller, often a worker thread
+the interpreter joins at exit, for every try: 3 × 5 s by default).
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from kvxfer.errors import HandshakeError, HandshakeTimeout, missing_dependency
 __all__ = ["SideChannelClient", "SideChannelServer", "format_address"]
 
 log = logging.getLogger("kvxfer.control")
+
+# A pending request checks for close() this often; also the longest a closed client's
+# request keeps its thread.
+_SLICE_S = 0.05
 
 SIDE_CHANNEL_HINT = (
     "check that the peer is running and that its side-channel host/port "
@@ -155,6 +164,9 @@ class SideChannelServer:
 class SideChannelClient:
     """Request/reply over short-lived REQ sockets with timeouts and retries.
 
+    Thread-safe: every request has its own socket. :meth:`close` cancels the requests
+    in flight (each raises within about 50 ms) and refuses new ones.
+
     Args:
         timeout_s: How long one try waits for the reply.
         retries: Further tries after the first one times out.
@@ -176,39 +188,91 @@ class SideChannelClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_bytes = max_bytes
+        self._closed = threading.Event()
 
-    def request(self, host: str, port: int, payload: bytes) -> bytes:
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        """Cancel every pending request and refuse new ones; idempotent, never blocks.
+
+        Sockets are closed by the threads that own them (zmq sockets are not
+        thread-safe), each within one wait slice (~50 ms).
+        """
+        self._closed.set()
+
+    def _cancelled(self, address: str) -> HandshakeError:
+        return HandshakeError(f"side channel {address}: request cancelled (the client was closed)")
+
+    def request(
+        self,
+        host: str,
+        port: int,
+        payload: bytes,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> bytes:
         """Send one frame and return the reply frame.
+
+        Args:
+            host: The peer's side-channel host.
+            port: The peer's side-channel port.
+            payload: The request frame.
+            timeout_s: This request's per-try timeout (default :attr:`timeout_s`), e.g. a
+                liveness probe's short one.
+            retries: This request's further tries (default :attr:`retries`).
 
         Raises:
             HandshakeTimeout: no reply after every try (names the address and the setting).
-            HandshakeError: the address is malformed.
+            HandshakeError: the address is malformed, or the client was closed (before
+                or during the request).
         """
         zmq = self._zmq
         address = format_address(host, port)
+        if self._closed.is_set():
+            raise self._cancelled(address)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         delay = self.backoff_s
-        tries = self.retries + 1
+        tries = (self.retries if retries is None else retries) + 1
         for attempt in range(1, tries + 1):
             sock = self._ctx.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.timeout_s * 1000)))
-            sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
             try:
                 sock.connect(address)
                 sock.send(payload)
-                reply: bytes = sock.recv()
-                return reply
-            except zmq.Again:
+                reply = self._receive(sock, time.monotonic() + timeout, address)
+                if reply is not None:
+                    return reply
                 log.info("side channel %s: no reply (try %d of %d)", address, attempt, tries)
+            except zmq.Again:
+                log.info("side channel %s: could not send (try %d of %d)", address, attempt, tries)
             except zmq.ZMQError as exc:
                 raise HandshakeError(f"side channel {address}: {exc}; {SIDE_CHANNEL_HINT}") from exc
             finally:
                 sock.close(0)
             if attempt < tries:
-                time.sleep(delay)
+                if self._closed.wait(delay):
+                    raise self._cancelled(address)
                 delay *= 2
         raise HandshakeTimeout(
             f"no answer from the side channel at {address} after {tries} tries of "
-            f"{self.timeout_s:g}s; {SIDE_CHANNEL_HINT}"
+            f"{timeout:g}s; {SIDE_CHANNEL_HINT}"
         )
+
+    def _receive(self, sock: Any, deadline: float, address: str) -> bytes | None:
+        """The reply, or None at the deadline; waits in slices so close() cuts it short."""
+        zmq = self._zmq
+        while True:
+            if self._closed.is_set():
+                raise self._cancelled(address)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if sock.poll(max(1, int(min(left, _SLICE_S) * 1000)), zmq.POLLIN):
+                reply: bytes = sock.recv(flags=zmq.NOBLOCK)
+                return reply

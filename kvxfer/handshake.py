@@ -64,6 +64,9 @@ _PENDING: Final = 64
 #: when it does not take that message. LeaseError becomes UNKNOWN_REQUEST, another
 #: KvxferError INVALID, anything else INTERNAL.
 MessageHook = Callable[[Message], Message | None]
+#: Answers a :class:`~kvxfer.wire.Ping` that names a request: ``(request_id,
+#: capability) -> (state, reason)``. UNKNOWN when the capability does not match.
+HoldHook = Callable[[str, str], tuple[wire.HoldState, str]]
 
 
 class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +84,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float
     compat_hash: str
     address: str = ""
+    guard: wire.GuardTable | None = None
 
 
 def roles_pair(initiator: Role, responder: Role, direction: Direction) -> bool:
@@ -148,6 +152,8 @@ class Responder:
             metadata may change after a deferred registration.
         enforce_compat: False skips the compatibility hash check (logged once).
         on_message: Handles PushRegister/Release (see :data:`MessageHook`).
+        hold_state: Answers a Ping that names a request (see :data:`HoldHook`); None
+            leaves :attr:`~kvxfer.wire.Pong.hold` unset.
         auth_secret: Shared secret (at least 16 bytes); None leaves the side channel
             unauthenticated (warned once here).
         max_bytes: Largest frame parsed; bigger ones get TOO_LARGE.
@@ -167,12 +173,14 @@ class Responder:
         local_info: Callable[[], wire.Welcome | None],
         enforce_compat: bool = True,
         on_message: MessageHook | None = None,
+        hold_state: HoldHook | None = None,
         auth_secret: str | bytes | None = None,
         max_bytes: int = wire.DEFAULT_MAX_BYTES,
         max_skew_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine_id = engine_id
+        self._hold_state = hold_state
         self.incarnation = incarnation
         self.compat_hash = compat_hash
         self.enforce_compat = enforce_compat
@@ -246,7 +254,7 @@ class Responder:
         self._authenticate(frame)
         message = frame.message
         if isinstance(message, wire.Ping):
-            return self._pong()
+            return self._pong(message)
         if isinstance(message, wire.Hello):
             return self._hello(frame, message)
         if isinstance(message, wire.PushRegister | wire.Release):
@@ -326,9 +334,15 @@ class Responder:
             ) from exc
         return welcome
 
-    def _pong(self) -> wire.Pong:
+    def _pong(self, ping: wire.Ping) -> wire.Pong:
         welcome = self._local_info()
+        hold: wire.HoldState | None = None
+        reason = ""
+        if ping.request_id and self._hold_state is not None:
+            hold, reason = self._hold_state(ping.request_id, ping.capability)
         return wire.Pong(
+            hold=hold,
+            hold_reason=reason[:4096],
             engine_id=self.engine_id,
             incarnation=self.incarnation,
             role=None if welcome is None else welcome.role,
@@ -425,9 +439,15 @@ class Initiator:
         """The hello frame; call again for each retry (a fresh nonce each time)."""
         return self.request(self._hello)
 
-    def ping(self) -> bytes:
-        """A ping frame; :meth:`reply` turns the answer into a :class:`~kvxfer.wire.Pong`."""
-        return self.request(wire.Ping(engine_id=self._hello.engine_id))
+    def ping(self, request_id: str = "", capability: str = "") -> bytes:
+        """A ping frame; :meth:`reply` turns the answer into a :class:`~kvxfer.wire.Pong`.
+
+        With ``request_id`` (and that hold's ``capability``) the pong also says how the
+        responder's hold of the request stands (:attr:`~kvxfer.wire.Pong.hold`).
+        """
+        return self.request(
+            wire.Ping(engine_id=self._hello.engine_id, request_id=request_id, capability=capability)
+        )
 
     def request(self, message: Message) -> bytes:
         """Frame any request to this peer, signed when a secret is set."""
@@ -533,4 +553,5 @@ class Initiator:
             lease_s=message.lease_s,
             compat_hash=compat_hash,
             address=self.address,
+            guard=message.guard,
         )

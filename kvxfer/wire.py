@@ -22,6 +22,18 @@ Hashing the received bytes, rather than a re-encoding, keeps the MAC valid when 
 peer adds fields this build drops. :func:`verify` checks MAC, clock skew and binding;
 replay of a still-fresh frame is refused by the responder's nonce cache
 (:mod:`kvxfer.handshake`).
+
+Capabilities (issue 16, R-SAFE-3): whatever frees or redirects a producer's hold
+(:class:`Release`, a DONE/ABORT :class:`Notice`, a :class:`PushRegister` for a request
+already registered) carries the hold's ``capability``, an unguessable token
+(:func:`new_capability`) that travels with the ticket through the router and never
+over the side channel in the other direction. Compare tokens with
+:func:`capability_matches` (constant time). An empty capability is what a peer of an
+earlier build sends; whether it is still accepted is the receiver's policy.
+:class:`Ping` can also ask about one request (``request_id``): the :class:`Pong` then
+says how the responder's hold of it stands (:class:`HoldState`), so a consumer whose
+PUSHED notice was lost, or whose transfer went quiet, asks instead of waiting out its
+timeout. See docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import enum
 import hashlib
 import hmac
 import os
+import secrets
 import time
 from typing import Annotated, Any, Final, TypeAlias
 
@@ -49,13 +62,16 @@ from kvxfer.errors import (
 from kvxfer.layout import KVLayout
 
 __all__ = [
+    "CAPABILITY_BYTES",
     "DEFAULT_MAX_BYTES",
     "MAGIC",
     "NONCE_BYTES",
     "Ack",
     "Auth",
     "Frame",
+    "GuardTable",
     "Hello",
+    "HoldState",
     "Message",
     "Notice",
     "NoticeKind",
@@ -67,11 +83,13 @@ __all__ = [
     "Release",
     "Welcome",
     "WireMessage",
+    "capability_matches",
     "decode",
     "decode_notice",
     "encode",
     "encode_notice",
     "expect_ack",
+    "new_capability",
     "request_nonce",
     "verify",
 ]
@@ -80,6 +98,8 @@ MAGIC: Final = b"KVXF"
 #: Largest frame :func:`decode` parses; bigger input is refused before parsing.
 DEFAULT_MAX_BYTES: Final = 16 * 1024 * 1024
 NONCE_BYTES: Final = 16
+#: Random bytes of a capability (it goes as twice as many lowercase hex digits).
+CAPABILITY_BYTES: Final = 16
 # Notices ride the data plane and may sit in a queue; be lenient with their age.
 _NOTICE_SKEW_S: Final = 300.0
 _MAX_INT64: Final = 2**63 - 1
@@ -97,6 +117,9 @@ CompatHash = Annotated[str, Meta(max_length=128)]
 Rails = Annotated[tuple[Name, ...], Meta(max_length=256)]
 #: Block ids per KV-cache group (one tuple per group).
 BlockIds = Annotated[tuple[tuple[Count, ...], ...], Meta(max_length=64)]
+#: A hold's capability as lowercase hex ("" from a peer of an earlier build). Bounded
+#: here so that a table keyed by it cannot be grown by long tokens.
+Capability = Annotated[str, Meta(max_length=4 * CAPABILITY_BYTES, pattern="^[0-9a-f]*$")]
 
 
 class RejectCode(enum.Enum):
@@ -123,6 +146,31 @@ class NoticeKind(enum.Enum):
     ABORT = "abort"  # consumer → producer: will not pull; free the blocks
     PUSHED = "pushed"  # producer → consumer: these writes have landed
     FAILED = "failed"  # producer → consumer: the push failed; recompute
+
+
+class HoldState(enum.Enum):
+    """How a producer's hold of one request stands, as a :class:`Pong` reports it."""
+
+    UNKNOWN = "unknown"  # no hold of that id, or the capability does not match
+    HELD = "held"  # held: blocks untouched, no write in flight
+    WRITING = "writing"  # push: a write is posted and has not completed
+    PUSHED = "pushed"  # push: every write completed (the final PUSHED notice went out)
+    FAILED = "failed"  # push: a write failed (the FAILED notice went out)
+    RELEASED = "released"  # freed (done, released, aborted, expired): see hold_reason
+
+
+class GuardTable(msgspec.Struct, frozen=True, kw_only=True):
+    """A producer's guard table: one 64-bit generation word per slot, in memory its
+    backend registered, that consumers read after their data (R-SAFE-1).
+
+    The producer writes a fresh generation into a hold's slot at hold, and overwrites it
+    before it hands the blocks back to its engine; a ticket names the slot and the
+    generation, and a pull whose read-back word differs ends FAILED (seqlock style).
+    """
+
+    base: Count  # address of slot 0, as the backend's metadata addresses it
+    slots: Annotated[int, Meta(ge=1, le=1 << 20)]
+    slot_bytes: Annotated[int, Meta(ge=8, le=64)] = 8
 
 
 class WireMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -154,6 +202,9 @@ class Welcome(WireMessage, frozen=True, kw_only=True, tag="welcome"):
     rails: Rails = ()
     options: PlanOptions = msgspec.field(default_factory=PlanOptions)
     lease_s: Seconds = 30.0
+    #: Fail-closed pulls: where this producer's hold generations live (None: a
+    #: producer of an earlier build, or a backend that cannot expose one).
+    guard: GuardTable | None = None
 
 
 class Reject(WireMessage, frozen=True, kw_only=True, tag="reject"):
@@ -168,6 +219,12 @@ class PushRegister(WireMessage, frozen=True, kw_only=True, tag="push_register"):
 
     ``host``/``port`` are the consumer's side-channel address, so a producer that has not
     handshaken with it yet can (in push the producer initiates the handshake).
+
+    ``capability`` binds the request to this consumer: the first registration of a
+    request id binds its token (or the router minted one for both sides, and the
+    producer's hold requires it); a later registration of the same id is accepted only
+    with the same token, so a stranger cannot redirect the request's KV. The producer
+    echoes it in its PUSHED/FAILED notices.
     """
 
     request_id: RequestId
@@ -178,14 +235,20 @@ class PushRegister(WireMessage, frozen=True, kw_only=True, tag="push_register"):
     agent_name: Name = ""
     host: Name = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    capability: Capability = ""
 
 
 class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
-    """Consumer → producer: free request ``request_id``'s blocks now."""
+    """Consumer → producer: free request ``request_id``'s blocks now.
+
+    ``capability``: the hold's token from the ticket; a producer frees a live hold only
+    when it matches (a stranger's Release frees nothing).
+    """
 
     request_id: RequestId
     reason: Text = ""
     engine_id: Name = ""
+    capability: Capability = ""
 
 
 class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
@@ -200,9 +263,17 @@ class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
 
 
 class Ping(WireMessage, frozen=True, kw_only=True, tag="ping"):
-    """Anyone → responder: who are you? (answered whatever the compat hash)."""
+    """Anyone → responder: who are you? (answered whatever the compat hash).
+
+    Also the liveness probe of a transfer or handshake gone quiet (a Pong with the
+    expected incarnation says the peer lives), and, with ``request_id``, the question
+    "how does your hold of this request stand?" (answered in :attr:`Pong.hold`; the
+    ``capability`` must match the hold's, or the answer is UNKNOWN).
+    """
 
     engine_id: Name = ""
+    request_id: Annotated[str, Meta(max_length=1024)] = ""
+    capability: Capability = ""
 
 
 class Pong(WireMessage, frozen=True, kw_only=True, tag="pong"):
@@ -221,6 +292,10 @@ class Pong(WireMessage, frozen=True, kw_only=True, tag="pong"):
     layout_summary: Text = ""
     layout: KVLayout | None = None
     software_version: Name = ""
+    #: The answer to a Ping that named a request (None: not asked, or a responder of
+    #: an earlier build, which does not know the question).
+    hold: HoldState | None = None
+    hold_reason: Text = ""
 
 
 class Notice(WireMessage, frozen=True, kw_only=True, tag="notice"):
@@ -238,6 +313,10 @@ class Notice(WireMessage, frozen=True, kw_only=True, tag="notice"):
     reason: Text = ""
     block_ids: BlockIds = ()
     final: bool = True
+    #: DONE/ABORT: the hold's token (from the ticket); PUSHED/FAILED: the consumer's
+    #: registration token, echoed. A receiver that requires one ignores a notice
+    #: without the right token.
+    capability: Capability = ""
 
 
 Message: TypeAlias = Hello | Welcome | Reject | PushRegister | Release | Ack | Ping | Pong | Notice
@@ -472,6 +551,17 @@ def request_nonce(data: bytes) -> bytes:
     except msgspec.DecodeError as exc:
         raise WireError(f"not a kvxfer frame: {_brief(exc)}") from exc
     return b"" if auth is None else auth.nonce
+
+
+def new_capability() -> str:
+    """A fresh capability: :data:`CAPABILITY_BYTES` random bytes as lowercase hex."""
+    return secrets.token_hex(CAPABILITY_BYTES)
+
+
+def capability_matches(expected: str, given: str) -> bool:
+    """Whether ``given`` is the capability ``expected`` (constant time; an empty
+    ``expected`` matches nothing: a missing token never proves anything)."""
+    return bool(expected) and hmac.compare_digest(expected.encode(), given.encode())
 
 
 def _tag(message: WireMessage) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.tools.doctor import main
+from kvxfer.tools.doctor import AUTH_SECRET_ENV, main
 from tests.railfakes import STANDARD_NICS, NetNs, build_sysfs, netns_context
 
 HAS_RDMA = Path("/sys/class/infiniband").is_dir()
@@ -51,6 +51,8 @@ def test_doctor_json_on_this_machine_reports_no_rdma() -> None:
         "NIC NUMA nodes",
     ]
     assert {"NIXL plugins", "nixl-rbln", "side-channel port", "rails"} <= set(checks)
+    # localhost without a secret: unauthenticated, but only this host can reach it
+    assert checks["side-channel auth"]["status"] == "info"
     if not HAS_RDMA:
         assert report["summary"].startswith("NOT READY: this host has no RDMA NIC")
         assert "no RDMA subsystem" in report["summary"]
@@ -70,6 +72,43 @@ def test_doctor_text_on_this_machine_says_so_plainly(capsys: pytest.CaptureFixtu
         assert "rails: none" in out
     if shutil.which("rbln-smi") is None:
         assert "rbln-smi not found" in out
+
+
+# ------------------------------------------------------------ side-channel auth
+
+
+@pytest.mark.parametrize(
+    ("host", "secret", "status", "words"),
+    [
+        ("0.0.0.0", None, "warn", ("UNAUTHENTICATED on 0.0.0.0", "KVXFER_AUTH_SECRET")),
+        ("0.0.0.0", "a-shared-secret-of-32-bytes-long", "ok", ("HMAC-SHA256",)),
+        ("127.0.0.1", "short", "fail", ("5 bytes", "under 16 bytes")),
+    ],
+    ids=["open-on-all-interfaces", "secret", "short-secret"],
+)
+def test_doctor_judges_side_channel_auth(
+    host: str,
+    secret: str | None,
+    status: str,
+    words: tuple[str, ...],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if secret is None:
+        monkeypatch.delenv(AUTH_SECRET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(AUTH_SECRET_ENV, secret)
+    _, report = run_json(capsys, "--host", host, "--port", str(free_port()))
+    check = checks_of(report)["side-channel auth"]
+    assert check["status"] == status, check
+    assert all(w in check["detail"] for w in words), check
+    assert "side-channel auth" not in report["summary"] or status == "fail"
+
+
+def test_doctor_reads_the_adapters_secret_variable() -> None:
+    from kvxfer.adapters.vllm.startup import AUTH_SECRET_ENV as ADAPTER_ENV
+
+    assert AUTH_SECRET_ENV == ADAPTER_ENV
 
 
 # ------------------------------------------------------------ a fake RDMA host

@@ -223,6 +223,84 @@ def test_dropped_notifications(pair: tuple[Side, Side, PeerHandle]) -> None:
     )
 
 
+def test_reordered_notifications_overtake_queued_ones(pair: tuple[Side, Side, PeerHandle]) -> None:
+    consumer, producer, peer = pair
+    consumer.backend.notify(peer, b"first")
+    consumer.backend.faults = Faults(reorder_notifications=True)
+    consumer.backend.notify(peer, b"second")
+    assert producer.backend.drain_notifications() == [
+        (consumer.name, b"second"),
+        (consumer.name, b"first"),
+    ]
+
+
+def test_stall_holds_a_posted_transfer_until_cleared(pair: tuple[Side, Side, PeerHandle]) -> None:
+    consumer, producer, peer = pair
+    h = consumer.backend.post(XferOp.READ, peer, np.arange(2), np.arange(2), b"n")
+    consumer.backend.faults = Faults(stall=True)  # after the post: read live, at each poll
+    before = consumer.cache.snapshot()
+    assert wait(consumer.backend, h) is XferStatus.PENDING
+    assert np.array_equal(consumer.cache.snapshot(), before)  # no byte moved
+    assert producer.backend.drain_notifications() == []
+    consumer.backend.faults = Faults()
+    assert wait(consumer.backend, h) is XferStatus.DONE
+    assert producer.backend.drain_notifications() == [(consumer.name, b"n")]
+
+
+def test_guard_word_read_after_the_data_tells_a_released_hold(
+    pair: tuple[Side, Side, PeerHandle],
+) -> None:
+    # The seqlock of fail-closed pulls (docs/RELIABILITY.md): the producer writes a
+    # generation at hold and another before it gives the blocks back; the consumer
+    # reads the word after its data and compares.
+    consumer, producer, peer = pair
+    words = producer.backend.register_guard(8)
+    table = producer.backend.guard_table()
+    assert table is not None and table.slots == 8 and consumer.backend.guard_table() is None
+    consumer.backend.add_peer_guard(peer, table)
+    words[3] = generation = 0x00_1234_5678_9ABC_DE
+    data = consumer.backend.post(XferOp.READ, peer, np.arange(2), np.arange(2))
+    assert wait(consumer.backend, data) is XferStatus.DONE
+    guard = consumer.backend.post_guard_read(peer, 3, b"done")
+    assert producer.backend.drain_notifications() == []  # not before the word is read
+    assert wait(consumer.backend, guard) is XferStatus.DONE
+    assert consumer.backend.guard_word(guard) == generation
+    assert producer.backend.drain_notifications() == [(consumer.name, b"done")]
+    consumer.backend.release(guard)
+    words[3] = (2 << 56) | generation  # released: changed before the blocks go back
+    again = consumer.backend.post_guard_read(peer, 3)
+    assert wait(consumer.backend, again) is XferStatus.DONE
+    assert consumer.backend.guard_word(again) != generation
+
+
+def test_guard_reads_fail_stall_and_refuse_like_transfers(
+    pair: tuple[Side, Side, PeerHandle],
+) -> None:
+    consumer, producer, peer = pair
+    with pytest.raises(PeerError, match="no guard table"):
+        consumer.backend.post_guard_read(peer, 0)
+    producer.backend.register_guard(4)
+    table = producer.backend.guard_table()
+    assert table is not None
+    with pytest.raises(RegistrationError):
+        producer.backend.register_guard(4)
+    consumer.backend.add_peer_guard(peer, table)
+    with pytest.raises(BackendError, match="out of range"):
+        consumer.backend.post_guard_read(peer, 4)
+    h = consumer.backend.post_guard_read(peer, 1)
+    with pytest.raises(BackendError, match="no word"):
+        consumer.backend.guard_word(h)
+    consumer.backend.faults = Faults(stall=True)
+    assert wait(consumer.backend, h) is XferStatus.PENDING
+    consumer.backend.faults = Faults()
+    producer.backend.faults = Faults(gone=True)
+    assert wait(consumer.backend, h) is XferStatus.FAILED
+    producer.backend.faults = Faults()
+    # an address the owner never registered as its guard table is not read
+    consumer.backend.add_peer_guard(peer, msgspec.structs.replace(table, base=table.base + 8))
+    assert wait(consumer.backend, consumer.backend.post_guard_read(peer, 0)) is XferStatus.FAILED
+
+
 def test_addresses_outside_registered_memory_are_refused(
     pair: tuple[Side, Side, PeerHandle],
 ) -> None:

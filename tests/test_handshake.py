@@ -343,6 +343,30 @@ def test_ping_is_answered_whatever_the_hash() -> None:
     assert isinstance(pong, wire.Pong) and pong.role is None and pong.layout is None
 
 
+def test_a_ping_naming_a_request_is_answered_by_the_hold_hook() -> None:
+    cap = wire.new_capability()
+    asked: list[tuple[str, str]] = []
+
+    def hold_state(request_id: str, capability: str) -> tuple[wire.HoldState, str]:
+        asked.append((request_id, capability))
+        if wire.capability_matches(cap, capability):
+            return wire.HoldState.PUSHED, "every write completed"
+        return wire.HoldState.UNKNOWN, ""
+
+    r, i = responder(hold_state=hold_state), initiator()
+    pong = i.reply(r.respond(i.ping("req-1", cap)))
+    assert isinstance(pong, wire.Pong)
+    assert (pong.hold, pong.hold_reason) == (wire.HoldState.PUSHED, "every write completed")
+    stranger = i.reply(r.respond(i.ping("req-1", wire.new_capability())))
+    assert isinstance(stranger, wire.Pong) and stranger.hold is wire.HoldState.UNKNOWN
+    plain = i.reply(r.respond(i.ping()))  # a liveness probe: the hook is not asked
+    assert isinstance(plain, wire.Pong) and plain.hold is None
+    assert [a[0] for a in asked] == ["req-1", "req-1"]
+    # a responder without the hook (or of an earlier build) leaves the answer unset
+    pong = i.reply(responder().respond(i.ping("req-1", cap)))
+    assert isinstance(pong, wire.Pong) and pong.hold is None
+
+
 def test_messages_a_listener_never_takes() -> None:
     r = responder()
     for message in (Producer().welcome, wire.Ack(), wire.Reject(code=RejectCode.AUTH)):

@@ -46,6 +46,10 @@ roles = st.sampled_from(Role)
 directions = st.sampled_from(Direction)
 rails = st.lists(short, max_size=4).map(tuple)
 block_ids = st.lists(st.lists(counts, max_size=6).map(tuple), max_size=3).map(tuple)
+capabilities = st.just("") | st.builds(wire.new_capability)
+guards = st.none() | st.builds(
+    wire.GuardTable, base=counts, slots=st.integers(1, 1 << 20), slot_bytes=st.integers(8, 64)
+)
 small_layouts = kst.layouts(max_layers=2)
 options = st.builds(PlanOptions, swa_window_mode=st.booleans(), coalesce=st.booleans()) | st.builds(
     PlanOptions, chunk_mode=st.just(True), chunk_tokens=st.integers(1, 4096)
@@ -74,6 +78,7 @@ messages: st.SearchStrategy[wire.Message] = st.one_of(
         rails=rails,
         options=options,
         lease_s=st.floats(0, 1e6),
+        guard=guards,
     ),
     st.builds(wire.Reject, code=st.sampled_from(wire.RejectCode), reason=short),
     st.builds(
@@ -86,10 +91,13 @@ messages: st.SearchStrategy[wire.Message] = st.one_of(
         agent_name=short,
         host=short,
         port=st.integers(0, 65535),
+        capability=capabilities,
     ),
-    st.builds(wire.Release, request_id=names, reason=short, engine_id=short),
+    st.builds(
+        wire.Release, request_id=names, reason=short, engine_id=short, capability=capabilities
+    ),
     st.builds(wire.Ack, request_id=short, notice=st.binary(max_size=64)),
-    st.builds(wire.Ping, engine_id=short),
+    st.builds(wire.Ping, engine_id=short, request_id=short, capability=capabilities),
     st.builds(
         wire.Pong,
         engine_id=names,
@@ -100,6 +108,8 @@ messages: st.SearchStrategy[wire.Message] = st.one_of(
         compat_hash=st.text(max_size=64),
         layout_summary=short,
         layout=st.none() | small_layouts,
+        hold=st.none() | st.sampled_from(wire.HoldState),
+        hold_reason=short,
     ),
     st.builds(
         wire.Notice,
@@ -110,6 +120,7 @@ messages: st.SearchStrategy[wire.Message] = st.one_of(
         reason=short,
         block_ids=block_ids,
         final=st.booleans(),
+        capability=capabilities,
     ),
 )
 
@@ -165,7 +176,69 @@ def test_newer_peer_extra_fields_and_envelope_elements_are_ignored() -> None:
 
 def test_older_peer_missing_defaulted_fields_decode() -> None:
     frame = wire.decode(raw_frame({"type": "release", "request_id": "r"}))
-    assert frame.message == wire.Release(request_id="r", reason="", engine_id="")
+    assert frame.message == wire.Release(request_id="r", reason="", engine_id="", capability="")
+    ping = wire.decode(raw_frame({"type": "ping", "engine_id": "x"})).message
+    assert ping == wire.Ping(engine_id="x", request_id="", capability="")
+
+
+# -- capabilities (issue 16) ---------------------------------------------------------------
+
+
+def test_capabilities_are_fresh_hex_of_fixed_size() -> None:
+    made = {wire.new_capability() for _ in range(64)}
+    assert len(made) == 64
+    assert all(len(c) == 2 * wire.CAPABILITY_BYTES and int(c, 16) >= 0 for c in made)
+
+
+def test_capability_matches_only_the_same_nonempty_token() -> None:
+    cap = wire.new_capability()
+    assert wire.capability_matches(cap, cap)
+    assert not wire.capability_matches(cap, "")
+    assert not wire.capability_matches(cap, wire.new_capability())
+    assert not wire.capability_matches("", "")  # no token proves nothing
+
+
+@pytest.mark.parametrize(
+    "capability",
+    ["A" * 32, "zz", "0" * (4 * wire.CAPABILITY_BYTES + 1), "ab cd"],
+    ids=["upper", "not-hex", "too-long", "space"],
+)
+@pytest.mark.parametrize("tag", ["release", "ping", "notice", "push_register"])
+def test_hostile_capabilities_are_wire_errors(capability: str, tag: str) -> None:
+    bodies: dict[str, dict[str, Any]] = {
+        "release": {"request_id": "r"},
+        "ping": {},
+        "notice": {"kind": "done", "request_id": "r", "engine_id": "e", "incarnation": 1},
+        "push_register": {
+            "request_id": "r",
+            "engine_id": "e",
+            "incarnation": 1,
+            "block_ids": [[1]],
+            "num_tokens": 16,
+        },
+    }
+    with pytest.raises(WireError, match="capability"):
+        wire.decode(raw_frame({"type": tag, **bodies[tag], "capability": capability}))
+
+
+def test_a_pong_answers_about_one_hold() -> None:
+    pong = wire.Pong(
+        engine_id="p",
+        incarnation=7,
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash=HASH,
+        hold=wire.HoldState.RELEASED,
+        hold_reason="released: done",
+    )
+    message = wire.decode(wire.encode(pong, HASH)).message
+    assert isinstance(message, wire.Pong)
+    assert message.hold is wire.HoldState.RELEASED and message.hold_reason == "released: done"
+
+
+def test_guard_table_bounds() -> None:
+    for bad in ({"base": 0, "slots": 0}, {"base": -1, "slots": 1}, {"base": 0, "slots": 1 << 21}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(bad, wire.GuardTable)
 
 
 # -- bounds and hostile values ----------------------------------------------------------

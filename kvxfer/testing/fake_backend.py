@@ -9,18 +9,28 @@ transfer advances only when its initiator polls :meth:`~FakeBackend.status`; the
 notification reaches the target only after every byte landed.
 
 Faults are set per instance through :class:`Faults` (read when a transfer is posted,
-except ``gone``, which acts at once)::
+except ``gone`` and ``stall``, which act at once)::
 
     be.faults = Faults(fail_post=True)          # post raises BackendError
     be.faults = Faults(never_complete=True)     # status stays PENDING forever
     be.faults = Faults(fail_midway=0.5)         # half the bytes land, then FAILED
     peer.faults = Faults(gone=True)             # the peer left the fabric (process died)
     be.faults = Faults(duplicate_notifications=True, late_notifications=3)
+    be.faults = Faults(reorder_notifications=True)  # each one overtakes those queued
+    be.faults = Faults(stall=True)              # posted transfers wait until cleared
 
 Notification faults apply to the notifications an instance *sends* (transfer
-notifications and :meth:`~FakeBackend.notify`). Capabilities are configurable so the
-agent's mode rules can be exercised: ``FakeBackend(options, device_to_device=False)``,
-or ``options.extra["device_to_device"] = "false"`` when built through the registry.
+notifications and :meth:`~FakeBackend.notify`).
+
+It also implements the guard-table extension of the contract that fail-closed pulls
+need (docs/RELIABILITY.md, section 3; not yet part of :class:`~kvxfer.backend.Backend`):
+:meth:`~FakeBackend.register_guard` registers a table of 64-bit words,
+:meth:`~FakeBackend.guard_table` describes it for the handshake, and a peer reads one
+word with :meth:`~FakeBackend.post_guard_read` then :meth:`~FakeBackend.guard_word`.
+
+Capabilities are configurable so the agent's mode rules can be exercised:
+``FakeBackend(options, device_to_device=False)``, or
+``options.extra["device_to_device"] = "false"`` when built through the registry.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from kvxfer.backend import (
 )
 from kvxfer.errors import BackendError, PeerError, RegistrationError
 from kvxfer.layout import MemKind
+from kvxfer.wire import GuardTable
 
 if TYPE_CHECKING:
     from kvxfer.descriptors import DescriptorTable
@@ -88,6 +99,12 @@ class Faults(msgspec.Struct, kw_only=True):
         drop_notifications: notifications sent are lost.
         complete_after_polls: a transfer stays PENDING for this many status polls
             before its bytes move (0: the first poll completes it).
+        reorder_notifications: each notification sent goes to the head of the
+            receiver's queue, overtaking those not drained yet.
+        stall: transfers this endpoint initiated stay PENDING, no byte moved, while set,
+            even when the peer is gone (a transport that has not noticed anything yet).
+            Read at every status poll, so a test opens the gate when its schedule says:
+            e.g. after the producer's engine reused the blocks being read.
     """
 
     fail_post: bool = False
@@ -98,6 +115,8 @@ class Faults(msgspec.Struct, kw_only=True):
     late_notifications: int = 0
     drop_notifications: bool = False
     complete_after_polls: int = 0
+    reorder_notifications: bool = False
+    stall: bool = False
 
 
 class _Metadata(msgspec.Struct, frozen=True):
@@ -122,6 +141,17 @@ class _Xfer:
     polls: int = 0
     state: XferStatus = XferStatus.PENDING
     bytes_moved: int = 0
+
+
+@dataclasses.dataclass
+class _GuardRead:
+    peer: str
+    slot: int
+    notification: bytes
+    faults: Faults
+    polls: int = 0
+    state: XferStatus = XferStatus.PENDING
+    word: int | None = None
 
 
 @dataclasses.dataclass
@@ -216,6 +246,9 @@ class FakeBackend(Backend):
         self._table: DescriptorTable | None = None
         self._peers: dict[PeerHandle, _Peer] = {}
         self._xfers: dict[XferHandle, _Xfer] = {}
+        self._guard: npt.NDArray[np.uint64] | None = None
+        self._peer_guards: dict[PeerHandle, GuardTable] = {}
+        self._guard_reads: dict[XferHandle, _GuardRead] = {}
         self._inbox: list[_Inbound] = []
         self._ids = itertools.count(1)
         self._closed = False
@@ -311,6 +344,7 @@ class FakeBackend(Backend):
 
     def remove_peer(self, peer: PeerHandle) -> None:
         with _LOCK:
+            self._peer_guards.pop(peer, None)
             if self._peers.pop(peer, None) is None:
                 return
             for xfer in self._xfers.values():
@@ -375,11 +409,15 @@ class FakeBackend(Backend):
 
     def status(self, handle: XferHandle) -> XferStatus:
         with _LOCK:
+            if handle in self._guard_reads:
+                return self._guard_status(self._guard_reads[handle])
             xfer = self._xfers.get(handle)
             if xfer is None:
                 return XferStatus.FAILED
             if xfer.state is not XferStatus.PENDING:
                 return xfer.state
+            if self.faults.stall:
+                return xfer.state  # a transport that has not noticed anything yet
             peer = self._live(xfer.peer)
             known = self._peers.get(PeerHandle(xfer.peer))
             if self._closed or peer is None or known is None or self._table is None:
@@ -423,6 +461,93 @@ class FakeBackend(Backend):
     def release(self, handle: XferHandle) -> None:
         with _LOCK:
             self._xfers.pop(handle, None)
+            self._guard_reads.pop(handle, None)
+
+    # -- guard table (fail-closed pulls; docs/RELIABILITY.md) -------------------------
+    def register_guard(self, slots: int) -> npt.NDArray[np.uint64]:
+        """Register a table of ``slots`` zeroed 64-bit words; returns it, writable.
+
+        The owner writes a hold's generation into its slot and overwrites it before it
+        hands the hold's blocks back; peers read one slot with :meth:`post_guard_read`.
+        """
+        with _LOCK:
+            self._require_open()
+            if self._guard is not None:
+                raise RegistrationError("this backend already registered a guard table")
+            if slots < 1:
+                raise RegistrationError(f"a guard table needs at least one slot, not {slots}")
+            self._guard = np.zeros(slots, dtype=np.uint64)
+            return self._guard
+
+    def guard_table(self) -> GuardTable | None:
+        """What a handshake tells peers about the guard table (None: none registered)."""
+        with _LOCK:
+            if self._guard is None:
+                return None
+            return GuardTable(base=int(self._guard.ctypes.data), slots=len(self._guard))
+
+    def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
+        """Prepare reads of a connected peer's guard table (from its handshake)."""
+        with _LOCK:
+            self._require_open()
+            if peer not in self._peers:
+                raise PeerError(f"fake fabric: unknown peer {peer!r}")
+            self._peer_guards[peer] = guard
+
+    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+        """Post an 8-byte READ of ``slot`` of the peer's guard table; ``notification``
+        reaches the peer after the word was read (the DONE notice of a pull)."""
+        with _LOCK:
+            self._require_open()
+            guard = self._peer_guards.get(peer)
+            if guard is None or self._live(peer) is None:
+                raise PeerError(f"fake fabric: no guard table of peer {peer!r}")
+            if not 0 <= slot < guard.slots:
+                raise BackendError(f"guard slot {slot} out of range [0, {guard.slots})")
+            if self.faults.fail_post:
+                raise BackendError("fake fabric: post refused (injected fault)")
+            handle = XferHandle(next(self._ids))
+            self._guard_reads[handle] = _GuardRead(
+                peer=peer,
+                slot=slot,
+                notification=bytes(notification),
+                faults=msgspec.structs.replace(self.faults),
+            )
+            return handle
+
+    def guard_word(self, handle: XferHandle) -> int:
+        """The word a completed :meth:`post_guard_read` read.
+
+        Raises:
+            BackendError: the read is unknown, released or not DONE.
+        """
+        with _LOCK:
+            read = self._guard_reads.get(handle)
+            if read is None or read.word is None:
+                raise BackendError(f"guard read {handle!r} has no word (unknown or not done)")
+            return read.word
+
+    def _guard_status(self, read: _GuardRead) -> XferStatus:
+        if read.state is not XferStatus.PENDING or self.faults.stall:
+            return read.state
+        owner = self._live(read.peer)
+        guard = self._peer_guards.get(PeerHandle(read.peer))
+        if self._closed or owner is None or guard is None:
+            read.state = XferStatus.FAILED
+            return read.state
+        read.polls += 1
+        if read.faults.never_complete or read.polls <= read.faults.complete_after_polls:
+            return read.state
+        table = owner._guard
+        # The address the handshake announced must be the owner's registered table.
+        if table is None or guard.base != int(table.ctypes.data) or guard.slots != len(table):
+            read.state = XferStatus.FAILED
+            return read.state
+        read.word = int(table[read.slot])
+        read.state = XferStatus.DONE
+        if read.notification:
+            self._deliver(owner, read.notification, read.faults)
+        return read.state
 
     # -- notifications --------------------------------------------------------------
     def _deliver(self, receiver: FakeBackend, payload: bytes, faults: Faults) -> None:
@@ -430,9 +555,11 @@ class FakeBackend(Backend):
             return
         copies = 2 if faults.duplicate_notifications else 1
         for _ in range(copies):
-            receiver._inbox.append(
-                _Inbound(self.agent_name, bytes(payload), max(faults.late_notifications, 0))
-            )
+            note = _Inbound(self.agent_name, bytes(payload), max(faults.late_notifications, 0))
+            if faults.reorder_notifications:
+                receiver._inbox.insert(0, note)
+            else:
+                receiver._inbox.append(note)
 
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         with _LOCK:
@@ -474,6 +601,12 @@ class FakeBackend(Backend):
                 if xfer.state is XferStatus.PENDING:
                     xfer.state = XferStatus.FAILED
             self._xfers.clear()
+            for read in self._guard_reads.values():
+                if read.state is XferStatus.PENDING:
+                    read.state = XferStatus.FAILED
+            self._guard_reads.clear()
+            self._peer_guards.clear()
+            self._guard = None
             self._peers.clear()
             self._inbox.clear()
             self._table = None

@@ -8,7 +8,8 @@ Runs, in one go, the checks the vendor manual has operators type by hand::
     ip -4 -brief addr show                           # netdevs with IPv4
     grep . /sys/class/infiniband/*/device/numa_node  # NIC NUMA nodes
 
-plus NIXL's plugins, nixl-rbln, and whether the side-channel port is free; then prints
+plus NIXL's plugins, nixl-rbln, whether the side-channel port is free and whether the
+side channel is authenticated (a WARN when it is not on a non-loopback address); then prints
 every NIC with its verdict and the rails that would be used. Exit status 0 means
 ready, 1 not ready, 2 a usage error. ``--json`` prints one JSON object instead.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import ipaddress
 import os
 import socket
 import subprocess
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvxfer.errors import RailError
+from kvxfer.handshake import MIN_SECRET_BYTES
 from kvxfer.rails import (
     Discovery,
     NumaNode,
@@ -42,6 +45,9 @@ from kvxfer.rails import (
 __all__ = ["Check", "NicRow", "Report", "Status", "main", "run_checks"]
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+#: The shared secret's environment variable, as the vLLM adapter reads it
+#: (``kvxfer.adapters.vllm.startup.AUTH_SECRET_ENV``; a test keeps the two equal).
+AUTH_SECRET_ENV = "KVXFER_AUTH_SECRET"
 _PROBE_MARK = "KVXFER-DOCTOR:"
 
 # Runs in a child process: NIXL agents start threads and can crash at interpreter
@@ -188,6 +194,54 @@ def _side_channel_check(host: str, port: int) -> Check:
     return Check(name=name, status=Status.OK, detail=detail)
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (unresolvable: no)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def _auth_check(host: str, port: int, secret: str | None) -> Check:
+    """Is the side channel authenticated? Without a secret, anyone who reaches the port
+    can release another request's lease, register for its KV or fill tables (issue 16's
+    threat model, docs/RELIABILITY.md): harmless on loopback, a WARN elsewhere."""
+    name = "side-channel auth"
+    if secret:
+        if len(secret.encode()) < MIN_SECRET_BYTES:
+            return Check(
+                name=name,
+                status=Status.FAIL,
+                detail=f"{AUTH_SECRET_ENV} is {len(secret.encode())} bytes; kvxfer refuses "
+                f"secrets under {MIN_SECRET_BYTES} bytes",
+            )
+        return Check(
+            name=name,
+            status=Status.OK,
+            detail=f"HMAC-SHA256 with the shared secret in {AUTH_SECRET_ENV}",
+        )
+    if _is_loopback(host):
+        return Check(
+            name=name,
+            status=Status.INFO,
+            detail=f"unauthenticated, but {host} is loopback: only this host can reach it",
+        )
+    return Check(
+        name=name,
+        status=Status.WARN,
+        detail=f"UNAUTHENTICATED on {host}:{port}, a non-loopback address: anyone who "
+        "reaches it can release leases, redirect pushes and grow tables; set "
+        f"{AUTH_SECRET_ENV} to the same secret (>= {MIN_SECRET_BYTES} bytes) on every instance",
+    )
+
+
 def _link_check(found: Discovery) -> Check:
     name = "RDMA link state"
     if not found.ports:
@@ -320,6 +374,7 @@ def run_checks(
     host: str = "localhost",
     port: int = DEFAULT_SIDE_CHANNEL_PORT,
     nixl_timeout_s: float = 60.0,
+    auth_secret: str | None = None,
 ) -> Report:
     """Run every check and build the report (what ``main`` prints).
 
@@ -331,6 +386,8 @@ def run_checks(
         host: Side-channel host to bind.
         port: Side-channel port to bind.
         nixl_timeout_s: Deadline of the NIXL probe subprocess.
+        auth_secret: The side channel's shared secret (``main`` reads
+            ``$KVXFER_AUTH_SECRET``); None or empty: unauthenticated.
     """
     runner = command_runner(("ip", "netns", "exec", netns) if netns else ())
     checks: list[Check] = []
@@ -356,6 +413,7 @@ def run_checks(
     nixl, rbln = _probe_nixl(nixl_timeout_s)
     checks += _nixl_checks(nixl, rbln)
     checks.append(_side_channel_check(host, port))
+    checks.append(_auth_check(host, port, auth_secret))
 
     # Without the accelerator's node only the other three rules can be judged.
     selection = evaluate(found, numa.node if numa is not None else -(2**31))
@@ -463,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         netns=args.netns,
         host=args.host,
         port=args.port,
+        auth_secret=os.environ.get(AUTH_SECRET_ENV) or None,
     )
     if args.json:
         print(msgspec.json.encode(report).decode())

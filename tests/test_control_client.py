@@ -1,0 +1,112 @@
+"""The side-channel client: bounded waits, and close() cancelling pending requests
+(issue 16: a process whose handshake towards a dead peer is pending exits at once)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from kvxfer.control import SideChannelClient, SideChannelServer
+from kvxfer.errors import HandshakeError, HandshakeTimeout
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port where a peer accepts connections and never answers (a hung process)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield port
+    sock.close(0)
+    ctx.term()
+
+
+def test_a_request_is_answered() -> None:
+    with SideChannelServer(
+        "127.0.0.1", 0, lambda data: b"re:" + data, max_bytes=1024, oversize_reply=lambda n: b""
+    ) as server:
+        client = SideChannelClient(timeout_s=2.0)
+        assert client.request("127.0.0.1", server.port, b"hi") == b"re:hi"
+
+
+def test_no_answer_times_out_after_every_try(silent_port: int) -> None:
+    client = SideChannelClient(timeout_s=0.1, retries=1, backoff_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeout, match=r"after 2 tries of 0\.1s"):
+        client.request("127.0.0.1", silent_port, b"hello")
+    assert 0.2 <= time.monotonic() - t0 < 1.5
+    # a per-request budget (a liveness probe's) overrides the client's
+    t0 = time.monotonic()
+    with pytest.raises(HandshakeTimeout, match=r"after 1 tries of 0\.05s"):
+        client.request("127.0.0.1", silent_port, b"ping", timeout_s=0.05, retries=0)
+    assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("port_kind", ["silent", "nothing-listens"])
+def test_close_cancels_a_pending_request_at_once(silent_port: int, port_kind: str) -> None:
+    port = silent_port if port_kind == "silent" else 9  # discard: connection refused
+    client = SideChannelClient(timeout_s=5.0, retries=2)
+    outcome: list[BaseException] = []
+    ended = threading.Event()
+
+    def run() -> None:
+        try:
+            client.request("127.0.0.1", port, b"hello")
+        except BaseException as exc:
+            outcome.append(exc)
+        ended.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    client.close()
+    assert ended.wait(1.0), "close() left the request waiting"
+    assert time.monotonic() - t0 < 0.5
+    thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], HandshakeError)
+    assert "cancelled" in str(outcome[0]) and f"127.0.0.1:{port}" in str(outcome[0])
+    with pytest.raises(HandshakeError, match="cancelled"):  # closed: refused at once
+        client.request("127.0.0.1", port, b"again")
+    assert client.closed
+
+
+def test_a_process_with_a_pending_request_exits_within_a_second_of_close(
+    silent_port: int,
+) -> None:
+    # The request runs on a non-daemon thread, as on a ThreadPoolExecutor worker that
+    # the interpreter joins at exit: without cancellation the process lives 3 x 5 s.
+    script = textwrap.dedent(
+        f"""
+        import sys, threading, time
+        from kvxfer.control import SideChannelClient
+        client = SideChannelClient(timeout_s=5.0, retries=2)
+        def run():
+            try:
+                client.request("127.0.0.1", {silent_port}, b"hello")
+            except Exception as exc:
+                print("worker:", type(exc).__name__, flush=True)
+        threading.Thread(target=run).start()
+        time.sleep(0.3)
+        client.close()
+        print("closed", time.monotonic(), flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30
+    )
+    exited = time.monotonic()
+    assert done.returncode == 0, done.stderr
+    closed_at = float(
+        next(ln for ln in done.stdout.splitlines() if ln.startswith("closed")).split()[1]
+    )
+    assert "worker: HandshakeError" in done.stdout
+    assert exited - closed_at < 1.0, f"exit took {exited - closed_at:.2f}s after close()"
