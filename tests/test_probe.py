@@ -17,7 +17,7 @@ from kvxfer.tools import probe
 FP = Fingerprint(
     model="org/model",
     dtype="bfloat16",
-    kv_cache_dtype="auto",
+    kv_cache_dtype="bfloat16",
     attention_backend="flash",
     direction=Direction.PULL,
 )

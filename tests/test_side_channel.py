@@ -22,7 +22,7 @@ SHAPE = ModelShape(name="t", layers=2, kv_heads=2, head_dim=32)
 FP = Fingerprint(
     model="m",
     dtype="bfloat16",
-    kv_cache_dtype="auto",
+    kv_cache_dtype="bfloat16",
     attention_backend="t",
     direction=Direction.PULL,
 )
