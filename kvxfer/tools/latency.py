@@ -12,10 +12,12 @@ this host over NIXL's UCX plugin:
   index arrays :func:`build_plan` gives kvxfer: ``make_prepped_xfer`` + ``transfer``,
   busy-polled to DONE, carrying a notification of the same size as kvxfer's DONE
   notice (as kvxfer's read does);
-- **raw NIXL, no notification**: the same read without one: the transport's floor.
-  A read that carries a notification completes only once the *producer's* worker has
-  progressed (its agent polls every ``raw_passive_poll_s``; kvxfer's producer every
-  1 ms while it holds leases), a bare read does not wait for the producer at all;
+- **raw NIXL, no notification**: the same read without one, the transport's floor.
+  Each raw variant has its own pair of NIXL agents (its own endpoint): on UCX, after a
+  notification went out, the next transfer on that endpoint completes only once the
+  *producer's* worker has progressed (the raw producer agents progress every
+  ``raw_passive_poll_s``; kvxfer's producer every 1 ms while it holds leases), which
+  a read without notifications never waits for;
 - **gather**: the same blocks copied inside one process (numpy fancy indexing, one
   array per region): the floor without any transport.
 
@@ -55,6 +57,7 @@ __all__ = [
 ]
 
 DEFAULT_BLOCKS = (1, 2, 4, 8, 16, 32, 64)
+_RAW_KEYS = ("raw", "bare")  # raw NIXL with kvxfer's notification, and without
 
 
 class LatencySpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +182,8 @@ class _RawNixl:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._peer = ""
+        self._remote: Any = None
         if poll_s is not None:
             self._thread = threading.Thread(target=self._poll, args=(poll_s,), daemon=True)
             self._thread.start()
@@ -197,10 +202,21 @@ class _RawNixl:
             if interval:
                 time.sleep(interval)
 
+    def connect(self, metadata: bytes, remote_table: Any) -> Any:
+        """Add the peer; returns its prepared descriptor list of ``remote_table``."""
+        name = self.agent.add_remote_agent(metadata)
+        self._peer = name.decode() if isinstance(name, bytes) else str(name)
+        self._remote = self.agent.prep_xfer_dlist(self._peer, self.rows(remote_table), "DRAM")
+        return self._remote
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+        if self._remote is not None:
+            self._remote.release()
+            self.agent.remove_remote_agent(self._peer)
+            self._remote = None
 
 
 # -- the producer process ------------------------------------------------------------
@@ -212,8 +228,11 @@ def _producer(conn: Connection, spec_bytes: bytes) -> None:
     layout = _layout(spec, regions)
     agent = _agent(spec, "latency-prefill", Role.PRODUCER, layout)
     host, port = agent.serve()
-    raw = _RawNixl("latency-raw-prefill", layout, spec.raw_passive_poll_s)
-    conn.send((host, port, raw.agent.get_agent_metadata(), msgspec.msgpack.encode(layout)))
+    raws = [
+        _RawNixl(f"latency-raw-prefill-{key}", layout, spec.raw_passive_poll_s) for key in _RAW_KEYS
+    ]
+    metas = [raw.agent.get_agent_metadata() for raw in raws]
+    conn.send((host, port, metas, msgspec.msgpack.encode(layout)))
     try:
         while True:
             # An engine between prefill steps: it frees what was pulled now and then.
@@ -227,7 +246,8 @@ def _producer(conn: Connection, spec_bytes: bytes) -> None:
             ticket = agent.hold(request_id, blocks, num_tokens=tokens)
             conn.send_bytes(msgspec.msgpack.encode(ticket))
     finally:
-        raw.close()
+        for raw in raws:
+            raw.close()
         agent.close()
 
 
@@ -302,26 +322,26 @@ def measure_latency(spec: LatencySpec | None = None) -> list[LatencyRow]:
     gathered = empty_regions(spec)
     layout = _layout(spec, regions)
     agent = _agent(spec, "latency-decode", Role.CONSUMER, layout)
-    raw = _RawNixl("latency-raw-decode", layout, None)
+    raws = {key: _RawNixl(f"latency-raw-decode-{key}", layout, None) for key in _RAW_KEYS}
     rows: list[LatencyRow] = []
     try:
         if not conn.poll(120):
             raise RuntimeError("the producer process did not start")
-        _host, _port, raw_meta, remote_layout_bytes = conn.recv()
+        _host, _port, metas, remote_layout_bytes = conn.recv()
         remote_layout = msgspec.msgpack.decode(remote_layout_bytes, type=KVLayout)
         from kvxfer.descriptors import DescriptorTable
 
         remote_table = DescriptorTable.build(remote_layout)
-        peer = raw.agent.add_remote_agent(raw_meta)
-        peer_name = peer.decode() if isinstance(peer, bytes) else str(peer)
-        remote_dl = raw.agent.prep_xfer_dlist(peer_name, raw.rows(remote_table), "DRAM")
+        remote_dls = {
+            key: raws[key].connect(meta, remote_table) for key, meta in zip(_RAW_KEYS, metas)
+        }
         rng = np.random.default_rng(spec.seed)
         serial = 0
         for n in spec.blocks:
             local = rng.permutation(spec.num_blocks)[:n].astype(np.int64)
             remote = rng.permutation(spec.num_blocks)[:n].astype(np.int64)
             tokens = n * spec.block_size
-            plan = build_plan(raw.table, remote_table, local, remote, tokens)
+            plan = build_plan(raws["raw"].table, remote_table, local, remote, tokens)
             local_ids = np.ascontiguousarray(plan.local_ids, dtype=np.int32)
             remote_ids = np.ascontiguousarray(plan.remote_ids, dtype=np.int32)
             times: dict[str, list[float]] = {
@@ -359,7 +379,7 @@ def measure_latency(spec: LatencySpec | None = None) -> list[LatencyRow]:
                     if check:
                         for a in regions:
                             a[local] = 0
-                    seconds = _raw_read(raw, local_ids, remote_dl, remote_ids, note)
+                    seconds = _raw_read(raws[key], local_ids, remote_dls[key], remote_ids, note)
                     if check:
                         check_landed(spec, regions, local, remote, f"raw NIXL ({key})")
                     else:
@@ -386,14 +406,13 @@ def measure_latency(spec: LatencySpec | None = None) -> list[LatencyRow]:
                     gather_us=_stats(times["ga"]),
                 )
             )
-        remote_dl.release()
-        raw.agent.remove_remote_agent(peer_name)
     finally:
         conn.send(("stop",))
         child.join(timeout=10)
         if child.is_alive():
             child.kill()
-        raw.close()
+        for raw in raws.values():
+            raw.close()
         agent.close()
     return rows
 
