@@ -126,7 +126,11 @@ def _compatibility(pong: wire.Pong, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 when the instance answered (and, with a local config, is compatible)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.model and args.dtype.strip().lower() == "auto":
+        # The instance hashed its resolved dtype; "auto" here can never match it.
+        parser.error("--dtype must be the model's resolved dtype (e.g. bfloat16), not auto")
     try:
         host, port = _split(args.address)
         t0 = time.perf_counter()
