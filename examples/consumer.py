@@ -34,7 +34,7 @@ layout = KVLayout(
 fingerprint = Fingerprint(
     model="example/model",
     dtype="bfloat16",
-    kv_cache_dtype="auto",
+    kv_cache_dtype="bfloat16",
     attention_backend="example",
     direction=Direction.PULL,
 )

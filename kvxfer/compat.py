@@ -19,7 +19,7 @@ import msgspec
 
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.config import Direction
-from kvxfer.errors import LayoutMismatch
+from kvxfer.errors import ConfigError, LayoutMismatch
 from kvxfer.layout import KVLayout
 
 __all__ = ["Fingerprint", "check_layout"]
@@ -51,6 +51,22 @@ class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
     direction: Direction
     draft_model: str = ""
+
+    def __post_init__(self) -> None:
+        # "auto" means "whatever the model dtype resolves to": two instances that both
+        # say "auto" may hold different bytes, and an instance that resolved it does
+        # not hash equal to one that did not. Refused so the mistake shows here.
+        for key in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"Fingerprint.{key}", value, "must be a non-empty dtype name")
+            if value.strip().lower() == "auto":
+                raise ConfigError(
+                    f"Fingerprint.{key}",
+                    value,
+                    "must be a resolved dtype name (e.g. 'bfloat16'); resolve 'auto' to the "
+                    "model's dtype first",
+                )
 
     def canonical(self) -> bytes:
         """Return the canonical encoding the digest is taken over.

@@ -175,6 +175,10 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         dtype: element type of the cache, e.g. ``"bfloat16"``.
         kv_layout: in-block order, e.g. ``"NHD"`` (token-major, needed for chunk and
             window descriptors) or ``"HND"``.
+        num_kv_heads: KV heads one region holds (per shard); 0 when not known.
+            Descriptive only (the bytes are in ``block_len``): it lets a mismatch be
+            named in the engine's terms. :meth:`from_kv_caches` fills it in.
+        head_dim: Elements per head; 0 when not known. Descriptive, as ``num_kv_heads``.
     """
 
     block_size: int
@@ -184,9 +188,16 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     groups: tuple[Group, ...] = msgspec.field(default_factory=_default_groups)
     dtype: str = "bfloat16"
     kv_layout: str = "NHD"
+    # Added after protocol 1 shipped: defaulted, so a peer that does not send them
+    # decodes as "unknown" (0), and an older peer ignores them (msgspec skips
+    # unknown fields).
+    num_kv_heads: int = 0
+    head_dim: int = 0
 
     def __post_init__(self) -> None:
         _check_int("KVLayout", "block_size", self.block_size, 1)
+        _check_int("KVLayout", "num_kv_heads", self.num_kv_heads, 0)
+        _check_int("KVLayout", "head_dim", self.head_dim, 0)
         _check_int("KVLayout", "num_shards", self.num_shards, 1)
         if not isinstance(self.split_axis, SplitAxis):
             raise _bad("KVLayout", "split_axis", self.split_axis, "must be a SplitAxis")
@@ -265,17 +276,39 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         Returns:
             ``(field, self_value, other_value)`` or ``None`` when the shapes agree.
         """
-        for name in ("block_size", "split_axis", "num_shards", "dtype", "kv_layout", "groups"):
+        for name in ("block_size", "dtype", "split_axis", "num_shards", "kv_layout", "groups"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return name, mine, theirs
+        # The engine's terms first, where both sides know them (0 is "not known").
+        for name in ("num_kv_heads", "head_dim"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine and theirs and mine != theirs:
+                return f"{name} (per region)", mine, theirs
         if len(self.regions) != len(other.regions):
+            layers = len({r.layer for r in self.regions}), len({r.layer for r in other.regions})
+            if layers[0] != layers[1]:
+                return "num_layers", layers[0], layers[1]
             return "num_regions", len(self.regions), len(other.regions)
         for i, (a, b) in enumerate(zip(self.regions, other.regions)):
-            for name in ("block_len", "layer", "part", "shard", "group", "mem"):
+            where = f"regions[{i}] (layer {a.layer} {a.part.name})"
+            # Identity before size: a block_len difference is only meaningful between
+            # regions that hold the same layer's same part.
+            for name in ("layer", "part", "shard", "group", "mem"):
                 mine, theirs = getattr(a, name), getattr(b, name)
                 if mine != theirs:
-                    return f"regions[{i}].{name}", mine, theirs
+                    return f"{where}.{name}", mine, theirs
+            if a.block_len != b.block_len:
+                # block_size and dtype agree (checked above): what differs is the
+                # size of one token, kv_heads x head_dim (x the dtype's bytes).
+                tokens = self.tokens_per_desc
+                return (
+                    f"{where}.block_len: bytes of {tokens} tokens of {self.dtype}, "
+                    f"{a.block_len // tokens} vs {b.block_len // tokens} bytes per token: "
+                    "kv_heads x head_dim differ",
+                    a.block_len,
+                    b.block_len,
+                )
         return None
 
     def summary(self) -> str:
@@ -294,6 +327,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             f"shards={self.num_shards} groups=[{groups}] regions={self.num_regions} "
             f"(layers={layers} parts={parts}) num_blocks={self.num_blocks} "
             f"block_len={block_len} dtype={self.dtype} kv_layout={self.kv_layout} mem={mems}"
+            + (f" kv_heads={self.num_kv_heads}" if self.num_kv_heads else "")
+            + (f" head_dim={self.head_dim}" if self.head_dim else "")
         )
 
     @classmethod
@@ -310,6 +345,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         split_axis: SplitAxis = SplitAxis.HEAD,
         num_shards: int = 1,
         kv_layout: str = "NHD",
+        num_kv_heads: int = 0,
+        head_dim: int = 0,
     ) -> KVLayout:
         """Describe torch tensors in place (no copies) as one region each.
 
@@ -329,6 +366,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             split_axis: how shards cut a block.
             num_shards: shards per block.
             kv_layout: in-block order of the tensors.
+            num_kv_heads: KV heads per region, for messages (0: not known).
+            head_dim: elements per head, for messages (0: not known).
+
+        The tensors are described, not owned: they must stay alive and in place for as
+        long as the layout is registered with an Agent (a freed or re-allocated tensor
+        leaves the Agent moving bytes at a stale address).
 
         Raises:
             LayoutError: mixed dtypes, non-contiguous blocks, or a layout rule broken.
@@ -374,6 +417,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             groups=tuple(groups) if groups is not None else _default_groups(),
             dtype=dtypes.pop().removeprefix("torch."),
             kv_layout=kv_layout,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
 
     @classmethod
@@ -398,10 +443,25 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         from :func:`split_kv`, no copies), in that order. ``layers``, ``shards`` and
         ``layer_groups`` have one entry per tensor (default: index, 0, 0); the other
         arguments are those of :meth:`from_tensors`.
+
+        Where the shape says where the tokens are, it is checked against
+        ``block_size``: with ``kv_layout`` ``"NHD"`` a K (or V) view is
+        ``(num_blocks, block_size, kv_heads, head_dim)``, with ``"HND"``
+        ``(num_blocks, kv_heads, block_size, head_dim)`` (per shard: block_size /
+        num_shards tokens with a TOKEN split). The heads and head_dim read there go
+        into the layout, so a mismatch with a peer is named in those terms.
+
+        Raises:
+            LayoutError: ``block_size`` disagrees with the tensors' token dimension,
+                or any rule of :meth:`from_tensors`.
         """
         views: list[Any] = []
         for cache in kv_caches:
             views.extend(split_kv(cache, kv_dim=kv_dim))
+        spans = num_shards if split_axis is SplitAxis.TOKEN else 1
+        heads, head_dim = _heads_and_dim(
+            views, kv_caches, block_size=block_size, tokens=block_size // spans, kv_layout=kv_layout
+        )
 
         def twice(values: Sequence[int] | None) -> list[int] | None:
             return None if values is None else [v for v in values for _ in range(2)]
@@ -417,7 +477,46 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             split_axis=split_axis,
             num_shards=num_shards,
             kv_layout=kv_layout,
+            num_kv_heads=heads,
+            head_dim=head_dim,
         )
+
+
+#: Where the token and head dimensions sit in a 4-d K or V view, by in-block order.
+_TOKEN_HEAD_DIMS = {"NHD": (1, 2), "HND": (2, 1)}
+
+
+def _heads_and_dim(
+    views: Sequence[Any], caches: Sequence[Any], *, block_size: int, tokens: int, kv_layout: str
+) -> tuple[int, int]:
+    """Check ``block_size`` against the views' token dimension; return (heads, head_dim).
+
+    Only 4-d views in a known in-block order say where the tokens are; any other
+    shape is accepted as it is (``(0, 0)``: heads and head_dim not known).
+    """
+    dims = _TOKEN_HEAD_DIMS.get(kv_layout)
+    if dims is None or any(v.dim() != 4 for v in views):
+        return 0, 0
+    token_dim, head_dim_index = dims
+    found: set[tuple[int, int]] = set()
+    for i, v in enumerate(views):
+        # A block that is not one byte range is refused for that first: its logical
+        # dims then are not its in-block order, and kv_layout would misplace the tokens.
+        _block_len(v, i)
+        held = int(v.shape[token_dim])
+        if held != tokens:
+            order = "block_size, kv_heads" if kv_layout == "NHD" else "kv_heads, block_size"
+            raise _bad(
+                "KVLayout.from_kv_caches",
+                "block_size",
+                block_size,
+                f"kv_caches[{i // 2}] has shape {tuple(int(d) for d in caches[i // 2].shape)}: "
+                f"its {kv_layout} blocks (num_blocks, {order}, head_dim) hold {held} tokens, "
+                f"not {tokens}",
+            )
+        found.add((int(v.shape[head_dim_index]), int(v.shape[3])))
+    # Layers of different widths: nothing single to name.
+    return found.pop() if len(found) == 1 else (0, 0)
 
 
 def split_kv(cache: Any, *, kv_dim: int = 0) -> tuple[Any, Any]:

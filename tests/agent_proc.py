@@ -73,7 +73,7 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             fingerprint=Fingerprint(
                 model=spec.model,
                 dtype="bfloat16",
-                kv_cache_dtype="auto",
+                kv_cache_dtype="bfloat16",
                 attention_backend="test",
                 direction=direction,
             ),

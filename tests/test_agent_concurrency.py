@@ -71,7 +71,7 @@ def _fp(direction: Direction) -> Fingerprint:
     return Fingerprint(
         model="m",
         dtype="bfloat16",
-        kv_cache_dtype="auto",
+        kv_cache_dtype="bfloat16",
         attention_backend="t",
         direction=direction,
     )
@@ -292,7 +292,7 @@ def test_a_real_ucx_write_in_flight_does_not_stall_the_producer() -> None:
             fingerprint=Fingerprint(
                 model="test/model",
                 dtype="bfloat16",
-                kv_cache_dtype="auto",
+                kv_cache_dtype="bfloat16",
                 attention_backend="test",
                 direction=Direction.PUSH,
             ),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.compat import Fingerprint, check_layout
 from kvxfer.config import Direction
-from kvxfer.errors import LayoutMismatch
+from kvxfer.errors import ConfigError, LayoutMismatch
 from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, Region
 from kvxfer.testing import strategies as kst
 
@@ -123,6 +123,16 @@ def layout(**overrides: Any) -> KVLayout:
     return KVLayout(**{"block_size": 16, "regions": regions, **overrides})
 
 
+@pytest.mark.parametrize("key", ["dtype", "kv_cache_dtype"])
+@pytest.mark.parametrize("value", ["auto", "AUTO", " auto", ""])
+def test_unresolved_dtype_refused(key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Fingerprint(**{**msgspec.structs.asdict(GOLDEN), key: value})
+    assert info.value.key == f"Fingerprint.{key}"
+    assert info.value.value == value
+    assert "dtype name" in str(info.value)
+
+
 def test_equal_shapes_pass() -> None:
     check_layout(layout(), layout())
 
@@ -146,7 +156,12 @@ def test_region_count_and_block_len_differences_named() -> None:
     fewer = KVLayout(block_size=16, regions=base.regions[:2])
     with pytest.raises(LayoutMismatch) as info:
         check_layout(base, fewer)
-    assert info.value.field == "num_regions"
+    # fewer regions because fewer layers: said in the engine's terms
+    assert (info.value.field, info.value.local, info.value.remote) == ("num_layers", 2, 1)
+    k_only = KVLayout(block_size=16, regions=(base.regions[0], base.regions[2]))
+    with pytest.raises(LayoutMismatch) as info:
+        check_layout(base, k_only)
+    assert (info.value.field, info.value.local, info.value.remote) == ("num_regions", 4, 2)
     longer = KVLayout(
         block_size=16,
         regions=(
@@ -156,7 +171,58 @@ def test_region_count_and_block_len_differences_named() -> None:
     )
     with pytest.raises(LayoutMismatch) as info:
         check_layout(base, longer)
-    assert info.value.field == "regions[3].block_len"
+    field = info.value.field
+    assert field.startswith("regions[3] (layer 1 V).block_len"), field
+    assert "256 vs 512 bytes per token" in field and "kv_heads x head_dim" in field
+    assert (info.value.local, info.value.remote) == (4096, 8192)
+
+
+def test_heads_and_head_dim_named_when_both_sides_know_them() -> None:
+    with pytest.raises(LayoutMismatch) as info:
+        check_layout(layout(num_kv_heads=2, head_dim=64), layout(num_kv_heads=4, head_dim=32))
+    assert (info.value.field, info.value.local, info.value.remote) == (
+        "num_kv_heads (per region)",
+        2,
+        4,
+    )
+    with pytest.raises(LayoutMismatch) as info:
+        check_layout(layout(num_kv_heads=2, head_dim=64), layout(num_kv_heads=2, head_dim=32))
+    assert info.value.field == "head_dim (per region)"
+    # 0 is "not known" (a hand-built layout, an older peer): nothing to compare
+    check_layout(layout(num_kv_heads=2, head_dim=64), layout())
+    check_layout(layout(), layout(num_kv_heads=4, head_dim=128))
+
+
+def test_layer_identity_is_compared_before_block_len() -> None:
+    base = layout()
+    moved = KVLayout(
+        block_size=16,
+        regions=tuple(
+            msgspec.structs.replace(r, layer=r.layer + 1, block_len=8192, stride=8192)
+            for r in base.regions
+        ),
+    )
+    with pytest.raises(LayoutMismatch) as info:
+        check_layout(base, moved)
+    assert info.value.field == "regions[0] (layer 0 K).layer"
+
+
+def test_dtype_named_before_the_bytes_it_changes() -> None:
+    base = layout()
+    wide = KVLayout(
+        block_size=16,
+        dtype="float32",
+        regions=tuple(
+            msgspec.structs.replace(r, block_len=8192, stride=8192) for r in base.regions
+        ),
+    )
+    with pytest.raises(LayoutMismatch) as info:
+        check_layout(base, wide)
+    assert (info.value.field, info.value.local, info.value.remote) == (
+        "dtype",
+        "bfloat16",
+        "float32",
+    )
 
 
 def test_groups_differ() -> None:

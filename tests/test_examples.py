@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +43,26 @@ def test_producer_consumer_examples() -> None:
         if producer.poll() is None:
             producer.kill()
             producer.wait()
+
+
+def test_transformers_engine_example_pull_and_push() -> None:
+    """examples/engine: a paged-KV engine on transformers, prefill and decode in two
+    processes; greedy output equals the single-process run for pull and push, and
+    decoding without the transferred KV differs (the example checks and prints both)."""
+    pytest.importorskip("transformers", reason="the engine example runs on transformers")
+    env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "engine" / "disagg.py"), "--prompts", "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "OK" and "engine equals transformers: True" in lines
+    results = {r["direction"]: r for r in map(json.loads, lines[:-2])}
+    assert set(results) == {"pull", "push"}
+    for r in results.values():
+        assert r["equal"] == r["differ_without_kv"] == r["prompts"] == 4, r
+        assert r["same_block_ids"] < 4 and r["recomputed"] == 0, r

@@ -162,25 +162,28 @@ def test_first_difference_ignores_placement() -> None:
         ({"split_axis": SplitAxis.TOKEN}, ("split_axis", SplitAxis.HEAD, SplitAxis.TOKEN)),
         ({"dtype": "float16"}, ("dtype", "bfloat16", "float16")),
         ({"kv_layout": "HND"}, ("kv_layout", "NHD", "HND")),
-        ({"regions": (region(layer=0),)}, ("num_regions", 2, 1)),
+        ({"regions": (region(layer=0),)}, ("num_layers", 2, 1)),
         (
             {"regions": (region(layer=0), region(layer=1, base=1 << 20, block_len=32))},
-            ("regions[1].block_len", 64, 32),
+            ("regions[1] (layer 1 KV).block_len: bytes of 16 tokens of bfloat16, 4 vs 2", 64, 32),
         ),
         (
             {"regions": (region(layer=0), region(layer=2, base=1 << 20))},
-            ("regions[1].layer", 1, 2),
+            ("regions[1] (layer 1 KV).layer", 1, 2),
         ),
         (
             {"regions": (region(layer=0, mem=MemKind.VRAM), region(layer=1, base=1 << 20))},
-            ("regions[0].mem", MemKind.DRAM, MemKind.VRAM),
+            ("regions[0] (layer 0 KV).mem", MemKind.DRAM, MemKind.VRAM),
         ),
     ],
 )
 def test_first_difference_names_the_first_differing_field(
     change: dict[str, Any], expected: tuple[str, Any, Any]
 ) -> None:
-    assert two_layers().first_difference(two_layers(**change)) == expected
+    # A field names the region by its layer and part; a size names the per-token bytes.
+    got = two_layers().first_difference(two_layers(**change))
+    assert got is not None
+    assert got[0].startswith(expected[0]) and got[1:] == expected[1:], got
 
 
 @given(kst.layouts().flatmap(lambda layout: st.tuples(st.just(layout), kst.relocated(layout))))
@@ -310,3 +313,101 @@ def test_size_one_dims_need_no_particular_stride() -> None:
     t = torch.zeros(4, 64)[:, None, :]
     layout = KVLayout.from_tensors([t], block_size=16)
     assert layout.regions[0].block_len == 64 * 4
+
+
+# -- from_kv_caches checks block_size against the tensors (issue 21) ------------------
+
+
+def _pools(kv_layout: str, kv_dim: int, blocks: int, tokens: int, heads: int, dim: int) -> Any:
+    inner = (tokens, heads, dim) if kv_layout == "NHD" else (heads, tokens, dim)
+    shape = (2, blocks, *inner) if kv_dim == 0 else (blocks, 2, *inner)
+    return [torch.zeros(shape) for _ in range(2)]
+
+
+@given(
+    kv_layout=st.sampled_from(["NHD", "HND"]),
+    kv_dim=st.sampled_from([0, 1]),
+    blocks=st.integers(1, 4),
+    tokens=st.sampled_from([1, 2, 4, 8, 16]),
+    heads=st.integers(1, 4),
+    dim=st.sampled_from([1, 2, 8]),
+    claimed=st.sampled_from([1, 2, 4, 8, 16, 32]),
+)
+def test_from_kv_caches_checks_block_size_against_the_token_dim(
+    kv_layout: str, kv_dim: int, blocks: int, tokens: int, heads: int, dim: int, claimed: int
+) -> None:
+    pools = _pools(kv_layout, kv_dim, blocks, tokens, heads, dim)
+    if claimed != tokens:
+        with pytest.raises(LayoutError) as info:
+            KVLayout.from_kv_caches(pools, block_size=claimed, kv_dim=kv_dim, kv_layout=kv_layout)
+        message = str(info.value)
+        assert f"block_size={claimed}" in message and f"hold {tokens} tokens" in message
+        assert kv_layout in message
+        return
+    layout = KVLayout.from_kv_caches(pools, block_size=claimed, kv_dim=kv_dim, kv_layout=kv_layout)
+    assert (layout.num_kv_heads, layout.head_dim) == (heads, dim)
+    assert f"kv_heads={heads} head_dim={dim}" in layout.summary()
+
+
+def test_from_kv_caches_refuses_8_token_blocks_on_16_token_pools() -> None:
+    # The case of issue 21: (2, num_blocks, 16, kv_heads, head_dim), block_size=8.
+    pools = [torch.zeros(2, 32, 16, 2, 32) for _ in range(2)]
+    with pytest.raises(LayoutError, match=r"block_size=8: kv_caches\[0\] has shape"):
+        KVLayout.from_kv_caches(pools, block_size=8)
+    assert KVLayout.from_kv_caches(pools, block_size=16).block_size == 16
+
+
+def test_token_split_shards_hold_a_slice_of_the_block() -> None:
+    # TOKEN split into 2 shards: each shard's tensor holds block_size / 2 tokens.
+    pools = [torch.zeros(2, 4, 8, 2, 4) for _ in range(2)]
+    layout = KVLayout.from_kv_caches(
+        pools, block_size=16, shards=[0, 1], layers=[0, 0], split_axis=SplitAxis.TOKEN, num_shards=2
+    )
+    assert layout.tokens_per_desc == 8
+    with pytest.raises(LayoutError, match="hold 8 tokens, not 16"):
+        KVLayout.from_kv_caches(pools, block_size=16, shards=[0, 1], layers=[0, 0])
+
+
+def test_shapes_that_do_not_say_where_tokens_are_are_not_guessed() -> None:
+    # 3-d blocks or an unknown in-block order: only block_len's own rule applies.
+    flat = [torch.zeros(2, 4, 8, 4) for _ in range(2)]
+    assert KVLayout.from_kv_caches(flat, block_size=8).num_kv_heads == 0
+    five = [torch.zeros(2, 4, 16, 2, 4) for _ in range(2)]
+    layout = KVLayout.from_kv_caches(five, block_size=4, kv_layout="LBHNC")
+    assert (layout.num_kv_heads, layout.head_dim) == (0, 0)
+    # layers of different widths: no single heads/head_dim to name
+    mixed = [torch.zeros(2, 4, 16, 2, 4), torch.zeros(2, 4, 16, 4, 4)]
+    assert KVLayout.from_kv_caches(mixed, block_size=16).num_kv_heads == 0
+
+
+class _LayoutV1(msgspec.Struct, frozen=True, kw_only=True):
+    """KVLayout as protocol-1 peers built before num_kv_heads/head_dim existed."""
+
+    block_size: int
+    regions: tuple[Region, ...]
+    split_axis: SplitAxis = SplitAxis.HEAD
+    num_shards: int = 1
+    groups: tuple[Group, ...] = (Group(kind=GroupKind.FULL),)
+    dtype: str = "bfloat16"
+    kv_layout: str = "NHD"
+
+
+def test_heads_fields_keep_the_wire_compatible_both_ways() -> None:
+    pools = [torch.zeros(2, 4, 16, 2, 8) for _ in range(2)]
+    new = KVLayout.from_kv_caches(pools, block_size=16)
+    old = msgspec.json.decode(msgspec.json.encode(new), type=_LayoutV1)  # old peer reads ours
+    assert old.regions == new.regions and old.block_size == 16
+    back = msgspec.json.decode(msgspec.json.encode(old), type=KVLayout)  # we read an old one
+    assert (back.num_kv_heads, back.head_dim) == (0, 0)
+    assert back.first_difference(new) is None
+    with pytest.raises(msgspec.ValidationError, match="num_kv_heads"):
+        msgspec.json.decode(
+            msgspec.json.encode({**msgspec.to_builtins(new), "num_kv_heads": -1}), type=KVLayout
+        )
+
+
+def test_a_permuted_pool_is_refused_as_non_contiguous_not_as_a_wrong_block_size() -> None:
+    # HND memory viewed as NHD (a permute): the logical dims are not the in-block order.
+    hnd = torch.zeros(2, 4, 2, 16, 8).permute(0, 1, 3, 2, 4)
+    with pytest.raises(LayoutError, match="one block must be contiguous"):
+        KVLayout.from_kv_caches([hnd], block_size=16, kv_layout="HND")

@@ -17,7 +17,7 @@ from kvxfer.tools import probe
 FP = Fingerprint(
     model="org/model",
     dtype="bfloat16",
-    kv_cache_dtype="auto",
+    kv_cache_dtype="bfloat16",
     attention_backend="flash",
     direction=Direction.PULL,
 )
@@ -70,6 +70,21 @@ def test_probe_compatibility_verdicts(instance: Agent, capsys: pytest.CaptureFix
         capsys, addr, "--secret", SECRET, *same, "--kv-connector", "RblnNixlPushConnector"
     )
     assert rc == 1
+
+
+def test_probe_resolves_kv_cache_dtype_auto_as_vllm_does(
+    instance: Agent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The instance hashed kv_cache_dtype="bfloat16" (its model dtype): the probe's default
+    # --kv-cache-dtype auto must resolve to --dtype to match it, an explicit other must not.
+    addr = f"127.0.0.1:{instance.address[1]}"
+    same = ["--model", "org/model", "--attention-backend", "flash"]
+    rc, out = _run(capsys, addr, "--secret", SECRET, *same, "--kv-cache-dtype", "auto")
+    assert rc == 0 and out["compatible"] is True
+    rc, out = _run(capsys, addr, "--secret", SECRET, *same, "--kv-cache-dtype", "float16")
+    assert rc == 1 and out["compatible"] is False
+    with pytest.raises(SystemExit):
+        probe.main([addr, "--secret", SECRET, *same, "--dtype", "auto"])
 
 
 def test_probe_without_secret_is_refused(

@@ -22,7 +22,7 @@ SHAPE = ModelShape(name="t", layers=2, kv_heads=2, head_dim=32)
 FP = Fingerprint(
     model="m",
     dtype="bfloat16",
-    kv_cache_dtype="auto",
+    kv_cache_dtype="bfloat16",
     attention_backend="t",
     direction=Direction.PULL,
 )
@@ -134,9 +134,11 @@ def test_initiator_side_errors_are_specific(server: tuple[Agent, HostKVCache]) -
     other_shape = HostKVCache(ModelShape(name="t", layers=2, kv_heads=4, head_dim=32), 16, 8)
     with (
         _agent("d3", Role.CONSUMER, other_shape) as a,
-        pytest.raises((LayoutMismatch, HandshakeRejected)),
+        pytest.raises((LayoutMismatch, HandshakeRejected)) as info3,
     ):
         a.connect("127.0.0.1", port, "prefill-h")
+    # in the engine's terms, not in bytes
+    assert "num_kv_heads" in str(info3.value) and "4" in str(info3.value), info3.value
     _good_handshake(server)
 
 

@@ -127,6 +127,9 @@ class HostKVCache:
             dtype="bfloat16",
             split_axis=SplitAxis.TOKEN if self.shards > 1 else SplitAxis.HEAD,
             num_shards=self.shards,
+            # shards cut tokens, so every region holds all KV heads
+            num_kv_heads=self.shape.kv_heads,
+            head_dim=self.shape.head_dim,
         )
 
     def mismatches(

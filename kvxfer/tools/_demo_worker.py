@@ -49,7 +49,7 @@ def _agent(params: DemoParams, engine_id: str, role: Role, direction: Direction)
     fp = Fingerprint(
         model="demo/qwen3-0.6b-shaped",
         dtype="bfloat16",
-        kv_cache_dtype="auto",
+        kv_cache_dtype="bfloat16",
         attention_backend="demo",
         direction=direction,
     )

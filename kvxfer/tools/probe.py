@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("--model", help="model name (as both engines resolve it)")
     local.add_argument("--revision", default="", help="model revision")
     local.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16)")
-    local.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto)")
+    local.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: --dtype)")
     local.add_argument("--attention-backend", default="", help="attention backend name")
     local.add_argument("--draft-model", default="", help="speculative-decoding draft model")
     local.add_argument(
@@ -96,7 +96,8 @@ def _compatibility(pong: wire.Pong, args: argparse.Namespace) -> dict[str, Any]:
             model=args.model,
             revision=args.revision,
             dtype=args.dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
+            # vLLM hashes the resolved name: "auto" is the model dtype.
+            kv_cache_dtype=args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             direction=direction,
             draft_model=args.draft_model,
@@ -125,7 +126,11 @@ def _compatibility(pong: wire.Pong, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 when the instance answered (and, with a local config, is compatible)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.model and args.dtype.strip().lower() == "auto":
+        # The instance hashed its resolved dtype; "auto" here can never match it.
+        parser.error("--dtype must be the model's resolved dtype (e.g. bfloat16), not auto")
     try:
         host, port = _split(args.address)
         t0 = time.perf_counter()

@@ -135,7 +135,7 @@ class Worker:
                     fingerprint=Fingerprint(
                         model=f"bench/{case.model}",
                         dtype="bfloat16",
-                        kv_cache_dtype="auto",
+                        kv_cache_dtype="bfloat16",
                         attention_backend="bench",
                         direction=direction,
                     ),
