@@ -26,9 +26,9 @@ from kvxfer._agent_types import Lease, PushPost
 from kvxfer._peers import Peer
 from kvxfer._serial import SerialWorker
 from kvxfer.backend import XferOp
-from kvxfer.config import Direction
 from kvxfer.errors import KvxferError
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction
 
 __all__ = ["InlineWrite", "PushProducer"]
 

@@ -25,7 +25,6 @@ import numpy as np
 from kvxfer import wire
 from kvxfer._agent_types import AgentConfig, AgentStats, Lease, describe_blocks, id_arrays
 from kvxfer.backend import Backend, XferOp, XferStatus
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import DescriptorTable, build_plan
 from kvxfer.errors import (
     BackendError,
@@ -37,6 +36,7 @@ from kvxfer.errors import (
 )
 from kvxfer.layout import KVLayout
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction, Role
 
 if TYPE_CHECKING:
     from kvxfer._peers import Peer, PeerCache

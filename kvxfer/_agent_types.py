@@ -16,10 +16,10 @@ import numpy.typing as npt
 
 from kvxfer import wire
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
 from kvxfer.transfer import Transfer
+from kvxfer.types import Direction, Role
 
 __all__ = [
     "AgentConfig",

@@ -55,7 +55,6 @@ from kvxfer._agent_types import (
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._serial import SerialWorker
 from kvxfer.backend import Backend, BackendOptions, XferOp
-from kvxfer.config import Direction
 from kvxfer.control import SideChannelClient, SideChannelServer
 from kvxfer.descriptors import DescriptorTable, build_plan
 from kvxfer.errors import (
@@ -69,6 +68,7 @@ from kvxfer.handshake import Initiator, Responder
 from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 

@@ -37,7 +37,6 @@ import msgspec
 from msgspec import Meta
 
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.config import MAX_ENGINE_ID_LEN, Direction, Role
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import (
     AuthError,
@@ -47,6 +46,7 @@ from kvxfer.errors import (
     WireError,
 )
 from kvxfer.layout import KVLayout
+from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

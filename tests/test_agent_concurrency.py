@@ -27,11 +27,11 @@ from kvxfer._agent_runtime import WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.errors import ConfigError, TransferTimeout
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
 from tests.agent_proc import AgentProc, ProcSpec
 
 SHAPE = ModelShape(name="sm", layers=2, kv_heads=1, head_dim=8)

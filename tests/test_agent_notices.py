@@ -15,12 +15,12 @@ from kvxfer import wire
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction, Role
 from tests.test_agent_concurrency import _stub
 
 SHAPE = ModelShape(name="sm", layers=1, kv_heads=1, head_dim=8)

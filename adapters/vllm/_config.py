@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction
 
 __all__ = ["ProxyConfig", "load_tokenizer", "normalize_url"]
 

@@ -60,9 +60,9 @@ from kvxfer.adapters.vllm.startup import (
     require_nixl_rbln,
 )
 from kvxfer.adapters.vllm.worker import WorkerSide
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
 from kvxfer.layout import KVLayout, MemKind
+from kvxfer.types import Direction
 
 __all__ = [
     "KvxferConnectorMetadata",

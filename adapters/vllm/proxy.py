@@ -51,7 +51,7 @@ from kvxfer.adapters.vllm._routing import (
     Role,
     TokenEstimator,
 )
-from kvxfer.config import Direction
+from kvxfer.types import Direction
 
 __all__ = ["Proxy", "ProxyConfig", "main", "start_proxy"]
 

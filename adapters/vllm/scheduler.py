@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvxfer.config import Direction, Role
+from kvxfer.types import Direction, Role
 
 __all__ = [
     "HoldSpec",

@@ -12,8 +12,8 @@ import logging
 import os
 from typing import Any
 
+from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_transfer_config
 from kvxfer.agent import PushPost
-from kvxfer.config import TransferConfig, parse_kv_transfer_config
 from kvxfer.errors import ConfigError
 
 __all__ = [

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan, as_groups
-from kvxfer.config import Direction, Role, TransferConfig
 from kvxfer.layout import KVLayout
+from kvxfer.types import Direction, Role
 
 __all__ = ["WorkerSide", "describe_kv_caches", "remote_ticket", "unique_tensors"]
 
