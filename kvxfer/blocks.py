@@ -26,7 +26,16 @@ import numpy.typing as npt
 
 from kvxfer.errors import PlanError
 
-__all__ = ["BlockIds", "Groups", "IntArray", "block_array", "block_groups", "describe", "to_wire"]
+__all__ = [
+    "BlockIds",
+    "Groups",
+    "IntArray",
+    "block_array",
+    "block_groups",
+    "describe",
+    "from_wire",
+    "to_wire",
+]
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
 #: What callers may pass: one list (or 1-d array) of ids, or one list per KV group.
@@ -171,15 +180,43 @@ def block_groups(
             f"{side} block_ids: {len(rows)} group(s) given, the layout has {num_groups}; "
             "pass one list per KV group"
         )
-    return tuple(
-        block_array(row, side=side, group=g, num_blocks=num_blocks) for g, row in enumerate(rows)
+    return _shared(
+        tuple(
+            block_array(row, side=side, group=g, num_blocks=num_blocks)
+            for g, row in enumerate(rows)
+        )
     )
+
+
+def _shared(groups: Groups) -> Groups:
+    """Identical groups as one shared array: :func:`kvxfer.descriptors.build_plan` turns
+    a shared array into the ids of every group with a single broadcast."""
+    if len(groups) > 1:
+        first = groups[0]
+        if all(g is first or np.array_equal(g, first) for g in groups[1:]):
+            return (first,) * len(groups)
+    return groups
 
 
 def to_wire(groups: Groups) -> tuple[tuple[int, ...], ...]:
     """Block groups as plain int tuples, the form tickets and wire messages carry."""
     # tolist() converts in C: a generator over numpy scalars costs ~1 µs per block.
     return tuple(tuple(g.tolist()) for g in groups)
+
+
+def from_wire(groups: tuple[tuple[int, ...], ...]) -> Groups:
+    """Block groups from their wire form (a ticket's, a registration's) as arrays.
+
+    The wire schema already made every id an int; ranges are the peer's table's,
+    which :func:`kvxfer.descriptors.build_plan` checks. Identical groups share one
+    array (see :func:`block_groups`).
+    """
+    if len(groups) > 1:
+        first = groups[0]
+        if all(g == first for g in groups[1:]):
+            one = np.array(first, dtype=np.int64)
+            return (one,) * len(groups)
+    return tuple(np.array(g, dtype=np.int64) for g in groups)
 
 
 def describe(blocks: Sequence[int] | IntArray) -> str:

@@ -22,8 +22,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan, as_groups
 from kvxfer.layout import KVLayout
@@ -224,7 +222,7 @@ class WorkerSide:
             return
         try:
             for stage in plan.stages:
-                agent.backend.stage_out([np.asarray(g, dtype=np.int64) for g in stage.block_ids])
+                agent.stage_out(stage.block_ids)
                 self._staged[stage.request_id] = stage.block_ids
                 while len(self._staged) > _STAGED_KEEP:  # prompts aborted before their hold
                     del self._staged[next(iter(self._staged))]

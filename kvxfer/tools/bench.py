@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvxfer._agent_types import PushPost
+from kvxfer.agent_config import PushPost
 from kvxfer.tools import _bench_cases as bc
 from kvxfer.tools import _bench_report as report
 
