@@ -96,8 +96,10 @@ def block_array(
         arr = np.array(ids, dtype=np.int64)
     else:
         # (list and tuple first: the ABC checks cost a microsecond on every request)
-        if type(ids) is not list and type(ids) is not tuple and (
-            isinstance(ids, str | bytes) or not isinstance(ids, Sequence | range)
+        if (
+            type(ids) is not list
+            and type(ids) is not tuple
+            and (isinstance(ids, str | bytes) or not isinstance(ids, Sequence | range))
         ):
             raise PlanError(f"{_where(side, group)}={ids!r}: need a list of integer block ids")
         _reject_types(ids, side, group)
