@@ -27,7 +27,8 @@ from kvxfer import blocks, wire
 from kvxfer._leases import Lease, LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
-from kvxfer._runtime import NOTICE_REUSE_S, Runtime
+from kvxfer._receptions import NOTICE_REUSE_S
+from kvxfer._runtime import Runtime
 from kvxfer._serial import SerialWorker
 from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp

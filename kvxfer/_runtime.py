@@ -3,9 +3,9 @@
 :class:`Runtime` moves a posted transfer to DONE or FAILED: plan and post
 (:meth:`Runtime.post`), completion polling and notices (:meth:`Runtime.tick`, run by
 the progress thread and by any thread that polls), lease expiry, and settling with its
-bookkeeping. It also receives pushes (the consumer's side: which transfers await
-PUSHED notices, :meth:`Runtime.expect`). The :class:`~kvxfer.agent.Agent` owns one;
-the push writer (:mod:`kvxfer._push`) posts its writes through it.
+bookkeeping; the notices it drains free leases (:mod:`kvxfer._leases`) and complete
+push receptions (:mod:`kvxfer._receptions`). The :class:`~kvxfer.agent.Agent` owns
+one; the push writer (:mod:`kvxfer._push`) posts its writes through it.
 
 Locking: one re-entrant agent lock guards the bookkeeping (transfers, leases, freed
 ids, counters). It is never held across a backend call that can move bytes (a post,
@@ -25,6 +25,7 @@ from kvxfer import blocks, wire
 from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
+from kvxfer._receptions import Receptions
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
 from kvxfer.descriptors import build_plan
@@ -32,7 +33,7 @@ from kvxfer.errors import BackendError, KvxferError, PeerError, TransferError, T
 from kvxfer.transfer import FailureKind, Transfer, TransferState, settle
 from kvxfer.types import Direction, Role
 
-__all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "NOTICE_REUSE_S", "WAITED_TICK_S", "Runtime"]
+__all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "WAITED_TICK_S", "Runtime"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -43,9 +44,6 @@ LEASE_TICK_S = 0.001
 WAITED_TICK_S = 0.005
 # The progress thread's sleep when nothing is in flight (an idle agent costs nothing).
 IDLE_NAP_S = 0.05
-#: A signed notice encoded ahead is used only this long after (the receiver refuses
-#: notices whose timestamp is far from its clock).
-NOTICE_REUSE_S = 60.0
 
 
 class Runtime:
@@ -56,6 +54,7 @@ class Runtime:
         backend: The transport.
         peers: The peer cache (a peer whose transfer failed is marked suspect).
         leases: The producer's leases (freed by notices, expired by ticks).
+        receptions: The consumer's push receptions (completed by notices).
         stats: The agent's counters.
         lock: The agent lock (guards the bookkeeping, never held across a post).
     """
@@ -66,6 +65,7 @@ class Runtime:
         backend: Backend,
         peers: PeerCache,
         leases: LeaseBook,
+        receptions: Receptions,
         stats: AgentStats,
         lock: threading.RLock,
     ) -> None:
@@ -75,15 +75,10 @@ class Runtime:
         self._stages = backend.capabilities.stages_through_host
         self._peers = peers
         self._leases = leases
+        self._receptions = receptions
         self._stats = stats
         self._lock = lock
         self._transfers: dict[int, Transfer] = {}
-        #: Push receptions awaiting their PUSHED notices, by request id.
-        self.expected: dict[str, Transfer] = {}
-        #: Final PUSHED notices announced in the producers' registration replies,
-        #: already checked, by their exact bytes (see :meth:`learn_final_notice`):
-        #: the notice and the monotonic time it is known until.
-        self.final_notices: dict[bytes, tuple[wire.Notice, float]] = {}
         self._tick_hooks: list[Callable[[], None]] = []
         self.closed = False
         self._wake = threading.Event()
@@ -193,9 +188,7 @@ class Runtime:
                 self._backend.release(handle)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
-                if meta.notice_bytes is not None:
-                    self.final_notices.pop(meta.notice_bytes, None)
-                    meta.notice_bytes = None
+                self._receptions.forget(transfer)
                 self._stats.transfers_failed += 1
                 self._stats.failures[kind.value] = self._stats.failures.get(kind.value, 0) + 1
                 if meta.on_settled is not None:
@@ -229,9 +222,7 @@ class Runtime:
                 self._backend.release(handle)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
-                if meta.notice_bytes is not None:  # settled by another notice
-                    self.final_notices.pop(meta.notice_bytes, None)
-                    meta.notice_bytes = None
+                self._receptions.forget(transfer)  # settled by another notice
                 c = self._stats
                 c.transfers_done += 1
                 c.bytes_moved += transfer.stats.bytes
@@ -257,49 +248,6 @@ class Runtime:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         return True
-
-    # -- push receptions ----------------------------------------------------------------
-    def expect(self, request_id: str, transfer: Transfer) -> None:
-        """``transfer`` settles once the producer's PUSHED notices cover its blocks."""
-        with self._lock:
-            self.expected[request_id] = transfer
-
-    def unexpect(self, request_id: str) -> None:
-        """Stop awaiting pushes for ``request_id`` (its registration failed)."""
-        with self._lock:
-            self.expected.pop(request_id, None)
-
-    def learn_final_notice(self, transfer: Transfer, data: bytes) -> None:
-        """Remember the final PUSHED notice a producer announced for ``transfer``.
-
-        It is checked here as if it had arrived (decoded, its MAC verified), and must be
-        the one notice that settles the transfer alone: final, for this request, naming
-        every expected block. When it arrives, :meth:`tick` knows it by its bytes. A
-        notice that does not qualify is ignored: the real one is then decoded and
-        checked on arrival, as any other.
-        """
-        try:
-            notice = wire.decode_notice(
-                data, max_bytes=self._config.max_message_bytes, auth_key=self._local.auth_key
-            )
-        except KvxferError as exc:
-            log.debug("producer's announced notice for %s not used: %s", transfer.request_id, exc)
-            return
-        if not (
-            notice.kind is wire.NoticeKind.PUSHED
-            and notice.final
-            and notice.request_id == transfer.request_id
-            and notice.block_ids == transfer.local_blocks
-        ):
-            return
-        with self._lock:
-            # Arrived (or failed) meanwhile: nothing left to recognise.
-            if transfer.done or self.expected.get(transfer.request_id) is not transfer:
-                return
-            # A producer sends the announced bytes only this long after encoding them
-            # (later it signs a fresh notice), so later they are not recognised either.
-            self.final_notices[data] = (notice, time.monotonic() + NOTICE_REUSE_S)
-            transfer.meta.notice_bytes = data
 
     # -- progress -----------------------------------------------------------------------
     def ensure_thread(self) -> None:
@@ -425,13 +373,13 @@ class Runtime:
         """Act on drained notices (under the lock); returns the push receptions that are
         now complete, for the caller to settle outside the lock (stage-in copies)."""
         complete: list[Transfer] = []
+        receptions = self._receptions
         for sender, payload in notes:
             # A final PUSHED notice its producer announced (already checked when the
-            # registration's reply brought it): known by its exact bytes while fresh;
-            # a late one is decoded and verified below like any other (clock skew).
-            known = self.final_notices.pop(payload, None) if self.final_notices else None
-            if known is not None and time.monotonic() < known[1]:
-                t = self._on_pushed(known[0])
+            # registration's reply brought it): known by its exact bytes while fresh.
+            known = receptions.announced(payload)
+            if known is not None:
+                t = receptions.pushed(known)
                 if t is not None:
                     complete.append(t)
                 continue
@@ -452,7 +400,7 @@ class Runtime:
                     remember=notice.kind is not wire.NoticeKind.FAILED
                     and self._config.role is not Role.CONSUMER,
                 )
-                expected = self.expected.pop(notice.request_id, None)
+                expected = receptions.expected.pop(notice.request_id, None)
                 if expected is not None and notice.kind is wire.NoticeKind.FAILED:
                     self.fail(
                         expected,
@@ -460,35 +408,7 @@ class Runtime:
                         TransferError(f"producer {notice.engine_id} reported a failed write"),
                     )
             elif notice.kind is wire.NoticeKind.PUSHED:
-                t = self._on_pushed(notice)
+                t = receptions.pushed(notice)
                 if t is not None:
                     complete.append(t)
         return complete
-
-    def _on_pushed(self, notice: wire.Notice) -> Transfer | None:
-        """Record one PUSHED notice; returns the transfer once every write landed."""
-        t = self.expected.get(notice.request_id)
-        if t is None:
-            log.warning("write notice for unknown request %s", notice.request_id)
-            return None
-        meta = t.meta
-        if notice.final and meta.covered is None and notice.block_ids == t.local_blocks:
-            # the usual push: one final write of every expected block
-            self.expected.pop(notice.request_id, None)
-            meta.stage_in = True
-            return t
-        # Settle only when the final notice arrived and the writes announced so far
-        # cover every expected block of every group: no gaps (R-XFER-2).
-        if meta.covered is None:
-            meta.covered = [set() for _ in t.local_blocks]
-        for group, ids in zip(meta.covered, notice.block_ids):
-            group.update(ids)
-        if notice.final:
-            meta.final = True
-        complete = all(set(want) <= got for want, got in zip(t.local_blocks, meta.covered))
-        if meta.final and complete:
-            # every write of the request has landed: no gaps (R-XFER-2)
-            self.expected.pop(notice.request_id, None)
-            meta.stage_in = True
-            return t
-        return None

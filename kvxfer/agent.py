@@ -19,15 +19,19 @@ Push is the mirror image: the consumer calls :meth:`Agent.expect_push` with its
 receiving blocks; the producer's :meth:`Agent.hold` then writes into them (and
 :meth:`Agent.stream` writes blocks early, during prefill, with ``push_stream``).
 
-The data path of a pull: block ids → :func:`kvxfer.descriptors.build_plan` (ids into
-prepared descriptor tables) → :meth:`Backend.post` → completion seen by :meth:`poll`
-→ engine. Registration and the handshake happen once per process and once per peer.
+The data path of a pull: :meth:`Agent.pull` checks the block ids
+(:func:`kvxfer.blocks.block_groups`) → :meth:`Runtime.post <kvxfer._runtime.Runtime.post>`
+→ :func:`kvxfer.descriptors.build_plan` (ids into prepared descriptor tables) →
+:meth:`Backend.post_engine <kvxfer.backend.Backend.post_engine>` → completion seen by
+a tick → engine. Registration and the handshake happen once per process and once per
+peer.
 
 The Agent owns its parts, each built with what it needs and none holding the Agent:
-:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop, push
-receptions), :class:`~kvxfer._push.PushWriter` (a push producer's writes),
-:class:`~kvxfer._peers.PeerCache` (handshaken peers) and
-:class:`~kvxfer._leases.LeaseBook` (held blocks), sharing
+:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
+:class:`~kvxfer._push.PushWriter` (a push producer's writes),
+:class:`~kvxfer._peers.PeerCache` (handshaken peers),
+:class:`~kvxfer._leases.LeaseBook` (held blocks) and
+:class:`~kvxfer._receptions.Receptions` (pushes awaited), sharing
 :class:`~kvxfer._local.LocalEnd` (identity and registered memory). Block ids are
 normalised and checked by :mod:`kvxfer.blocks`; the value types live in
 :mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
@@ -49,6 +53,7 @@ from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
+from kvxfer._receptions import Receptions
 from kvxfer._runtime import Runtime
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions, XferOp
@@ -121,8 +126,15 @@ class Agent:
             self._local, backend, self._client, self.stats_counters, self._log_prefix
         )
         self._leases = LeaseBook(self.stats_counters)
+        self._receptions = Receptions(self._local, self._lock)
         self._runtime = Runtime(
-            self._local, backend, self._peers, self._leases, self.stats_counters, self._lock
+            self._local,
+            backend,
+            self._peers,
+            self._leases,
+            self._receptions,
+            self.stats_counters,
+            self._lock,
         )
         self._push = PushWriter(
             self._local, backend, self._runtime, self._peers, self._leases, self._lock
@@ -505,7 +517,7 @@ class Agent:
         except KvxferError as exc:
             runtime.fail(transfer, FailureKind.POST, exc)
             return transfer
-        runtime.expect(ticket.request_id, transfer)
+        self._receptions.expect(ticket.request_id, transfer)
         host, port = self.address
         msg = wire.PushRegister(
             request_id=ticket.request_id,
@@ -531,11 +543,11 @@ class Agent:
         try:
             reply = self._request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
-            self._runtime.unexpect(ticket.request_id)
+            self._receptions.unexpect(ticket.request_id)
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         if isinstance(reply, wire.Ack) and reply.notice:
-            self._runtime.learn_final_notice(transfer, reply.notice)
+            self._receptions.learn_final_notice(transfer, reply.notice)
 
     def _request(self, host: str, port: int, msg: wire.Message) -> wire.Message:
         """Send a control message; return the (authenticated) reply or raise the rejection."""

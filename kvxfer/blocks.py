@@ -39,7 +39,7 @@ __all__ = [
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
 #: What callers may pass: one list (or 1-d array) of ids, or one list per KV group.
-BlockIds: TypeAlias = "Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[Any]"
+BlockIds: TypeAlias = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[Any]
 #: Normalised block ids: one read-only int64 array per KV group.
 Groups: TypeAlias = tuple[IntArray, ...]
 

@@ -173,17 +173,17 @@ def test_the_announced_final_notice_settles_a_push_without_decoding(
         transfer = _register(prod, cons, "announced", dst, tokens)
         announced = transfer.meta.notice_bytes
         assert announced is not None
-        runtime = cons._runtime
+        receptions = cons._receptions
         if stale:
             with cons._lock:
-                runtime.final_notices[announced] = (runtime.final_notices[announced][0], 0.0)
+                receptions.final_notices[announced] = (receptions.final_notices[announced][0], 0.0)
         monkeypatch.setattr(wire, "decode_notice", counting)
         prod.hold("announced", src, tokens)
         transfer.wait(10)
         assert transfer.state is TransferState.DONE
         assert cons_cache.mismatches(dst, src, 5) == 0
         assert decoded == ([announced] if stale else [])  # else: known by its bytes
-        assert runtime.final_notices == {}
+        assert receptions.final_notices == {}
     finally:
         cons.close()
         prod.close()
@@ -209,9 +209,9 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
         return wire.encode(wire.Notice(**fields), PUSH_FP.digest(), auth_key=key)  # type: ignore[arg-type]
 
     try:
-        runtime = cons._runtime
+        runtime, receptions = cons._runtime, cons._receptions
         transfer = runtime.new_transfer("q", ((5, 6),))  # expected, not yet registered
-        runtime.expect("q", transfer)
+        receptions.expect("q", transfer)
         for bad in (
             notice(key=b"another-secret-0123456789"),
             notice(key=None),
@@ -221,13 +221,13 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
             notice(kind=wire.NoticeKind.DONE),
             b"\x00 not a frame",
         ):
-            runtime.learn_final_notice(transfer, bad)
-            assert runtime.final_notices == {}, bad
+            receptions.learn_final_notice(transfer, bad)
+            assert receptions.final_notices == {}, bad
         good = notice()
-        runtime.learn_final_notice(transfer, good)
-        assert list(runtime.final_notices) == [good]
+        receptions.learn_final_notice(transfer, good)
+        assert list(receptions.final_notices) == [good]
         # Once the transfer is settled another way (here: failed), the entry goes too.
         runtime.fail(transfer, FailureKind.ABORTED, TransferError("gone"))
-        assert runtime.final_notices == {}
+        assert receptions.final_notices == {}
     finally:
         cons.close()
