@@ -30,8 +30,9 @@ The Agent owns its parts, each built with what it needs and none holding the Age
 :class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
 :class:`~kvxfer._push.PushWriter` (a push producer's writes),
 :class:`~kvxfer._peers.PeerCache` (handshaken peers),
-:class:`~kvxfer._leases.LeaseBook` (held blocks) and
-:class:`~kvxfer._receptions.Receptions` (pushes awaited), sharing
+:class:`~kvxfer._leases.LeaseBook` (held blocks),
+:class:`~kvxfer._receptions.Receptions` (pushes awaited) and
+:class:`~kvxfer._side_channel.SideChannel` (the server peers call, the client), sharing
 :class:`~kvxfer._local.LocalEnd` (identity and registered memory). Block ids are
 normalised and checked by :mod:`kvxfer.blocks`; the value types live in
 :mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
@@ -44,7 +45,6 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import msgspec
 
@@ -55,13 +55,13 @@ from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
 from kvxfer._receptions import Receptions
 from kvxfer._runtime import Runtime
+from kvxfer._side_channel import SideChannel
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions, XferOp
 from kvxfer.blocks import BlockIds
-from kvxfer.control import SideChannelClient, SideChannelServer
+from kvxfer.control import SideChannelClient
 from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import ConfigError, KvxferError, PeerError, RegistrationError
-from kvxfer.handshake import Initiator, Responder
+from kvxfer.errors import ConfigError, KvxferError, RegistrationError
 from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
@@ -115,16 +115,13 @@ class Agent:
             )
         self._log_prefix = "RBLN NIXL (D2D): " if caps.device_to_device else "kvxfer: "
         self._stages = caps.stages_through_host  # stage_out / stage_in do something
-        self._server: SideChannelServer | None = None
-        self._client = SideChannelClient(
+        self.stats_counters = AgentStats()
+        client = SideChannelClient(
             timeout_s=config.handshake_timeout_s,
             retries=config.handshake_retries,
             max_bytes=max(config.max_message_bytes, 1 << 16) * 4,
         )
-        self.stats_counters = AgentStats()
-        self._peers = PeerCache(
-            self._local, backend, self._client, self.stats_counters, self._log_prefix
-        )
+        self._peers = PeerCache(self._local, backend, client, self.stats_counters, self._log_prefix)
         self._leases = LeaseBook(self.stats_counters)
         self._receptions = Receptions(self._local, self._lock)
         self._runtime = Runtime(
@@ -139,6 +136,7 @@ class Agent:
         self._push = PushWriter(
             self._local, backend, self._runtime, self._peers, self._leases, self._lock
         )
+        self._side = SideChannel(self._local, backend, self._leases, self._push, client, self._lock)
         if config.direction is Direction.PUSH:
             # A lease whose consumer registers after its hold() is written by a tick.
             self._runtime.add_tick_hook(self._push.resume)
@@ -217,54 +215,14 @@ class Agent:
     def serve(self) -> tuple[str, int]:
         """Start answering handshakes; returns the advertised ``(host, port)``."""
         with self._lock:
-            if self._server is None:
-                responder = self._make_responder()
-                self._server = SideChannelServer(
-                    self.config.side_channel_host,
-                    self.config.side_channel_port,
-                    responder.respond,
-                    max_bytes=self.config.max_message_bytes,
-                    oversize_reply=responder.too_large,
-                )
+            address = self._side.serve()
             self._runtime.ensure_thread()
-            return self.config.side_channel_host, self._server.port
+            return address
 
     @property
     def address(self) -> tuple[str, int]:
         """The advertised side-channel address (after :meth:`serve`)."""
-        if self._server is None:
-            raise PeerError("the agent is not serving; call serve() first")
-        return self.config.side_channel_host, self._server.port
-
-    def _make_responder(self) -> Responder:
-        return Responder(
-            engine_id=self.config.engine_id,
-            incarnation=self.incarnation,
-            compat_hash=self.compat_hash,
-            enforce_compat=self.config.enforce_handshake_compat,
-            local_info=self._local_info,
-            on_message=self._on_control_message,
-            auth_secret=self.config.auth_secret,
-            max_bytes=self.config.max_message_bytes,
-        )
-
-    def _local_info(self) -> wire.Welcome | None:
-        """What this agent tells a peer in the handshake (None until registered)."""
-        exposed = self._local.exposed_layout
-        if exposed is None:
-            return None
-        return wire.Welcome(
-            engine_id=self.config.engine_id,
-            incarnation=self.incarnation,
-            layout=exposed,
-            agent_name=self.backend.agent_name,
-            agent_metadata=self.backend.metadata(),
-            rails=self.config.rails,
-            options=self.config.plan,
-            lease_s=self.config.lease_s,
-            role=self.config.role,
-            direction=self.config.direction,
-        )
+        return self._side.address
 
     def connect(self, host: str, port: int, expected_engine_id: str | None = None) -> Peer:
         """Handshake with the peer at ``host:port`` (cached; concurrent callers share it)."""
@@ -317,7 +275,7 @@ class Agent:
         local = self._blocks(block_ids)
         groups = blocks.to_wire(local)
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
-        host, port = self.address if self._server is not None else ("", 0)
+        host, port = self._side.address if self._side.serving else ("", 0)
         if self._stages and self.config.direction is Direction.PULL and not staged:
             # host bounce: the consumer reads the staging buffers, so fill them first
             # (a push stages each slice as it writes it: Backend.post_engine).
@@ -487,7 +445,7 @@ class Agent:
     def _send_release(self, ticket: Ticket) -> None:
         msg = wire.Release(request_id=ticket.request_id, reason="consumer aborted")
         try:
-            self._request(ticket.host, ticket.port, msg)
+            self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             log.warning(
                 "could not tell %s to release %s: %s", ticket.engine_id, ticket.request_id, exc
@@ -541,25 +499,13 @@ class Agent:
         self, ticket: Ticket, msg: wire.PushRegister, transfer: Transfer
     ) -> None:
         try:
-            reply = self._request(ticket.host, ticket.port, msg)
+            reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             self._receptions.unexpect(ticket.request_id)
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         if isinstance(reply, wire.Ack) and reply.notice:
             self._receptions.learn_final_notice(transfer, reply.notice)
-
-    def _request(self, host: str, port: int, msg: wire.Message) -> wire.Message:
-        """Send a control message; return the (authenticated) reply or raise the rejection."""
-        initiator = Initiator(
-            hello=self._local.hello(None),
-            compat_hash=self.compat_hash,
-            enforce_compat=self.config.enforce_handshake_compat,
-            auth_secret=self.config.auth_secret,
-            address=f"{host}:{port}",
-            max_bytes=self.config.max_message_bytes * 4,
-        )
-        return initiator.reply(self._client.request(host, port, initiator.request(msg)))
 
     # -- progress -------------------------------------------------------------------
     def progress(self) -> None:
@@ -580,8 +526,7 @@ class Agent:
         self._push.shutdown()
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=False, cancel_futures=True)
-        if self._server is not None:
-            self._server.close()
+        self._side.close()
         self._peers.close()
         self.backend.close()
 
@@ -590,17 +535,3 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- side-channel messages ------------------------------------------------------------
-    def _on_control_message(self, msg: Any) -> Any:
-        """Side-channel messages other than the handshake (runs on the server thread)."""
-        if isinstance(msg, wire.Release):
-            with self._lock:
-                released = self._leases.abort(msg.request_id)
-                if not released:
-                    self._leases.remember_early(msg.request_id)
-            log.info("peer asked to release %s (%s): %s", msg.request_id, msg.reason, released)
-            return wire.Ack(request_id=msg.request_id)
-        if isinstance(msg, wire.PushRegister):
-            return self._push.on_register(msg)
-        return None
