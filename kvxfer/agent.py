@@ -61,7 +61,7 @@ from kvxfer.backend import Backend, BackendOptions, XferOp
 from kvxfer.blocks import BlockIds
 from kvxfer.control import SideChannelClient
 from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import ConfigError, KvxferError, RegistrationError
+from kvxfer.errors import ConfigError, KvxferError, PlanError, RegistrationError
 from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
@@ -369,9 +369,14 @@ class Agent:
         Raises:
             RegistrationError: no memory registered yet.
             PlanError: a local block id that is not an integer, out of range or
-                repeated (nothing is posted).
+                repeated (nothing is posted; the producer is told to release).
         """
-        local = self._blocks(local_blocks)
+        try:
+            local = self._blocks(local_blocks)
+        except PlanError:
+            # Nothing will be read: let the producer free its blocks now, not at lease expiry.
+            self.abort(ticket)
+            raise
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))

@@ -5,12 +5,13 @@ to a staging backend only."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from kvxfer.agent import Agent, AgentConfig, Ticket
+from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
 from kvxfer.errors import PlanError, RegistrationError
@@ -49,18 +50,6 @@ def producer() -> Iterator[Agent]:
     agent.close()
 
 
-def _ticket(blocks: tuple[int, ...]) -> Ticket:
-    # Nobody listens there: a pull that got past its block check would be handshaking.
-    return Ticket(
-        engine_id="prefill-x",
-        host="127.0.0.1",
-        port=9,
-        request_id="r",
-        block_ids=(blocks,),
-        num_tokens=16 * len(blocks),
-    )
-
-
 @pytest.mark.parametrize(
     ("ids", "rule"),
     [
@@ -71,19 +60,30 @@ def _ticket(blocks: tuple[int, ...]) -> Ticket:
         ([True], "must be an integer"),
     ],
 )
-def test_hold_and_pull_refuse_bad_ids_at_the_call(
+def test_hold_pull_and_expect_push_refuse_bad_ids_at_the_call(
     producer: Agent, ids: list[object], rule: str
 ) -> None:
     with pytest.raises(PlanError, match=rule):
         producer.hold("bad", ids, 32)  # type: ignore[arg-type]
     assert producer.holding() == []  # nothing was held
+    producer.serve()
+    good = list(range(len(ids)))
+    ticket = producer.hold("r", good, 16 * len(good))
     consumer = _agent(Role.CONSUMER)
+    consumer.serve()
     try:
         with pytest.raises(PlanError, match=rule):
-            consumer.pull(_ticket((1,) * len(ids)), ids)  # type: ignore[arg-type]
+            consumer.pull(ticket, ids)  # type: ignore[arg-type]
         with pytest.raises(PlanError, match=rule):
-            consumer.expect_push(_ticket((1,) * len(ids)), ids)  # type: ignore[arg-type]
+            consumer.expect_push(ticket, ids)  # type: ignore[arg-type]
         assert consumer.stats().transfers_failed == 0  # refused, not posted and failed
+        # Nothing will be read: the producer was told to free the blocks at once.
+        freed: list[str] = []
+        deadline = time.monotonic() + 10
+        while "r" not in freed and time.monotonic() < deadline:
+            freed += producer.freed()
+            time.sleep(0.01)
+        assert freed == ["r"]
     finally:
         consumer.close()
 
