@@ -13,6 +13,7 @@ demo: env
 lint: env
 	$(VENV)/bin/ruff check kvxfer backends adapters tests examples
 	$(VENV)/bin/ruff format --check kvxfer backends adapters tests examples
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 
 typecheck: env
 	$(VENV)/bin/mypy

@@ -50,12 +50,14 @@ _LAZY: dict[str, str] = {
     # compat
     "Fingerprint": "kvxfer.compat",
     "check_layout": "kvxfer.compat",
-    # config
-    "TransferConfig": "kvxfer.config",
-    "Role": "kvxfer.config",
-    "BufferDevice": "kvxfer.config",
-    "Direction": "kvxfer.config",
-    "parse_kv_transfer_config": "kvxfer.config",
+    # engine-neutral vocabulary
+    "Role": "kvxfer.types",
+    "Direction": "kvxfer.types",
+    # the vLLM adapter's kv_transfer_config parser (loads no vLLM; kept here for
+    # existing callers: the core itself never imports the adapter)
+    "TransferConfig": "kvxfer.adapters.vllm.kv_transfer_config",
+    "BufferDevice": "kvxfer.adapters.vllm.kv_transfer_config",
+    "parse_kv_transfer_config": "kvxfer.adapters.vllm.kv_transfer_config",
     # runtime
     "Agent": "kvxfer.agent",
     "AgentConfig": "kvxfer.agent",
@@ -88,15 +90,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
-    from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
-    from kvxfer.compat import Fingerprint, check_layout
-    from kvxfer.config import (
+    from kvxfer.adapters.vllm.kv_transfer_config import (
         BufferDevice,
-        Direction,
-        Role,
         TransferConfig,
         parse_kv_transfer_config,
     )
+    from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
+    from kvxfer.compat import Fingerprint, check_layout
     from kvxfer.descriptors import (
         DescriptorTable,
         Plan,
@@ -106,3 +106,4 @@ if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
     )
     from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
     from kvxfer.transfer import Transfer, TransferState, TransferStats
+    from kvxfer.types import Direction, Role

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
-from kvxfer.backend import PeerHandle
+from kvxfer._local import LocalEnd
+from kvxfer.agent_config import AgentStats
+from kvxfer.backend import Backend, PeerHandle
+from kvxfer.control import SideChannelClient
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo
 from kvxfer.layout import KVLayout
 from kvxfer.rails import rails_for_transfer, shared_rails
-
-if TYPE_CHECKING:
-    from kvxfer.agent import Agent
 
 __all__ = ["Peer", "PeerCache"]
 
@@ -57,10 +56,29 @@ class Peer:
 
 
 class PeerCache:
-    """Peers by side-channel address, with one handshake per peer incarnation."""
+    """Peers by side-channel address, with one handshake per peer incarnation.
 
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
+    Args:
+        local: This agent's identity and registered memory (the handshake's hello).
+        backend: Where a handshaken peer's descriptors are added (and removed).
+        client: The side channel the handshakes go over.
+        stats: Counts the handshakes.
+        log_prefix: Starts the log line of a peer's first handshake.
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        backend: Backend,
+        client: SideChannelClient,
+        stats: AgentStats,
+        log_prefix: str,
+    ) -> None:
+        self._local = local
+        self._backend = backend
+        self._client = client
+        self._stats = stats
+        self._log_prefix = log_prefix
         self._lock = threading.Lock()
         self._addr_locks: dict[tuple[str, int], threading.Lock] = {}
         self._peers: dict[tuple[str, int], Peer] = {}
@@ -115,34 +133,31 @@ class PeerCache:
         old = self._peers.get(key)
         self._peers[key] = peer
         if old is not None and old.handle != peer.handle:
-            self._agent.backend.remove_peer(old.handle)
+            self._backend.remove_peer(old.handle)
 
     def _handshake(self, host: str, port: int, expected: str | None) -> Peer:
-        agent = self._agent
+        local, config = self._local, self._local.config
         initiator = Initiator(
-            hello=agent._hello(expected),
-            compat_hash=agent.compat_hash,
+            hello=local.hello(expected),
+            compat_hash=local.compat_hash,
             expected_engine_id=expected,
-            enforce_compat=agent.config.enforce_handshake_compat,
-            local_layout=agent.exposed_layout,
-            auth_secret=agent.config.auth_secret,
+            enforce_compat=config.enforce_handshake_compat,
+            local_layout=local.exposed_layout,
+            auth_secret=config.auth_secret,
             address=f"{host}:{port}",
-            max_bytes=agent.config.max_message_bytes * 4,
+            max_bytes=config.max_message_bytes * 4,
         )
-        reply = agent._client.request(host, port, initiator.hello())
+        reply = self._client.request(host, port, initiator.hello())
         info = initiator.receive(reply)
         rails = self._rails(info, f"{host}:{port}")
-        table = DescriptorTable.build(info.layout, agent.config.plan)
-        try:
-            handle = agent.backend.add_peer(info.agent_metadata, table)
-        except KvxferError:
-            raise
-        agent.stats_counters.handshakes += 1
+        table = DescriptorTable.build(info.layout, config.plan)
+        handle = self._backend.add_peer(info.agent_metadata, table)
+        self._stats.handshakes += 1
         if info.engine_id not in self._announced:
             self._announced.add(info.engine_id)
             log.info(
                 "%sgot %d remote descriptor(s) for engine %s at %s:%d (%s)",
-                agent._log_prefix,
+                self._log_prefix,
                 len(table.addr),
                 info.engine_id,
                 host,
@@ -155,7 +170,7 @@ class PeerCache:
 
     def _rails(self, info: PeerInfo, address: str) -> tuple[str, ...]:
         """The rails a transfer to this peer uses (R-RAIL-3); () when either side has none."""
-        local = self._agent.config.rails
+        local = self._local.config.rails
         if not local or not info.rails:
             return ()
         shared = shared_rails(local, info.rails)
@@ -165,17 +180,18 @@ class PeerCache:
                 f"(local {list(local)}, remote {list(info.rails)}); "
                 "both need a NIC on the same fabric"
             )
-        return tuple(rails_for_transfer(shared, self._agent.config.stripe_width))
+        return tuple(rails_for_transfer(shared, self._local.config.stripe_width))
 
     def mark_suspect(self, peer: Peer) -> None:
         """Re-handshake before the next use (a transfer against it failed)."""
         peer.suspect = True
 
     def close(self) -> None:
+        """Forget every peer and remove it from the backend."""
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             try:
-                self._agent.backend.remove_peer(peer.handle)
+                self._backend.remove_peer(peer.handle)
             except KvxferError as exc:
                 log.debug("removing %r: %s", peer, exc)

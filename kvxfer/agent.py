@@ -19,13 +19,23 @@ Push is the mirror image: the consumer calls :meth:`Agent.expect_push` with its
 receiving blocks; the producer's :meth:`Agent.hold` then writes into them (and
 :meth:`Agent.stream` writes blocks early, during prefill, with ``push_stream``).
 
-The data path of a pull: block ids → :func:`kvxfer.descriptors.build_plan` (ids into
-prepared descriptor tables) → :meth:`Backend.post` → completion seen by :meth:`poll`
-→ engine. Registration and the handshake happen once per process and once per peer.
+The data path of a pull: :meth:`Agent.pull` checks the block ids
+(:func:`kvxfer.blocks.block_groups`) → :meth:`Runtime.post <kvxfer._runtime.Runtime.post>`
+→ :func:`kvxfer.descriptors.build_plan` (ids into prepared descriptor tables) →
+:meth:`Backend.post_engine <kvxfer.backend.Backend.post_engine>` → completion seen by
+a tick → engine. Registration and the handshake happen once per process and once per
+peer.
 
-The class is assembled from three layers: :mod:`kvxfer._agent_runtime` (posting,
-settling, the progress loop), :mod:`kvxfer._agent_push` (the push writer) and this
-module's public API; the value types live in :mod:`kvxfer._agent_types`.
+The Agent owns its parts, each built with what it needs and none holding the Agent:
+:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
+:class:`~kvxfer._push.PushWriter` (a push producer's writes),
+:class:`~kvxfer._peers.PeerCache` (handshaken peers),
+:class:`~kvxfer._leases.LeaseBook` (held blocks),
+:class:`~kvxfer._receptions.Receptions` (pushes awaited) and
+:class:`~kvxfer._side_channel.SideChannel` (the server peers call, the client), sharing
+:class:`~kvxfer._local.LocalEnd` (identity and registered memory). Block ids are
+normalised and checked by :mod:`kvxfer.blocks`; the value types live in
+:mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
 """
 
 from __future__ import annotations
@@ -35,48 +45,45 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import msgspec
-import numpy as np
 
-from kvxfer import wire
-from kvxfer._agent_push import NOTICE_REUSE_S, InlineWrite, PushProducer
-from kvxfer._agent_runtime import IDLE_NAP_S
-from kvxfer._agent_types import (
-    AgentConfig,
-    AgentStats,
-    BlockIds,
-    Lease,
-    PushPost,
-    Ticket,
-    as_groups,
-)
+from kvxfer import blocks, wire
+from kvxfer._leases import LeaseBook
+from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
-from kvxfer._serial import SerialWorker
+from kvxfer._push import PushWriter, Write
+from kvxfer._receptions import Receptions
+from kvxfer._runtime import Runtime
+from kvxfer._side_channel import SideChannel
+from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions, XferOp
-from kvxfer.config import Direction
-from kvxfer.control import SideChannelClient, SideChannelServer
+from kvxfer.blocks import BlockIds
+from kvxfer.control import SideChannelClient
 from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import (
-    ConfigError,
-    KvxferError,
-    PeerError,
-    RegistrationError,
-    TransferError,
-)
-from kvxfer.handshake import Initiator, Responder
+from kvxfer.errors import ConfigError, KvxferError, PlanError, RegistrationError
 from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
+from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 
 log = logging.getLogger("kvxfer.agent")
 
 
-class Agent(PushProducer):
-    """The embedding API (see the module docstring). Context manager; ``close`` is idempotent."""
+class Agent:
+    """The embedding API (see the module docstring). Context manager; ``close`` is idempotent.
+
+    Attributes:
+        config: The configuration it was built with.
+        backend: The transport.
+        incarnation: This process life's random id (a restarted peer is told apart).
+        agent_name: The backend's name of this agent (engine id and incarnation).
+        compat_hash: The fingerprint's digest, checked in every handshake.
+        stats_counters: The live counters (:meth:`stats` returns a copy).
+    """
 
     def __init__(self, config: AgentConfig, *, backend: Backend | None = None) -> None:
         self.config = config
@@ -84,8 +91,8 @@ class Agent(PushProducer):
         # address is told apart from its earlier self (R-HS-4).
         self.incarnation = secrets.randbits(63)
         self.agent_name = f"{config.engine_id}#{self.incarnation:016x}"
-        self.compat_hash = config.fingerprint.digest()
-        self._auth_key = config.auth_secret.encode() if config.auth_secret else None
+        self._local = LocalEnd(config, self.incarnation)
+        self.compat_hash = self._local.compat_hash
         self._lock = threading.RLock()
         if backend is None:
             cls = get_backend(config.backend)
@@ -108,36 +115,48 @@ class Agent(PushProducer):
             )
         self._log_prefix = "RBLN NIXL (D2D): " if caps.device_to_device else "kvxfer: "
         self._stages = caps.stages_through_host  # stage_out / stage_in do something
-        self.layout: KVLayout | None = None  # as the engine described it
-        self.exposed_layout: KVLayout | None = None  # as peers address it
-        self.table: DescriptorTable | None = None
-        self._deferred: KVLayout | None = None
-        self._server: SideChannelServer | None = None
-        self._client = SideChannelClient(
+        self.stats_counters = AgentStats()
+        client = SideChannelClient(
             timeout_s=config.handshake_timeout_s,
             retries=config.handshake_retries,
             max_bytes=max(config.max_message_bytes, 1 << 16) * 4,
         )
-        self._peers = PeerCache(self)
-        self._leases: dict[str, Lease] = {}
-        self._freed: list[str] = []
-        self._transfers: dict[int, Transfer] = {}
-        self._expected_push: dict[str, Transfer] = {}
-        # Final PUSHED notices announced in the producers' registration replies, already
-        # checked, by their exact bytes (see _learn_final_notice).
-        self._final_notices: dict[bytes, tuple[wire.Notice, float]] = {}
-        self.stats_counters = AgentStats()
-        self._closed = False
-        self._wake = threading.Event()
-        self._idle_nap = True  # the progress thread sleeps its long idle interval
-        self._nap_s = IDLE_NAP_S
-        self._thread: threading.Thread | None = None
-        self._pusher = SerialWorker("kvxfer-push")
-        self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
+        self._peers = PeerCache(self._local, backend, client, self.stats_counters, self._log_prefix)
+        self._leases = LeaseBook(self.stats_counters)
+        self._receptions = Receptions(self._local, self._lock)
+        self._runtime = Runtime(
+            self._local,
+            backend,
+            self._peers,
+            self._leases,
+            self._receptions,
+            self.stats_counters,
+            self._lock,
+        )
+        self._push = PushWriter(
+            self._local, backend, self._runtime, self._peers, self._leases, self._lock
+        )
+        self._side = SideChannel(self._local, backend, self._leases, self._push, client, self._lock)
+        if config.direction is Direction.PUSH:
+            # A lease whose consumer registers after its hold() is written by a tick.
+            self._runtime.add_tick_hook(self._push.resume)
         self._io_pool: ThreadPoolExecutor | None = None
-        # Settlements (DONE / ABORT notices, Release messages) that arrived before the
-        # engine's hold() of that request: kept briefly so the hold frees at once.
-        self._early: dict[str, float] = {}
+
+    # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
+    @property
+    def layout(self) -> KVLayout | None:
+        """The registered layout as the engine described it (None until registered)."""
+        return self._local.layout
+
+    @property
+    def exposed_layout(self) -> KVLayout | None:
+        """The registered layout as peers address it (the backend's view)."""
+        return self._local.exposed_layout
+
+    @property
+    def table(self) -> DescriptorTable | None:
+        """The descriptor table of :attr:`exposed_layout` (None until registered)."""
+        return self._local.table
 
     # -- registration ---------------------------------------------------------------
     def register(self, layout: KVLayout, *, defer: bool = False) -> None:
@@ -147,10 +166,10 @@ class Agent(PushProducer):
         once the engine's warm-up is over (device memory may move before that).
         """
         with self._lock:
-            if self.layout is not None or self._deferred is not None:
+            if self._local.layout is not None or self._local.deferred is not None:
                 raise RegistrationError("this agent already has a registered layout")
             if defer:
-                self._deferred = layout
+                self._local.deferred = layout
                 log.info("%sdeferring registration until the engine is warmed up", self._log_prefix)
                 return
             self._register_now(layout)
@@ -158,15 +177,16 @@ class Agent(PushProducer):
     def complete_registration(self) -> None:
         """Finish a deferred registration (no-op when nothing is deferred)."""
         with self._lock:
-            if self._deferred is not None:
-                layout, self._deferred = self._deferred, None
+            if self._local.deferred is not None:
+                layout, self._local.deferred = self._local.deferred, None
                 self._register_now(layout)
 
     def _register_now(self, layout: KVLayout) -> None:
         exposed = self.backend.register(layout)
         table = DescriptorTable.build(exposed, self.config.plan)
         self.backend.prepare_local(table)
-        self.layout, self.exposed_layout, self.table = layout, exposed, table
+        local = self._local
+        local.layout, local.exposed_layout, local.table = layout, exposed, table
         shards = len({(r.device_id, r.shard) for r in exposed.regions})
         log.info(
             "%sregistered %d regions / %d shards, %d descriptors, %d blocks of %d tokens",
@@ -181,78 +201,51 @@ class Agent(PushProducer):
     @property
     def registered(self) -> bool:
         """True once memory is registered (not merely deferred)."""
-        return self.table is not None
+        return self._local.table is not None
+
+    def _blocks(self, block_ids: BlockIds) -> blocks.Groups:
+        """The caller's block ids, checked against the registered layout (one flat list
+        serves every group): bad ids fail here, before anything is posted."""
+        _, layout = self._local.require_registered()
+        return blocks.block_groups(
+            block_ids, len(layout.groups), num_blocks=layout.num_blocks, broadcast=True
+        )
 
     # -- side channel ---------------------------------------------------------------
     def serve(self) -> tuple[str, int]:
         """Start answering handshakes; returns the advertised ``(host, port)``."""
         with self._lock:
-            if self._server is None:
-                responder = self._make_responder()
-                self._server = SideChannelServer(
-                    self.config.side_channel_host,
-                    self.config.side_channel_port,
-                    responder.respond,
-                    max_bytes=self.config.max_message_bytes,
-                    oversize_reply=responder.too_large,
-                )
-            self._ensure_thread()
-            return self.config.side_channel_host, self._server.port
+            address = self._side.serve()
+            self._runtime.ensure_thread()
+            return address
 
     @property
     def address(self) -> tuple[str, int]:
         """The advertised side-channel address (after :meth:`serve`)."""
-        if self._server is None:
-            raise PeerError("the agent is not serving; call serve() first")
-        return self.config.side_channel_host, self._server.port
-
-    def _make_responder(self) -> Responder:
-        return Responder(
-            engine_id=self.config.engine_id,
-            incarnation=self.incarnation,
-            compat_hash=self.compat_hash,
-            enforce_compat=self.config.enforce_handshake_compat,
-            local_info=self._local_info,
-            on_message=self._on_control_message,
-            auth_secret=self.config.auth_secret,
-            max_bytes=self.config.max_message_bytes,
-        )
-
-    def _local_info(self) -> wire.Welcome | None:
-        """What this agent tells a peer in the handshake (None until registered)."""
-        if self.exposed_layout is None:
-            return None
-        return wire.Welcome(
-            engine_id=self.config.engine_id,
-            incarnation=self.incarnation,
-            layout=self.exposed_layout,
-            agent_name=self.backend.agent_name,
-            agent_metadata=self.backend.metadata(),
-            rails=self.config.rails,
-            options=self.config.plan,
-            lease_s=self.config.lease_s,
-            role=self.config.role,
-            direction=self.config.direction,
-        )
-
-    def _hello(self, expected_engine_id: str | None) -> wire.Hello:
-        if self.exposed_layout is None:
-            raise RegistrationError("register memory before connecting to peers")
-        return wire.Hello(
-            engine_id=self.config.engine_id,
-            expected_engine_id=expected_engine_id,
-            incarnation=self.incarnation,
-            role=self.config.role,
-            direction=self.config.direction,
-            layout=self.exposed_layout,
-            rails=self.config.rails,
-        )
+        return self._side.address
 
     def connect(self, host: str, port: int, expected_engine_id: str | None = None) -> Peer:
         """Handshake with the peer at ``host:port`` (cached; concurrent callers share it)."""
         return self._peers.get(host, port, expected_engine_id, None)
 
     # -- producer -------------------------------------------------------------------
+    def stage_out(self, block_ids: BlockIds) -> None:
+        """Copy blocks out to the backend's staging buffers, where peers read them.
+
+        Only backends that stage through host memory (host bounce,
+        ``capabilities.stages_through_host``) do anything; elsewhere peers read engine
+        memory directly and this is a no-op. An engine calls it right after the last
+        forward that wrote the blocks, then passes ``staged=True`` to :meth:`hold` so
+        that the hold does not copy them again.
+
+        Raises:
+            RegistrationError: no memory registered yet.
+            PlanError: a block id that is not an integer, out of range or repeated.
+        """
+        local = self._blocks(block_ids)
+        if self._stages:
+            self.backend.stage_out(list(local))
+
     def hold(
         self,
         request_id: str,
@@ -272,40 +265,36 @@ class Agent(PushProducer):
         see :class:`PushPost`).
 
         ``staged``: the engine already copied exactly these blocks out with
-        ``backend.stage_out`` after their last forward (host bounce), so a pull's hold
+        :meth:`stage_out` after their last forward (host bounce), so a pull's hold
         does not copy them again.
+
+        Raises:
+            RegistrationError: no memory registered yet.
+            PlanError: a block id that is not an integer, out of range or repeated.
         """
-        _, layout = self._require_registered()
-        groups = as_groups(block_ids, len(layout.groups))
+        local = self._blocks(block_ids)
+        groups = blocks.to_wire(local)
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
-        host, port = self.address if self._server is not None else ("", 0)
+        host, port = self._side.address if self._side.serving else ("", 0)
         if self._stages and self.config.direction is Direction.PULL and not staged:
             # host bounce: the consumer reads the staging buffers, so fill them first
             # (a push stages each slice as it writes it: Backend.post_engine).
-            self.backend.stage_out([np.asarray(g, dtype=np.int64) for g in groups])
+            self.backend.stage_out(list(local))
+        inline: list[Write] = []
         with self._lock:
-            if self._early.pop(request_id, None) is not None:
+            if self._leases.take_early(request_id):
                 # The consumer finished (or gave up) before the engine got here.
-                self.stats_counters.leases_released += 1
-                self._freed.append(request_id)
                 return self._ticket(request_id, groups, num_tokens, expiry, host, port)
-            lease = self._leases.get(request_id)
-            if lease is None:
-                lease = Lease(
-                    request_id=request_id, blocks=groups, num_tokens=num_tokens, expiry=expiry
-                )
-                self._leases[request_id] = lease
-            else:
-                lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
+            lease = self._leases.lease(request_id, groups, num_tokens, expiry)
+            lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
             lease.ready = True
-            inline: list[InlineWrite] = []
             if self.config.direction is Direction.PUSH and lease.target is not None:
-                self._start_push(lease, inline)
-        self._post_inline(inline)  # outside the lock: a post may copy every byte
+                self._push.start(lease, inline)
+        self._push.post_inline(inline)  # outside the lock: a post may copy every byte
         if self.config.direction is Direction.PULL:
-            # The lease wants the progress thread's faster pace (see _run); a push has
-            # nothing to poll until its writer posted, which wakes the thread if needed.
-            self._nudge()
+            # The lease wants the progress thread's faster pace (see Runtime._run); a
+            # push has nothing to poll until its writer posted, which wakes the thread.
+            self._runtime.nudge()
         return self._ticket(request_id, groups, num_tokens, expiry, host, port)
 
     def _ticket(
@@ -335,49 +324,36 @@ class Agent(PushProducer):
         """
         if not self.config.push_stream:
             raise ConfigError("push_stream", False, "stream() needs push_stream enabled")
-        _, layout = self._require_registered()
-        groups = as_groups(block_ids, len(layout.groups))
-        inline: list[InlineWrite] = []
+        _, layout = self._local.require_registered()
+        groups = blocks.to_wire(self._blocks(block_ids))
+        inline: list[Write] = []
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                lease = Lease(
-                    request_id=request_id,
-                    blocks=groups,
-                    num_tokens=num_tokens,
-                    expiry=time.time() + self.config.lease_s,
-                )
-                self._leases[request_id] = lease
+            lease = self._leases.lease(
+                request_id, groups, num_tokens, time.time() + self.config.lease_s
+            )
             closed = num_tokens // layout.block_size
-            if lease.target is None or closed <= lease.pushed_blocks:
-                lease.blocks, lease.num_tokens = groups, num_tokens
-                return
             lease.blocks, lease.num_tokens = groups, num_tokens
-            self._write(lease, lease.pushed_blocks, closed, final=False, inline=inline)
+            if lease.target is None or closed <= lease.pushed_blocks:
+                return
+            self._push.write(lease, lease.pushed_blocks, closed, final=False, inline=inline)
             lease.pushed_blocks = closed
-        self._post_inline(inline)
+        self._push.post_inline(inline)
 
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""
         with self._lock:
-            lease = self._leases.pop(request_id, None)
-            if lease is None:
-                return False
-            self.stats_counters.leases_aborted += 1
-            self._freed.append(request_id)
-            return True
+            return self._leases.abort(request_id)
 
     def freed(self) -> list[str]:
         """Request ids whose held blocks the engine may reuse now (drained on read)."""
-        self._tick()
+        self._runtime.tick()
         with self._lock:
-            out, self._freed = self._freed, []
-            return out
+            return self._leases.drain_freed()
 
     def holding(self) -> list[str]:
         """Request ids currently held under a lease."""
         with self._lock:
-            return list(self._leases)
+            return list(self._leases.held)
 
     # -- consumer -------------------------------------------------------------------
     def pull(
@@ -388,50 +364,56 @@ class Agent(PushProducer):
 
         A first contact handshakes on a worker thread; a known peer's read is posted
         here, so a transport that copies inside its post (UCX over CMA on one host)
-        has moved the bytes when this returns."""
-        _, layout = self._require_registered()
-        groups = as_groups(local_blocks, len(layout.groups))
+        has moved the bytes when this returns.
+
+        Raises:
+            RegistrationError: no memory registered yet.
+            PlanError: a local block id that is not an integer, out of range or
+                repeated (nothing is posted; the producer is told to release).
+        """
+        try:
+            local = self._blocks(local_blocks)
+        except PlanError:
+            # Nothing will be read: let the producer free its blocks now, not at lease expiry.
+            self.abort(ticket)
+            raise
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
-        transfer = self._new_transfer(ticket.request_id, groups)
+        runtime = self._runtime
+        transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
         if ticket.lease_expiry:
-            transfer.meta["lease_expiry"] = ticket.lease_expiry
-            if self._lease_over(ticket.lease_expiry):
-                self._fail(
-                    transfer, FailureKind.LEASE_EXPIRED, self._expired_error(ticket.request_id)
+            transfer.meta.lease_expiry = ticket.lease_expiry
+            if runtime.lease_over(ticket.lease_expiry):
+                runtime.fail(
+                    transfer, FailureKind.LEASE_EXPIRED, runtime.expired_error(ticket.request_id)
                 )
                 return transfer
         peer = self._peers.cached(
             ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
         )
         if peer is not None:
-            self._start_pull(transfer, peer, ticket, groups, tokens)
+            self._start_pull(transfer, peer, ticket, local, tokens)
         else:
             # A first contact handshakes on a worker thread: the engine's step loop never
             # waits for a peer (which can take the whole handshake timeout if it is gone).
-            self._io().submit(self._connect_and_pull, transfer, ticket, groups, tokens)
+            self._io().submit(self._connect_and_pull, transfer, ticket, local, tokens)
         return transfer
 
     def _connect_and_pull(
-        self, transfer: Transfer, ticket: Ticket, groups: tuple[tuple[int, ...], ...], tokens: int
+        self, transfer: Transfer, ticket: Ticket, local: blocks.Groups, tokens: int
     ) -> None:
         try:
             peer = self._peers.get(
                 ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
             )
         except KvxferError as exc:
-            self._fail(transfer, FailureKind.HANDSHAKE, exc)
+            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
             return
-        self._start_pull(transfer, peer, ticket, groups, tokens)
+        self._start_pull(transfer, peer, ticket, local, tokens)
 
     def _start_pull(
-        self,
-        transfer: Transfer,
-        peer: Peer,
-        ticket: Ticket,
-        groups: tuple[tuple[int, ...], ...],
-        tokens: int,
+        self, transfer: Transfer, peer: Peer, ticket: Ticket, local: blocks.Groups, tokens: int
     ) -> None:
-        notice = self._encode(
+        notice = self._local.encode(
             wire.Notice(
                 kind=wire.NoticeKind.DONE,
                 request_id=ticket.request_id,
@@ -441,7 +423,8 @@ class Agent(PushProducer):
         )
         if transfer.done:  # the agent closed meanwhile
             return
-        self._post(transfer, XferOp.READ, peer, groups, ticket.block_ids, tokens, notice)
+        remote = blocks.from_wire(ticket.block_ids)
+        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, notice)
         if transfer.state is TransferState.FAILED:
             # Nothing was read: let the producer free its blocks now, not at lease expiry.
             self.abort(ticket)
@@ -459,7 +442,7 @@ class Agent(PushProducer):
         returns only once the producer answered or the side channel gave up.
         """
         if not wait:
-            if not self._closed:
+            if not self._runtime.closed:
                 self._io().submit(self._send_release, ticket)
             return
         self._send_release(ticket)
@@ -467,7 +450,7 @@ class Agent(PushProducer):
     def _send_release(self, ticket: Ticket) -> None:
         msg = wire.Release(request_id=ticket.request_id, reason="consumer aborted")
         try:
-            self._request(ticket.host, ticket.port, msg)
+            self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             log.warning(
                 "could not tell %s to release %s: %s", ticket.engine_id, ticket.request_id, exc
@@ -477,22 +460,27 @@ class Agent(PushProducer):
         self, ticket: Ticket, local_blocks: BlockIds, *, num_tokens: int | None = None
     ) -> Transfer:
         """Register receiving blocks with the producer; the returned transfer settles
-        once every expected write landed (R-XFER-2)."""
-        table, layout = self._require_registered()
-        groups = as_groups(local_blocks, len(layout.groups))
-        transfer = self._new_transfer(ticket.request_id, groups)
+        once every expected write landed (R-XFER-2).
+
+        Raises:
+            RegistrationError: no memory registered yet.
+            PlanError: a local block id that is not an integer, out of range or repeated.
+        """
+        table, _ = self._local.require_registered()
+        local = self._blocks(local_blocks)
+        groups = blocks.to_wire(local)
+        runtime = self._runtime
+        transfer = runtime.new_transfer(ticket.request_id, groups)
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         # The bytes the producer will write are the bytes our own plan of these blocks
         # covers (both sides share the layout shape); computed here for the stats.
         try:
-            own = [np.asarray(g, dtype=np.int64) for g in groups]
-            plan = build_plan(table, table, own, own, tokens)
+            plan = build_plan(table, table, local, local, tokens)
             transfer.stats.bytes, transfer.stats.descriptors = plan.nbytes, plan.num_descriptors
         except KvxferError as exc:
-            self._fail(transfer, FailureKind.POST, exc)
+            runtime.fail(transfer, FailureKind.POST, exc)
             return transfer
-        with self._lock:
-            self._expected_push[ticket.request_id] = transfer
+        self._receptions.expect(ticket.request_id, transfer)
         host, port = self.address
         msg = wire.PushRegister(
             request_id=ticket.request_id,
@@ -509,70 +497,25 @@ class Agent(PushProducer):
         self._io().submit(self._send_push_register, ticket, msg, transfer)
         # Awaiting notices now: out of its idle nap, the progress thread polls them at
         # the in-flight pace (or, if a thread waits on this transfer, leaves that to it).
-        self._nudge()
+        runtime.nudge()
         return transfer
 
     def _send_push_register(
         self, ticket: Ticket, msg: wire.PushRegister, transfer: Transfer
     ) -> None:
         try:
-            reply = self._request(ticket.host, ticket.port, msg)
+            reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
-            with self._lock:
-                self._expected_push.pop(ticket.request_id, None)
-            self._fail(transfer, FailureKind.HANDSHAKE, exc)
+            self._receptions.unexpect(ticket.request_id)
+            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         if isinstance(reply, wire.Ack) and reply.notice:
-            self._learn_final_notice(transfer, reply.notice)
-
-    def _learn_final_notice(self, transfer: Transfer, data: bytes) -> None:
-        """Remember the final PUSHED notice a producer announced for ``transfer``.
-
-        It is checked here as if it had arrived (decoded, its MAC verified), and must be
-        the one notice that settles the transfer alone: final, for this request, naming
-        every expected block. When it arrives, :meth:`_handle_notifications` knows it by
-        its bytes. A notice that does not qualify is ignored: the real one is then
-        decoded and checked on arrival, as any other.
-        """
-        try:
-            notice = wire.decode_notice(
-                data, max_bytes=self.config.max_message_bytes, auth_key=self._auth_key
-            )
-        except KvxferError as exc:
-            log.debug("producer's announced notice for %s not used: %s", transfer.request_id, exc)
-            return
-        if not (
-            notice.kind is wire.NoticeKind.PUSHED
-            and notice.final
-            and notice.request_id == transfer.request_id
-            and notice.block_ids == transfer.local_blocks
-        ):
-            return
-        with self._lock:
-            # Arrived (or failed) meanwhile: nothing left to recognise.
-            if transfer.done or self._expected_push.get(transfer.request_id) is not transfer:
-                return
-            # A producer sends the announced bytes only this long after encoding them
-            # (later it signs a fresh notice), so later they are not recognised either.
-            self._final_notices[data] = (notice, time.monotonic() + NOTICE_REUSE_S)
-            transfer.meta["notice_bytes"] = data
-
-    def _request(self, host: str, port: int, msg: wire.Message) -> wire.Message:
-        """Send a control message; return the (authenticated) reply or raise the rejection."""
-        initiator = Initiator(
-            hello=self._hello(None),
-            compat_hash=self.compat_hash,
-            enforce_compat=self.config.enforce_handshake_compat,
-            auth_secret=self.config.auth_secret,
-            address=f"{host}:{port}",
-            max_bytes=self.config.max_message_bytes * 4,
-        )
-        return initiator.reply(self._client.request(host, port, initiator.request(msg)))
+            self._receptions.learn_final_notice(transfer, reply.notice)
 
     # -- progress -------------------------------------------------------------------
     def progress(self) -> None:
         """Drive notifications, completions, leases and deadlines once (non-blocking)."""
-        self._tick()
+        self._runtime.tick()
 
     def stats(self) -> AgentStats:
         """A copy of the agent's counters."""
@@ -583,20 +526,12 @@ class Agent(PushProducer):
 
     def close(self) -> None:
         """Stop serving, fail what is in flight, release every handle; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for t in list(self._transfers.values()):
-                self._fail(t, FailureKind.ABORTED, TransferError("agent closed"))
-        self._wake.set()
-        self._pusher.shutdown()
+        if not self._runtime.close():  # fails what is in flight, stops the progress thread
+            return
+        self._push.shutdown()
         if self._io_pool is not None:
             self._io_pool.shutdown(wait=False, cancel_futures=True)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        if self._server is not None:
-            self._server.close()
+        self._side.close()
         self._peers.close()
         self.backend.close()
 
@@ -605,17 +540,3 @@ class Agent(PushProducer):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- side-channel messages ------------------------------------------------------------
-    def _on_control_message(self, msg: Any) -> Any:
-        """Side-channel messages other than the handshake (runs on the server thread)."""
-        if isinstance(msg, wire.Release):
-            released = self.release(msg.request_id)
-            if not released:
-                with self._lock:
-                    self._early[msg.request_id] = time.monotonic()
-            log.info("peer asked to release %s (%s): %s", msg.request_id, msg.reason, released)
-            return wire.Ack(request_id=msg.request_id)
-        if isinstance(msg, wire.PushRegister):
-            return self._on_push_register(msg)
-        return None

@@ -26,11 +26,20 @@ import numpy.typing as npt
 
 from kvxfer.errors import PlanError
 
-__all__ = ["BlockIds", "Groups", "IntArray", "block_array", "block_groups", "describe", "to_wire"]
+__all__ = [
+    "BlockIds",
+    "Groups",
+    "IntArray",
+    "block_array",
+    "block_groups",
+    "describe",
+    "from_wire",
+    "to_wire",
+]
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
 #: What callers may pass: one list (or 1-d array) of ids, or one list per KV group.
-BlockIds: TypeAlias = "Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[Any]"
+BlockIds: TypeAlias = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[Any]
 #: Normalised block ids: one read-only int64 array per KV group.
 Groups: TypeAlias = tuple[IntArray, ...]
 
@@ -86,7 +95,12 @@ def block_array(
             )
         arr = np.array(ids, dtype=np.int64)
     else:
-        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | range):
+        # (list and tuple first: the ABC checks cost a microsecond on every request)
+        if (
+            type(ids) is not list
+            and type(ids) is not tuple
+            and (isinstance(ids, str | bytes) or not isinstance(ids, Sequence | range))
+        ):
             raise PlanError(f"{_where(side, group)}={ids!r}: need a list of integer block ids")
         _reject_types(ids, side, group)
         try:
@@ -101,12 +115,17 @@ def block_array(
             ) from None
     if arr.size:
         hi = _INT64_MAX if num_blocks is None else num_blocks - 1
-        if arr.min() < 0 or arr.max() > hi:
+        # One pass for both bounds: a negative id read as unsigned lies past 2**63 > hi.
+        if int(arr.view(np.uint64).max()) > hi:
             pos = int(np.flatnonzero((arr < 0) | (arr > hi))[0])
             raise PlanError(
                 f"{_where(side, group)}[{pos}]={int(arr[pos])}: out of range [0, {hi + 1})"
             )
-        if arr.size > 1:
+        # A set of Python ints finds a repeat holding the GIL; a numpy sort releases it,
+        # and behind a busy thread (the agent's progress thread) waits up to the switch
+        # interval to get it back. The sort words the error only.
+        values = ids if type(ids) is list or type(ids) is tuple else arr.tolist()
+        if arr.size > 1 and len(set(values)) != arr.size:
             order = np.argsort(arr, kind="stable")
             same = arr[order[1:]] == arr[order[:-1]]
             if same.any():
@@ -122,6 +141,11 @@ def block_array(
 
 
 def _is_id_list(item: Any) -> bool:
+    kind = type(item)
+    if kind is list or kind is tuple or kind is np.ndarray:
+        return True
+    if kind is int:
+        return False
     return isinstance(item, np.ndarray) or (
         isinstance(item, Sequence | range) and not isinstance(item, str | bytes)
     )
@@ -155,7 +179,7 @@ def block_groups(
     else:
         if not _is_id_list(ids):
             raise PlanError(f"{side} block_ids={ids!r}: need a list of integer block ids")
-        seq = list(ids)
+        seq = ids if type(ids) is list else list(ids)
         flat = not seq or not _is_id_list(seq[0])
         rows = [seq] if flat else seq
     if flat and num_groups > 1:
@@ -171,15 +195,43 @@ def block_groups(
             f"{side} block_ids: {len(rows)} group(s) given, the layout has {num_groups}; "
             "pass one list per KV group"
         )
-    return tuple(
-        block_array(row, side=side, group=g, num_blocks=num_blocks) for g, row in enumerate(rows)
+    return _shared(
+        tuple(
+            block_array(row, side=side, group=g, num_blocks=num_blocks)
+            for g, row in enumerate(rows)
+        )
     )
+
+
+def _shared(groups: Groups) -> Groups:
+    """Identical groups as one shared array: :func:`kvxfer.descriptors.build_plan` turns
+    a shared array into the ids of every group with a single broadcast."""
+    if len(groups) > 1:
+        first = groups[0]
+        if all(g is first or np.array_equal(g, first) for g in groups[1:]):
+            return (first,) * len(groups)
+    return groups
 
 
 def to_wire(groups: Groups) -> tuple[tuple[int, ...], ...]:
     """Block groups as plain int tuples, the form tickets and wire messages carry."""
     # tolist() converts in C: a generator over numpy scalars costs ~1 µs per block.
     return tuple(tuple(g.tolist()) for g in groups)
+
+
+def from_wire(groups: tuple[tuple[int, ...], ...]) -> Groups:
+    """Block groups from their wire form (a ticket's, a registration's) as arrays.
+
+    The wire schema already made every id an int; ranges are the peer's table's,
+    which :func:`kvxfer.descriptors.build_plan` checks. Identical groups share one
+    array (see :func:`block_groups`).
+    """
+    if len(groups) > 1:
+        first = groups[0]
+        if all(g == first for g in groups[1:]):
+            one = np.array(first, dtype=np.int64)
+            return (one,) * len(groups)
+    return tuple(np.array(g, dtype=np.int64) for g in groups)
 
 
 def describe(blocks: Sequence[int] | IntArray) -> str:

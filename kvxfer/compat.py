@@ -18,9 +18,9 @@ import hashlib
 import msgspec
 
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError, LayoutMismatch
 from kvxfer.layout import KVLayout
+from kvxfer.types import Direction
 
 __all__ = ["Fingerprint", "check_layout"]
 

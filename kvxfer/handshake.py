@@ -35,7 +35,6 @@ import msgspec
 from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION, __version__
 from kvxfer.compat import check_layout
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import (
     AuthError,
@@ -50,6 +49,7 @@ from kvxfer.errors import (
     WireError,
 )
 from kvxfer.layout import KVLayout
+from kvxfer.types import Direction, Role
 from kvxfer.wire import Message, RejectCode
 
 __all__ = ["MIN_SECRET_BYTES", "Initiator", "PeerInfo", "Responder", "roles_pair"]

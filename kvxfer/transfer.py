@@ -13,13 +13,17 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvxfer.errors import KvxferError, TransferError, TransferTimeout
 
-__all__ = ["FailureKind", "Transfer", "TransferState", "TransferStats"]
+if TYPE_CHECKING:
+    from kvxfer._peers import Peer
+    from kvxfer.backend import XferHandle
+
+__all__ = ["FailureKind", "Transfer", "TransferMeta", "TransferState", "TransferStats", "settle"]
 
 _NAP_S = 0.0002  # wait() polls this often
 # Settling is rare and brief; one lock for all transfers keeps two threads that both
@@ -59,6 +63,36 @@ class TransferStats(msgspec.Struct, kw_only=True):
     failure: FailureKind | None = None
 
 
+class TransferMeta(msgspec.Struct, kw_only=True):
+    """The agent's bookkeeping of one transfer (engines never need it).
+
+    Attributes:
+        posting: Inside its post: nothing to poll yet (the progress thread's pace).
+        peer: The peer it was posted against (marked suspect when the transport fails).
+        handle: The backend's handle once posted; released when it settles.
+        lease_expiry: A pull's producer lease (wall clock): landing later is invalid.
+        notice_bytes: A push reception's announced final notice, known by its bytes.
+        stage_in: A push reception complete: copy the staging buffers in (host bounce).
+        covered: A push reception's blocks announced so far, per group.
+        final: A push reception saw its final notice.
+        lease: A push write's lease (request id) on the producer.
+        push_peer: A push write's consumer (told when the write failed).
+        on_settled: Called under the agent lock when it settles (ok: DONE).
+    """
+
+    posting: bool = False
+    peer: Peer | None = None
+    handle: XferHandle | None = None
+    lease_expiry: float | None = None
+    notice_bytes: bytes | None = None
+    stage_in: bool = False
+    covered: list[set[int]] | None = None
+    final: bool = False
+    lease: str | None = None
+    push_peer: Peer | None = None
+    on_settled: Callable[[Transfer, bool], None] | None = None
+
+
 class Transfer:
     """A transfer in flight.
 
@@ -91,7 +125,7 @@ class Transfer:
         self._done: threading.Event | None = None
         self._waiters = 0  # threads inside wait(): they drive progress themselves
         self._started = time.perf_counter()
-        self.meta: dict[str, Any] = {}  # agent bookkeeping (handles, peer)
+        self.meta = TransferMeta()  # the agent's bookkeeping (handle, peer, ...)
 
     # -- read side ----------------------------------------------------------------
     @property
@@ -186,9 +220,7 @@ class Transfer:
                 f"transfer {self.request_id} failed: {err}", self.invalid_blocks
             ) from err
 
-    # -- agent side -----------------------------------------------------------------
-    def _settle(self, state: TransferState, error: KvxferError | None = None) -> bool:
-        """Move to DONE or FAILED once; returns False if already settled."""
+    def _settle(self, state: TransferState, error: KvxferError | None) -> bool:
         with _SETTLE_LOCK:
             if self._settled:
                 return False
@@ -210,3 +242,14 @@ class Transfer:
 
     def __repr__(self) -> str:
         return f"<Transfer {self.request_id} {self._state.value} {self.stats.bytes}B>"
+
+
+def settle(transfer: Transfer, state: TransferState, error: KvxferError | None = None) -> bool:
+    """Move ``transfer`` to DONE or FAILED, once (the agent runtime's side of a transfer).
+
+    Engines never call this: a transfer settles when its bytes landed or it failed.
+
+    Returns:
+        False if it was already settled (by another thread that saw it finish).
+    """
+    return transfer._settle(state, error)

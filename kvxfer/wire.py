@@ -50,7 +50,6 @@ import msgspec
 from msgspec import Meta
 
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.config import MAX_ENGINE_ID_LEN, Direction, Role
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import (
     AuthError,
@@ -60,6 +59,7 @@ from kvxfer.errors import (
     WireError,
 )
 from kvxfer.layout import KVLayout
+from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
 
 __all__ = [
     "CAPABILITY_BYTES",

@@ -52,9 +52,9 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
         os.environ["KVXFER_RBLN_ADAPTER"] = "emulated"
     from kvxfer.agent import Agent, AgentConfig, Ticket
     from kvxfer.compat import Fingerprint
-    from kvxfer.config import Direction, Role
     from kvxfer.descriptors import PlanOptions
     from kvxfer.testing.kvcache import HostKVCache, ModelShape
+    from kvxfer.types import Direction, Role
 
     shape = ModelShape(
         name="test",

@@ -23,10 +23,10 @@ from kvxfer import wire
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
 
 SHAPE = ModelShape(name="faults", layers=2, kv_heads=1, head_dim=8)
 BLOCK = 16

@@ -22,16 +22,16 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvxfer import _agent_runtime
-from kvxfer._agent_runtime import WAITED_TICK_S
+from kvxfer import _runtime
+from kvxfer._runtime import WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.errors import ConfigError, TransferTimeout
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
 from tests.agent_proc import AgentProc, ProcSpec
 
 SHAPE = ModelShape(name="sm", layers=2, kv_heads=1, head_dim=8)
@@ -349,14 +349,15 @@ def _progress_thread_ticks(agent: Agent) -> list[float]:
     """Record when the agent's progress thread runs a round (other threads' rounds,
     a waiter's or the engine's, are not recorded)."""
     ticks: list[float] = []
-    real_tick = agent._tick
+    runtime = agent._runtime
+    real_tick = runtime.tick
 
     def counted() -> None:
         if threading.current_thread().name == "kvxfer-progress":
             ticks.append(time.monotonic())
         real_tick()
 
-    agent._tick = counted  # type: ignore[method-assign]
+    runtime.tick = counted  # type: ignore[method-assign]
     return ticks
 
 
@@ -487,7 +488,7 @@ def test_expect_push_wakes_an_idle_progress_thread(monkeypatch: pytest.MonkeyPat
     """A push reception awaits notices from the moment it is registered: the progress
     thread leaves its idle nap for it at once, so an engine that polls only now and
     then (or not at all) still sees the push settle promptly."""
-    monkeypatch.setattr(_agent_runtime, "IDLE_NAP_S", 30.0)  # idle: asleep for 30 s
+    monkeypatch.setattr(_runtime, "IDLE_NAP_S", 30.0)  # idle: asleep for 30 s
     agents = _push_agents(16)
     prod, cons = agents.prod, agents.cons
     ticks = _progress_thread_ticks(cons)

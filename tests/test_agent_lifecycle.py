@@ -19,10 +19,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import TransferState
+from kvxfer.types import Direction, Role
 
 SHAPE = ModelShape(name="sm", layers=1, kv_heads=1, head_dim=8)
 FP = Fingerprint(

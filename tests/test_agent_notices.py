@@ -15,12 +15,12 @@ from kvxfer import wire
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction, Role
 from tests.test_agent_concurrency import _stub
 
 SHAPE = ModelShape(name="sm", layers=1, kv_heads=1, head_dim=8)
@@ -137,7 +137,7 @@ def _push_agent(role: Role, secret: str | None, cache: HostKVCache, **kw: float)
 def _register(prod: Agent, cons: Agent, rid: str, dst: list[int], tokens: int) -> Transfer:
     transfer = cons.expect_push(_stub(prod, rid), dst, num_tokens=tokens)
     deadline = time.monotonic() + 10
-    while rid not in prod.holding() or "notice_bytes" not in transfer.meta:
+    while rid not in prod.holding() or transfer.meta.notice_bytes is None:
         assert time.monotonic() < deadline, "no registration reply announcing the notice"
         assert not transfer.done, transfer.error
         time.sleep(0.002)
@@ -171,17 +171,19 @@ def test_the_announced_final_notice_settles_a_push_without_decoding(
     try:
         src, dst, tokens = [1, 2, 3], [5, 6, 7], 3 * 16 - 4
         transfer = _register(prod, cons, "announced", dst, tokens)
-        announced = transfer.meta["notice_bytes"]
+        announced = transfer.meta.notice_bytes
+        assert announced is not None
+        receptions = cons._receptions
         if stale:
             with cons._lock:
-                cons._final_notices[announced] = (cons._final_notices[announced][0], 0.0)
+                receptions.final_notices[announced] = (receptions.final_notices[announced][0], 0.0)
         monkeypatch.setattr(wire, "decode_notice", counting)
         prod.hold("announced", src, tokens)
         transfer.wait(10)
         assert transfer.state is TransferState.DONE
         assert cons_cache.mismatches(dst, src, 5) == 0
         assert decoded == ([announced] if stale else [])  # else: known by its bytes
-        assert cons._final_notices == {}
+        assert receptions.final_notices == {}
     finally:
         cons.close()
         prod.close()
@@ -207,9 +209,9 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
         return wire.encode(wire.Notice(**fields), PUSH_FP.digest(), auth_key=key)  # type: ignore[arg-type]
 
     try:
-        transfer = cons._new_transfer("q", ((5, 6),))  # expected, not yet registered
-        with cons._lock:
-            cons._expected_push["q"] = transfer
+        runtime, receptions = cons._runtime, cons._receptions
+        transfer = runtime.new_transfer("q", ((5, 6),))  # expected, not yet registered
+        receptions.expect("q", transfer)
         for bad in (
             notice(key=b"another-secret-0123456789"),
             notice(key=None),
@@ -219,13 +221,13 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
             notice(kind=wire.NoticeKind.DONE),
             b"\x00 not a frame",
         ):
-            cons._learn_final_notice(transfer, bad)
-            assert cons._final_notices == {}, bad
+            receptions.learn_final_notice(transfer, bad)
+            assert receptions.final_notices == {}, bad
         good = notice()
-        cons._learn_final_notice(transfer, good)
-        assert list(cons._final_notices) == [good]
+        receptions.learn_final_notice(transfer, good)
+        assert list(receptions.final_notices) == [good]
         # Once the transfer is settled another way (here: failed), the entry goes too.
-        cons._fail(transfer, FailureKind.ABORTED, TransferError("gone"))
-        assert cons._final_notices == {}
+        runtime.fail(transfer, FailureKind.ABORTED, TransferError("gone"))
+        assert receptions.final_notices == {}
     finally:
         cons.close()

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.compat import Fingerprint, check_layout
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError, LayoutMismatch
 from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, Region
 from kvxfer.testing import strategies as kst
+from kvxfer.types import Direction
 
 GOLDEN = Fingerprint(
     model="Qwen/Qwen3-0.6B",
@@ -46,7 +46,7 @@ def test_golden_canonical_encoding_and_digest() -> None:
 def test_digest_is_the_same_in_another_process() -> None:
     code = (
         "from kvxfer.compat import Fingerprint\n"
-        "from kvxfer.config import Direction\n"
+        "from kvxfer.types import Direction\n"
         "print(Fingerprint(model='Qwen/Qwen3-0.6B', revision='c1899de', dtype='bfloat16',"
         " kv_cache_dtype='bfloat16', attention_backend='RBLN_ATTN', protocol_version=1,"
         " direction=Direction.PULL).digest())\n"

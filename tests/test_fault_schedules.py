@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvxfer import wire
-from kvxfer.config import Direction, Role
 from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
 from tests.faultkit import (
     BLOCK,
     NUM_BLOCKS,

@@ -25,11 +25,11 @@ import zmq
 
 from kvxfer import wire
 from kvxfer.backend import BackendOptions
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
 from tests.faultkit import (
     BLOCK,
     PRODUCER_SEED,
@@ -394,7 +394,7 @@ def test_close_with_a_pending_handshake_exits_within_a_second() -> None:
     script = textwrap.dedent(
         f"""
         import time
-        from kvxfer.config import Direction, Role
+        from kvxfer.types import Direction, Role
         from kvxfer.agent import Ticket
         from tests.faultkit import Side
         consumer = Side(Role.CONSUMER, Direction.PULL, handshake_timeout_s=2.0)

@@ -12,7 +12,7 @@ import pytest
 
 from kvxfer import wire
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction
+from kvxfer.types import Direction
 from tests.agent_proc import AgentProc, ProcSpec
 from tests.faultkit import REASONS, Stranger
 

@@ -20,7 +20,6 @@ from hypothesis.stateful import (
 
 from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import (
     AuthError,
@@ -36,6 +35,7 @@ from kvxfer.errors import (
 )
 from kvxfer.handshake import Initiator, PeerInfo, Responder, roles_pair
 from kvxfer.layout import KVLayout, Region
+from kvxfer.types import Direction, Role
 from kvxfer.wire import RejectCode
 
 HASH = "a" * 64

@@ -10,9 +10,9 @@ import pytest
 
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.tools import probe
+from kvxfer.types import Direction, Role
 
 FP = Fingerprint(
     model="org/model",

@@ -54,8 +54,8 @@ from kvxfer.adapters.vllm.proxy.routing import (
     TokenEstimator,
     extract_prompt,
 )
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction
 
 EST = TokenEstimator(4.0)
 LONG = "The quick brown fox jumps over the lazy dog. " * 40  # ~1800 chars, 7 blocks

@@ -14,9 +14,9 @@ from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, Role
 from kvxfer.errors import CompatError, HandshakeRejected, LayoutMismatch, PeerError
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
+from kvxfer.types import Direction, Role
 
 SHAPE = ModelShape(name="t", layers=2, kv_heads=2, head_dim=32)
 FP = Fingerprint(

@@ -15,8 +15,8 @@ from kvxfer.adapters.vllm.params import (
     ticket_params,
 )
 from kvxfer.agent import Ticket
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction
 
 PRODUCED = Ticket(
     engine_id="prefill-0",

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.config import Direction, Role
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import (
     AuthError,
@@ -22,6 +21,7 @@ from kvxfer.errors import (
 )
 from kvxfer.layout import KVLayout, Region
 from kvxfer.testing import strategies as kst
+from kvxfer.types import Direction, Role
 
 HASH = "c" * 64
 KEY = b"k" * 32

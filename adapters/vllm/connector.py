@@ -57,8 +57,8 @@ from kvxfer.adapters.vllm.startup import (
 )
 from kvxfer.adapters.vllm.stats import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.adapters.vllm.worker import WorkerSide
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction
 
 __all__ = [
     "KvxferConnectorMetadata",

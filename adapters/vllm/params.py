@@ -31,8 +31,8 @@ from typing import Any
 
 from kvxfer.agent import Ticket
 from kvxfer.blocks import block_groups, to_wire
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError, PlanError
+from kvxfer.types import Direction
 
 __all__ = [
     "PULL_KEYS",

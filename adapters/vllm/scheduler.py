@@ -59,8 +59,8 @@ from kvxfer.adapters.vllm.params import (
     ticket_params,
 )
 from kvxfer.agent import Ticket
-from kvxfer.config import Direction, Role
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction, Role
 
 __all__ = [
     "HoldSpec",

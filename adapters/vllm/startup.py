@@ -20,13 +20,14 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_transfer_config
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
 from kvxfer.backend import Backend, BackendOptions
 from kvxfer.compat import Fingerprint
-from kvxfer.config import Direction, TransferConfig, parse_kv_transfer_config
 from kvxfer.errors import ConfigError
 from kvxfer.layout import KVLayout, MemKind
+from kvxfer.types import Direction
 
 __all__ = [
     "AUTH_SECRET_ENV",

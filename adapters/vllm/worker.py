@@ -24,14 +24,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
 from kvxfer.adapters.vllm.params import pairing_error, release_ticket, remote_ticket
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
-from kvxfer.config import Direction, Role, TransferConfig
 from kvxfer.layout import KVLayout
 from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
 
 __all__ = ["AgentFactory", "WorkerSide", "describe_kv_caches", "unique_tensors"]
 
@@ -213,7 +212,7 @@ class WorkerSide:
             return
         try:
             for stage in plan.stages:
-                agent.backend.stage_out([np.asarray(g, dtype=np.int64) for g in stage.block_ids])
+                agent.stage_out(stage.block_ids)
                 self._staged[stage.request_id] = stage.block_ids
                 while len(self._staged) > _STAGED_KEEP:  # prompts aborted before their hold
                     del self._staged[next(iter(self._staged))]

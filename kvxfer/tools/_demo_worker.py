@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvxfer.config import Direction, Role
 from kvxfer.testing.kvcache import QWEN3_0_6B, HostKVCache
+from kvxfer.types import Direction, Role
 
 __all__ = ["DemoParams", "consumer", "coordinate", "producer"]
 

@@ -43,7 +43,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.config import Direction, Role
+from kvxfer.types import Direction, Role
 
 __all__ = [
     "LatencyRow",

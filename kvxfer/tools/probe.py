@@ -20,9 +20,10 @@ import msgspec
 
 from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
+from kvxfer.adapters.vllm.kv_transfer_config import CONNECTORS
 from kvxfer.compat import Fingerprint
-from kvxfer.config import CONNECTORS, Direction
 from kvxfer.errors import KvxferError
+from kvxfer.types import Direction
 
 __all__ = ["main", "probe"]
 

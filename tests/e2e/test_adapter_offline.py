@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch  # a required dependency (scripts/setup_env.sh), never skipped
 
+from kvxfer.adapters.vllm.kv_transfer_config import parse_kv_transfer_config
 from kvxfer.adapters.vllm.params import remote_ticket
 from kvxfer.adapters.vllm.scheduler import (
     LoadSpec,
@@ -35,8 +36,8 @@ from kvxfer.adapters.vllm.startup import (
 )
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
-from kvxfer.config import Direction, Role, parse_kv_transfer_config
 from kvxfer.errors import ConfigError, RailError
+from kvxfer.types import Direction, Role
 from tests.railfakes import FakeNic, build_sysfs
 
 BS = 32

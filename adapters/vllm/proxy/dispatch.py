@@ -54,7 +54,7 @@ from kvxfer.adapters.vllm.proxy.routing import (
     TokenEstimator,
     extract_prompt,
 )
-from kvxfer.config import Direction
+from kvxfer.types import Direction
 
 __all__ = [
     "ENDPOINT_KEYS",

@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvxfer.config import Direction
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction
 
 __all__ = [
     "Group",

@@ -46,7 +46,7 @@ from kvxfer.adapters.vllm.proxy.routing import (
     PrefixIndex,
     TokenEstimator,
 )
-from kvxfer.config import Direction
+from kvxfer.types import Direction
 
 __all__ = ["Proxy", "main", "start_proxy"]
 

@@ -115,7 +115,7 @@ class Worker:
     def cmd_agents(self, case: bc.Case) -> dict[str, Any]:
         from kvxfer.agent import Agent, AgentConfig, PushPost
         from kvxfer.compat import Fingerprint
-        from kvxfer.config import Direction, Role
+        from kvxfer.types import Direction, Role
 
         self.cmd_close_agents(None)
         self.case = case

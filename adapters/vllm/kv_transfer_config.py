@@ -1,4 +1,4 @@
-"""Typed connector configuration parsed from vLLM's ``kv_transfer_config`` shape.
+"""The vLLM adapter's configuration: vLLM's ``kv_transfer_config`` parsed and checked.
 
 :func:`parse_kv_transfer_config` turns the dict an operator passes with
 ``--kv-transfer-config`` into a frozen :class:`TransferConfig`. Every rule breach is a
@@ -26,26 +26,16 @@ import msgspec
 
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
+from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
 
 __all__ = [
     "CONNECTORS",
-    "MAX_ENGINE_ID_LEN",
     "BufferDevice",
-    "Direction",
-    "Role",
     "TransferConfig",
     "parse_kv_transfer_config",
 ]
 
-_log = logging.getLogger("kvxfer.config")
-
-
-class Role(enum.Enum):
-    """What an instance does with KV: produce it (prefill), consume it (decode), or both."""
-
-    PRODUCER = "kv_producer"
-    CONSUMER = "kv_consumer"
-    BOTH = "kv_both"
+_log = logging.getLogger("kvxfer.adapters.vllm.kv_transfer_config")
 
 
 class BufferDevice(enum.Enum):
@@ -55,13 +45,6 @@ class BufferDevice(enum.Enum):
     CPU = "cpu"
 
 
-class Direction(enum.Enum):
-    """Who moves the bytes: the consumer READs (pull) or the producer WRITEs (push)."""
-
-    PULL = "pull"
-    PUSH = "push"
-
-
 #: Connector class names accepted in ``kv_connector`` and the direction each implies.
 #: ``RblnNixlConnector`` stays as an alias of the pull connector for existing deployments.
 CONNECTORS: Final[Mapping[str, Direction]] = {
@@ -69,9 +52,6 @@ CONNECTORS: Final[Mapping[str, Direction]] = {
     "RblnNixlConnector": Direction.PULL,
     "RblnNixlPushConnector": Direction.PUSH,
 }
-
-#: Engine ids travel in every handshake frame; the wire schema bounds them to this.
-MAX_ENGINE_ID_LEN: Final = 256
 
 _EXTRA = "kv_connector_extra_config"
 # Top-level keys this module reads; everything else at the top level is vLLM's.

@@ -1,4 +1,4 @@
-"""kvxfer.config: one test per rule of R-VLLM-2, R-DESC-3/5, R-RAIL-3/4."""
+"""The vLLM kv_transfer_config parser: one test per rule of R-VLLM-2, R-DESC-3/5, R-RAIL-3/4."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ from typing import Any
 
 import pytest
 
-from kvxfer.config import (
+from kvxfer.adapters.vllm.kv_transfer_config import (
     BufferDevice,
-    Direction,
-    Role,
     TransferConfig,
     parse_kv_transfer_config,
 )
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
+from kvxfer.types import Direction, Role
 
 X = "kv_connector_extra_config"
 
@@ -297,7 +296,7 @@ def test_upstream_keys_pass_through_untouched() -> None:
 
 
 def test_near_miss_of_our_key_is_warned(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvxfer.config"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.adapters.vllm.kv_transfer_config"):
         c = parse_kv_transfer_config(cfg(chunk_token=512))
     assert c.extra_passthrough == {"chunk_token": 512}
     assert "did you mean 'chunk_tokens'" in caplog.text

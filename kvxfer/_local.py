@@ -1,0 +1,67 @@
+"""This agent as its parts see it: who it is, what memory it registered, how it signs.
+
+One :class:`LocalEnd` is shared by the Agent's runtime, push writer and peer cache
+(none of which holds the Agent): the identity the handshake announces, the layout and
+descriptor table once memory is registered, and the encoding of signed messages.
+"""
+
+from __future__ import annotations
+
+from kvxfer import wire
+from kvxfer.agent_config import AgentConfig
+from kvxfer.descriptors import DescriptorTable
+from kvxfer.errors import RegistrationError
+from kvxfer.layout import KVLayout
+
+__all__ = ["LocalEnd"]
+
+
+class LocalEnd:
+    """Identity and registered memory of one agent (internal).
+
+    Attributes:
+        config: The agent's configuration.
+        incarnation: This process life's random id (R-HS-4).
+        compat_hash: The fingerprint's digest, carried by every message.
+        auth_key: The side channel's shared secret as bytes (None: unsigned).
+        layout: The layout as the engine described it (None until registered).
+        exposed_layout: The layout peers address (the backend's view of ``layout``).
+        table: The descriptor table of ``exposed_layout``.
+        deferred: A layout kept until :meth:`Agent.complete_registration`.
+    """
+
+    def __init__(self, config: AgentConfig, incarnation: int) -> None:
+        self.config = config
+        self.incarnation = incarnation
+        self.compat_hash = config.fingerprint.digest()
+        self.auth_key = config.auth_secret.encode() if config.auth_secret else None
+        self.layout: KVLayout | None = None
+        self.exposed_layout: KVLayout | None = None
+        self.table: DescriptorTable | None = None
+        self.deferred: KVLayout | None = None
+
+    def require_registered(self) -> tuple[DescriptorTable, KVLayout]:
+        """The table and exposed layout; RegistrationError before registration."""
+        if self.table is None or self.exposed_layout is None:
+            state = "deferred" if self.deferred is not None else "missing"
+            raise RegistrationError(f"KV memory registration is {state}; register() first")
+        return self.table, self.exposed_layout
+
+    def encode(self, msg: wire.Message) -> bytes:
+        """``msg`` framed, with the compatibility hash, signed when a secret is set."""
+        return wire.encode(msg, self.compat_hash, auth_key=self.auth_key)
+
+    def hello(self, expected_engine_id: str | None) -> wire.Hello:
+        """The handshake's opening message to a peer."""
+        if self.exposed_layout is None:
+            raise RegistrationError("register memory before connecting to peers")
+        config = self.config
+        return wire.Hello(
+            engine_id=config.engine_id,
+            expected_engine_id=expected_engine_id,
+            incarnation=self.incarnation,
+            role=config.role,
+            direction=config.direction,
+            layout=self.exposed_layout,
+            rails=config.rails,
+        )

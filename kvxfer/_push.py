@@ -1,0 +1,284 @@
+"""The producer's side of a push: the writer that moves held blocks to the consumer.
+
+A consumer registers its receiving blocks (:class:`~kvxfer.wire.PushRegister`, on the
+side channel); once the engine's :meth:`~kvxfer.agent.Agent.hold` marks the prompt
+ready, the lease's blocks are written to it (R-XFER-2), early ones during prefill with
+``push_stream`` (R-XFER-3).
+
+Who posts a write (:class:`~kvxfer.agent_config.PushPost`): by default on backends that
+move engine memory directly, the engine's own ``hold()``/``stream()`` call, when the
+consumer is already connected and the writer thread has nothing queued (so a request's
+writes stay in order); everything else (a first contact's handshake, a registration
+that arrives after ``hold()``, staging backends) goes to one ordered writer thread. A
+writer thread costs a thread wake and a GIL hand-off per write, and behind an engine
+thread that keeps running Python it waits up to the interpreter's switch interval
+(5 ms) for the GIL at every step of the post.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+
+from kvxfer import blocks, wire
+from kvxfer._leases import Lease, LeaseBook
+from kvxfer._local import LocalEnd
+from kvxfer._peers import Peer, PeerCache
+from kvxfer._receptions import NOTICE_REUSE_S
+from kvxfer._runtime import Runtime
+from kvxfer._serial import SerialWorker
+from kvxfer.agent_config import PushPost
+from kvxfer.backend import Backend, XferOp
+from kvxfer.errors import KvxferError
+from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction
+
+__all__ = ["PushWriter", "Write"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class Write(msgspec.Struct):
+    """One WRITE of a lease's slice to its consumer, ready to post."""
+
+    transfer: Transfer
+    target: wire.PushRegister
+    local: tuple[tuple[int, ...], ...]
+    remote: tuple[tuple[int, ...], ...]
+    tokens: int
+    final: bool
+    early: tuple[float, bytes] | None  # the final notice encoded at registration
+
+
+class PushWriter:
+    """The push writer of an agent (internal).
+
+    Args:
+        local: Identity, registered memory and message signing.
+        backend: The transport (notices of streamed or failed writes).
+        runtime: Posts and settles the writes.
+        peers: The consumers, handshaken on the writer thread.
+        leases: The producer's leases, which the writes serve.
+        lock: The agent lock; the methods documented as such run under it.
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        backend: Backend,
+        runtime: Runtime,
+        peers: PeerCache,
+        leases: LeaseBook,
+        lock: threading.RLock,
+    ) -> None:
+        self._local = local
+        self._config = local.config
+        self._backend = backend
+        self._runtime = runtime
+        self._peers = peers
+        self._leases = leases
+        self._lock = lock
+        self._pusher = SerialWorker("kvxfer-push")
+        mode = self._config.push_post
+        # A staging backend's post also copies the blocks out on the CPU first.
+        stages = backend.capabilities.stages_through_host
+        self._inline = (not stages) if mode is PushPost.AUTO else mode is PushPost.ENGINE
+
+    def shutdown(self) -> None:
+        """Stop the writer thread (queued writes are dropped; their transfers failed)."""
+        self._pusher.shutdown()
+
+    def post_inline(self, writes: list[Write]) -> None:
+        """Post writes collected under the lock, on this (the engine's) thread; one
+        whose consumer is not connected yet goes to the writer (a handshake never runs
+        on the engine's thread)."""
+        for job in writes:
+            target = job.target
+            peer = self._peers.cached(
+                target.host, target.port, target.engine_id, target.incarnation
+            )
+            if peer is None:
+                self._pusher.submit(self._post_write, job)
+                continue
+            try:
+                self._post_write(job, peer)
+            except Exception as exc:  # never into the engine's step: fail the write
+                self._runtime.fail(job.transfer, FailureKind.POST, exc)
+
+    def on_register(self, msg: wire.PushRegister) -> wire.Message:
+        """A consumer registered its receiving blocks (side-channel server thread)."""
+        if self._config.direction is not Direction.PUSH:
+            return wire.Reject(
+                code=wire.RejectCode.UNKNOWN_REQUEST, reason="this instance does not push"
+            )
+        with self._lock:
+            lease = self._leases.lease(
+                msg.request_id, (), msg.num_tokens, time.time() + self._config.lease_s
+            )
+            lease.target = msg
+        final = wire.Notice(
+            kind=wire.NoticeKind.PUSHED,
+            request_id=msg.request_id,
+            engine_id=self._config.engine_id,
+            incarnation=self._local.incarnation,
+            block_ids=msg.block_ids,
+        )
+        encoded = (time.monotonic(), self._local.encode(final))
+        with self._lock:
+            current = lease.target is msg
+            if current:
+                lease.final_notice = encoded
+        self._runtime.wake()
+        # The consumer learns these bytes now, so that it recognises the notice when it
+        # arrives instead of decoding and authenticating it on the transfer's path.
+        return wire.Ack(notice=encoded[1] if current else b"")
+
+    def resume(self) -> None:
+        """Under the lock, from a tick: write the ready leases whose consumer registered
+        after their hold()."""
+        for lease in list(self._leases.held.values()):
+            if lease.target is not None and lease.ready and not lease.final_posted:
+                self.start(lease)
+
+    def start(self, lease: Lease, inline: list[Write] | None = None) -> None:
+        """Under the lock: write what is left of a ready lease to the consumer that
+        registered for it."""
+        if lease.target is None or not lease.ready or lease.final_posted:
+            return
+        total = max((len(g) for g in lease.blocks), default=0)
+        self.write(lease, lease.pushed_blocks, total, final=True, inline=inline)
+
+    def write(
+        self,
+        lease: Lease,
+        start: int,
+        stop: int,
+        *,
+        final: bool,
+        inline: list[Write] | None = None,
+    ) -> None:
+        """Under the lock: queue one WRITE of blocks ``[start, stop)`` of a lease
+        (R-XFER-2/3).
+
+        The handshake with the consumer (which can take a timeout when it is gone) runs
+        on the push worker, never under the lock. One worker keeps a request's writes in
+        order. Each write's notice names the blocks it covers, and the last one says it
+        is final, so the consumer settles only when no block is missing. ``inline``: the
+        engine's call collects the write there instead, to post it itself after the lock
+        (see :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
+        that it could overtake.
+        """
+        target = lease.target
+        layout = self._local.exposed_layout
+        assert target is not None and layout is not None
+        block_size = layout.block_size
+        lease.parts_posted += 1
+        if final:
+            lease.final_posted = True
+        # A consumer whose leading blocks are local prefix-cache hits registers only the
+        # request's last blocks: skip as many of ours (per group) and write the suffix.
+        offsets = [max(0, len(g) - len(t)) for g, t in zip(lease.blocks, target.block_ids)]
+        local = tuple(g[max(start, o) : stop] for g, o in zip(lease.blocks, offsets))
+        remote = tuple(t[max(start, o) - o : stop - o] for t, o in zip(target.block_ids, offsets))
+        first = max(start, offsets[0]) if offsets else start
+        transfer = self._runtime.new_transfer(lease.request_id, local)
+        lease.writes.append(transfer)
+        transfer.meta.lease = lease.request_id
+        transfer.meta.on_settled = self._settle_write
+        # Tokens inside the written slice: whole blocks, except the request's tail.
+        tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
+        early, lease.final_notice = (lease.final_notice if final else None), None
+        job = Write(transfer, target, local, remote, max(tokens, 0), final, early)
+        if inline is not None and self._pusher.idle and self._inline:
+            inline.append(job)
+        else:
+            self._pusher.submit(self._post_write, job)
+
+    def _post_write(self, job: Write, peer: Peer | None = None) -> None:
+        transfer, target = job.transfer, job.target
+        if peer is None:
+            try:
+                peer = self._peers.get(
+                    target.host, target.port, target.engine_id, target.incarnation
+                )
+            except KvxferError as exc:
+                self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+                return
+        transfer.meta.push_peer = peer
+        notice = self._pushed_notice(target, job.remote, job.final, job.early)
+        if transfer.done:  # failed meanwhile (agent closing, lease gone)
+            return
+        if not any(job.local):
+            # Everything was streamed already: only the final notice is left to send.
+            try:
+                self._backend.notify(peer.handle, notice)
+            except KvxferError as exc:
+                self._runtime.fail(transfer, FailureKind.PEER_GONE, exc)
+                return
+            self._runtime.succeed(transfer)
+            return
+        self._runtime.post(
+            transfer,
+            XferOp.WRITE,
+            peer,
+            blocks.from_wire(job.local),
+            blocks.from_wire(job.remote),
+            job.tokens,
+            notice,
+        )
+
+    def _pushed_notice(
+        self,
+        target: wire.PushRegister,
+        remote: tuple[tuple[int, ...], ...],
+        final: bool,
+        early: tuple[float, bytes] | None,
+    ) -> bytes:
+        """The PUSHED notice of one write. The common one, a single final write of every
+        block the consumer registered, was encoded when the registration arrived (off
+        the write's path); signed ones only while their timestamp is fresh."""
+        if (
+            early is not None
+            and final
+            and remote == target.block_ids
+            and (self._local.auth_key is None or time.monotonic() - early[0] < NOTICE_REUSE_S)
+        ):
+            return early[1]
+        return self._local.encode(
+            wire.Notice(
+                kind=wire.NoticeKind.PUSHED,
+                request_id=target.request_id,
+                engine_id=self._config.engine_id,
+                incarnation=self._local.incarnation,
+                block_ids=remote,
+                final=final,
+            )
+        )
+
+    def _settle_write(self, transfer: Transfer, ok: bool) -> None:
+        """A write settled (under the lock): free the lease when every write is done, or
+        on failure (telling the consumer, which then stops waiting)."""
+        rid = transfer.meta.lease
+        lease = self._leases.held.get(rid) if rid is not None else None
+        if rid is None or lease is None:
+            return
+        if not ok:
+            peer = transfer.meta.push_peer
+            if peer is not None and lease.target is not None:
+                failed = wire.Notice(
+                    kind=wire.NoticeKind.FAILED,
+                    request_id=lease.target.request_id,
+                    engine_id=self._config.engine_id,
+                    incarnation=self._local.incarnation,
+                )
+                try:
+                    self._backend.notify(peer.handle, self._local.encode(failed))
+                except KvxferError as exc:
+                    log.debug("could not tell the consumer about the failed push: %s", exc)
+            self._leases.free(rid)
+            return
+        if lease.final_posted and all(w.state is TransferState.DONE for w in lease.writes):
+            self._leases.released(rid)

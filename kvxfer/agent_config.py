@@ -1,0 +1,124 @@
+"""What an :class:`~kvxfer.agent.Agent` is built from and what it counts.
+
+:class:`AgentConfig` (every setting of one agent), :class:`PushPost` (which thread
+posts a push producer's writes) and :class:`AgentStats` (the counters an engine
+exports). Re-exported by :mod:`kvxfer.agent`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kvxfer.compat import Fingerprint
+from kvxfer.descriptors import PlanOptions
+from kvxfer.errors import ConfigError
+from kvxfer.types import Direction, Role
+
+__all__ = ["AgentConfig", "AgentStats", "PushPost"]
+
+
+class PushPost(enum.Enum):
+    """Which thread posts a push producer's writes (:attr:`AgentConfig.push_post`)."""
+
+    AUTO = "auto"
+    """ENGINE on backends that move engine memory directly, WRITER on staging ones
+    (host bounce), whose post also copies the blocks out on the CPU."""
+    ENGINE = "engine"
+    """The caller of :meth:`~kvxfer.agent.Agent.hold` (or ``stream``) posts the write
+    itself when the consumer is already connected and no earlier write is queued; the
+    first write to a consumer (a handshake) still goes to the writer thread. No thread
+    hand-off on the write's path, and no waiting for the GIL behind an engine thread
+    that keeps running Python (a background thread waits up to the interpreter's switch
+    interval, 5 ms, at each step). The cost: a transport that copies inside its post
+    (UCX over CMA on one host) copies on the caller's thread, as a pull's read does."""
+    WRITER = "writer"
+    """Every write goes to the agent's writer thread; hold() only queues it."""
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything an :class:`Agent` needs; build it directly or from a vLLM config.
+
+    Attributes:
+        engine_id: This instance's id; consumers check it against the one they expect.
+        fingerprint: Model/dtype/backend identity folded into the compatibility hash.
+        role: Producer, consumer or both.
+        direction: Pull (consumer reads) or push (producer writes).
+        backend: Backend name from the ``kvxfer.backends`` registry.
+        side_channel_host: Address peers reach this instance at (must be routable).
+        side_channel_port: Side-channel TCP port; 0 picks a free one.
+        plan: Descriptor options (chunk_mode, swa_window_mode, coalescing).
+        push_stream: Push blocks as prefill closes them (push + device-to-device only).
+        enforce_handshake_compat: False skips the hash check (never the layout check).
+        lease_s: How long a producer holds a request's blocks for its consumer.
+        handshake_timeout_s: One side-channel try's receive timeout.
+        handshake_retries: Further tries after a timeout (with backoff).
+        transfer_timeout_s: A transfer not complete by then fails.
+        max_message_bytes: Largest side-channel frame accepted.
+        auth_secret: Shared secret authenticating the side channel (None: off, warned).
+        rails: RDMA devices the data plane may use; stripe_width: see R-RAIL-3.
+        backend_extra: Backend-specific options (``BackendOptions.extra``), e.g.
+            ``{"rbln_adapter": "emulated"}`` or ``{"transport": "ucx"}``.
+        lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
+            producer's lease expiry: clock skew between hosts must stay below it.
+        progress_interval_s: Sleep of the progress thread while transfers are in flight.
+        push_post: Which thread posts a push producer's writes (see :class:`PushPost`).
+    """
+
+    engine_id: str
+    fingerprint: Fingerprint
+    role: Role = Role.BOTH
+    direction: Direction = Direction.PULL
+    backend: str = "ucx"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    plan: PlanOptions = msgspec.field(default_factory=PlanOptions)
+    push_stream: bool = False
+    enforce_handshake_compat: bool = True
+    lease_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    handshake_retries: int = 2
+    transfer_timeout_s: float = 30.0
+    max_message_bytes: int = 1 << 20
+    auth_secret: str | None = None
+    rails: tuple[str, ...] = ()
+    stripe_width: int | None = None
+    progress_interval_s: float = 0.0002
+    lease_guard_s: float = 0.5
+    backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
+    push_post: PushPost = PushPost.AUTO
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.push_post, PushPost):
+            raise ConfigError(
+                "push_post",
+                self.push_post,
+                "must be a PushPost: " + ", ".join(repr(p.value) for p in PushPost),
+            )
+        if not self.engine_id:
+            raise ConfigError("engine_id", self.engine_id, "must be a non-empty string")
+        for key in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
+            value = getattr(self, key)
+            if not value > 0:
+                raise ConfigError(key, value, "must be a positive number of seconds")
+        if not 0 <= self.side_channel_port <= 65535:
+            raise ConfigError("side_channel_port", self.side_channel_port, "must be 0..65535")
+        if self.push_stream and self.direction is not Direction.PUSH:
+            raise ConfigError("push_stream", True, "only valid with the push direction")
+
+
+class AgentStats(msgspec.Struct, kw_only=True):
+    """Counters an engine exports as metrics (monotonic since start)."""
+
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    bytes_moved: int = 0
+    descriptors_posted: int = 0
+    transfer_s_total: float = 0.0
+    post_s_total: float = 0.0
+    handshakes: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    leases_aborted: int = 0
+    failures: dict[str, int] = msgspec.field(default_factory=dict)
