@@ -18,13 +18,8 @@ import numpy.typing as npt
 import pytest
 
 from kvxfer.backend import BackendOptions
-from kvxfer.backends.nixl_rbln import (
-    ADAPTER_ENV,
-    NOT_AVAILABLE,
-    NixlRblnBackend,
-    host_transport,
-    load_adapter,
-)
+from kvxfer.backends.host_bounce import NOT_AVAILABLE, default_transport
+from kvxfer.backends.nixl_rbln import ADAPTER_ENV, NixlRblnBackend, load_adapter
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter, RblnAgent
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.descriptors import DescriptorTable
@@ -61,8 +56,8 @@ def test_without_nixl_rbln_device_to_device_is_refused(no_nixl_rbln: None) -> No
 def test_host_transport_falls_back_to_ucx_with_the_exact_line(
     no_nixl_rbln: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvxfer.backends.nixl_rbln"):
-        be = host_transport(_options())
+    with caplog.at_level(logging.INFO, logger="kvxfer.backends.host_bounce"):
+        be = default_transport(_options())
     try:
         assert isinstance(be, UcxBackend)
         warned = [r for r in caplog.records if r.getMessage() == NOT_AVAILABLE]
@@ -85,7 +80,7 @@ def test_environment_selects_the_emulation(
         assert emulation_lines and all(m.startswith("RBLN emulation:") for m in emulation_lines)
     finally:
         be.close()
-    host = host_transport(_options())  # with an adapter, host bounce rides it too
+    host = default_transport(_options())  # with an adapter, host bounce rides it too
     try:
         assert isinstance(host, NixlRblnBackend)
     finally:
