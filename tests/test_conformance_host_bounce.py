@@ -103,6 +103,23 @@ def test_device_memory_needs_a_copy_op() -> None:
         be.close()
 
 
+def test_a_failing_copy_op_is_a_backend_error() -> None:
+    def broken(direction: Any, region: int, blocks: Any, staging: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    cache = PatternCache(CacheShape(num_blocks=4, mem=MemKind.VRAM))
+    be = _over_fake(copy_op=broken)
+    try:
+        be.register(cache.layout)
+        ids = [np.array([0, 1], dtype=np.int64) for _ in cache.layout.groups]
+        for stage in (be.stage_out, be.stage_in):
+            with pytest.raises(BackendError, match=r"staging copy .* failed: CUDA") as info:
+                stage(ids)
+            assert isinstance(info.value.__cause__, RuntimeError)
+    finally:
+        be.close()
+
+
 def test_stage_copies_only_listed_blocks_of_strided_regions() -> None:
     cache = PatternCache(CacheShape(num_blocks=6))
     cache.fill(3)
