@@ -61,7 +61,8 @@ def _factory(choice: str) -> object:
             raise BackendError(f"RBLN adapter factory {choice!r} not found: {exc}") from exc
     named = {ep.name: ep for ep in entry_points(group=ADAPTER_GROUP)}
     if choice not in named:
-        known = ", ".join(sorted(named)) or "none installed"
+        # kvxfer declares "emulated" itself: none at all means stale package metadata.
+        known = ", ".join(sorted(named)) or "none installed; reinstall kvxfer (pip install -e .)"
         raise BackendError(
             f"unknown RBLN adapter {choice!r}: use 'nixl_rbln', 'module:factory' or a name "
             f"from the {ADAPTER_GROUP} entry points ({known})"

@@ -12,6 +12,7 @@ import os
 import sys
 import types
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +20,7 @@ import pytest
 
 from kvxfer.backend import BackendOptions
 from kvxfer.backends.host_bounce import NOT_AVAILABLE, default_transport
-from kvxfer.backends.nixl_rbln import ADAPTER_ENV, NixlRblnBackend, load_adapter
+from kvxfer.backends.nixl_rbln import ADAPTER_ENV, ADAPTER_GROUP, NixlRblnBackend, load_adapter
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter, RblnAgent
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.descriptors import DescriptorTable
@@ -105,12 +106,15 @@ def test_rails_and_stripe_width_reach_the_adapter() -> None:
 
 
 def test_adapter_selection_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "emulated" is a name in the adapters' entry-point group, not known to nixl_rbln.
+    named = {ep.name: ep.value for ep in entry_points(group=ADAPTER_GROUP)}
+    assert named.get("emulated") == "kvxfer.testing.rbln_emulation:EmulatedRblnAdapter"
     assert isinstance(load_adapter("emulated"), EmulatedRblnAdapter)
     assert isinstance(
         load_adapter("kvxfer.testing.rbln_emulation:EmulatedRblnAdapter"), EmulatedRblnAdapter
     )
     assert isinstance(EmulatedRblnAdapter(), RblnAdapter)
-    with pytest.raises(BackendError, match="unknown RBLN adapter"):
+    with pytest.raises(BackendError, match=r"unknown RBLN adapter 'gpu'.*emulated"):
         load_adapter("gpu")
     with pytest.raises(BackendError, match="not found"):
         load_adapter("kvxfer.testing.rbln_emulation:Nope")
