@@ -1,7 +1,7 @@
 """The NIXL edge: the one module that calls NIXL's Python API and reads its failures.
 
 * :func:`import_nixl` imports NIXL or raises the install hint;
-* :func:`nixl_error` and :class:`map_nixl_errors` turn what NIXL (or an adapter built
+* :func:`nixl_error` and :func:`map_nixl_errors` turn what NIXL (or an adapter built
   on it) raises into the most specific :mod:`kvxfer.errors` class, chained with
   ``raise ... from``; no other module classifies NIXL failures;
 * :class:`NixlEndpoint` is what a kvxfer NIXL backend drives: one data-plane endpoint
@@ -33,7 +33,7 @@ A :class:`~kvxfer.errors.KvxferError` passes unchanged; an exception that is not
 else is wrapped, never passed raw: a backend method raises kvxfer errors only.
 
 The post and poll paths call :func:`nixl_error` from a plain ``try``/``except`` (free
-when nothing fails) instead of entering :class:`map_nixl_errors`, whose ``with`` costs
+when nothing fails) instead of entering :func:`map_nixl_errors`, whose ``with`` costs
 two method calls per transfer or poll.
 """
 

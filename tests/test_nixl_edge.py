@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
+import nixl._bindings as bindings
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -35,8 +36,6 @@ from kvxfer.errors import (
 )
 from kvxfer.layout import MemKind
 from kvxfer.testing.patterns import CacheShape, PatternCache
-
-bindings: Any = pytest.importorskip("nixl._bindings")
 
 _names = itertools.count()
 
