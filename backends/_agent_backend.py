@@ -19,17 +19,19 @@ import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import Backend, BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
-from kvxfer.errors import BackendError, PeerError, RegistrationError
+from kvxfer.backends._nixl import NixlCall, NixlEndpoint, map_nixl_errors, nixl_error
+from kvxfer.errors import BackendError, KvxferError, PeerError, RegistrationError
 from kvxfer.layout import MemKind
 
 if TYPE_CHECKING:
-    from kvxfer.backends.rbln_adapter import RblnAgent
     from kvxfer.descriptors import DescriptorTable
     from kvxfer.layout import KVLayout
 
@@ -91,13 +93,13 @@ class AgentBackend(Backend):
 
     Args:
         options: The backend options (the agent is already named after them).
-        agent: The endpoint (see :class:`~kvxfer.backends.rbln_adapter.RblnAgent`).
+        agent: The endpoint (see :class:`~kvxfer.backends._nixl.NixlEndpoint`).
         description: What moves the bytes, for errors and logs ("NIXL plugin UCX").
     """
 
-    def __init__(self, options: BackendOptions, agent: RblnAgent, description: str) -> None:
+    def __init__(self, options: BackendOptions, agent: NixlEndpoint, description: str) -> None:
         self._options = options
-        self._agent: RblnAgent | None = agent
+        self._agent: NixlEndpoint | None = agent
         self._description = description
         self._lock = threading.RLock()
         self._registrations: list[object] = []
@@ -122,14 +124,24 @@ class AgentBackend(Backend):
     def agent_name(self) -> str:
         return self._options.agent_name
 
-    def _live(self) -> RblnAgent:
+    def _live(self) -> NixlEndpoint:
         if self._agent is None:
             raise BackendError(f"backend {self.agent_name} is closed")
         return self._agent
 
     def metadata(self) -> bytes:
         with self._lock:
-            return self._live().metadata()
+            agent = self._live()
+            with map_nixl_errors(NixlCall.START, f"{self._description}: agent metadata"):
+                return agent.metadata()
+
+    def _quietly(self, call: NixlCall, what: str, step: Callable[[], object], level: int) -> None:
+        """A teardown step whose failure is logged, not raised: nothing is left to undo."""
+        try:
+            with map_nixl_errors(call, what):
+                step()
+        except KvxferError as exc:
+            log.log(level, "%s", exc)
 
     # -- memory ---------------------------------------------------------------------
     def register(self, layout: KVLayout) -> KVLayout:
@@ -140,13 +152,12 @@ class AgentBackend(Backend):
             # Shards of one device are registered together; K/V of one tensor
             # interleave, and NIXL refuses overlapping ranges: register the union.
             for (kind, device), spans in region_extents(layout).items():
-                try:
+                what = (
+                    f"{self._description} refused {len(spans)} {kind.value} "
+                    f"range(s) on device {device}"
+                )
+                with map_nixl_errors(NixlCall.REGISTER, what):
                     reg = agent.register(kind, device, [(s, e - s) for s, e in spans])
-                except Exception as exc:
-                    raise RegistrationError(
-                        f"{self._description} refused {len(spans)} {kind.value} "
-                        f"range(s) on device {device}: {exc}"
-                    ) from exc
                 self._registrations.append(reg)
             self._registered = layout
             return layout
@@ -154,47 +165,54 @@ class AgentBackend(Backend):
     def prepare_local(self, table: DescriptorTable) -> None:
         with self._lock:
             agent = self._live()
-            if self._local is not None:
-                agent.release_descs(self._local)
-                self._local = None
-            try:
+            with map_nixl_errors(NixlCall.REGISTER, "could not prepare the local descriptors"):
+                if self._local is not None:
+                    agent.release_descs(self._local)
+                    self._local = None
                 self._local = agent.prep_descs(None, _mem_kind_of(table), _descs(table))
-            except RegistrationError:
-                raise
-            except Exception as exc:
-                raise RegistrationError(f"could not prepare the local descriptors: {exc}") from exc
 
     # -- peers ----------------------------------------------------------------------
     def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
         with self._lock:
             agent = self._live()
-            try:
+            with map_nixl_errors(NixlCall.PEER, f"{self._description} rejected a peer"):
                 name = PeerHandle(agent.add_remote(metadata))
-            except Exception as exc:
-                raise PeerError(f"{self._description} rejected a peer: {exc}") from exc
             old = self._peers.pop(name, None)
-            if old is not None:
-                agent.release_descs(old)
             try:
-                self._peers[name] = agent.prep_descs(name, _mem_kind_of(table), _descs(table))
-            except Exception as exc:
-                agent.remove_remote(name)
-                raise PeerError(f"could not prepare descriptors of peer {name}: {exc}") from exc
+                with map_nixl_errors(NixlCall.PEER, f"preparing descriptors of peer {name}"):
+                    if old is not None:
+                        agent.release_descs(old)
+                    self._peers[name] = agent.prep_descs(name, _mem_kind_of(table), _descs(table))
+            except KvxferError:
+                self._disconnect(agent, name)
+                raise
             return name
+
+    def _disconnect(self, agent: NixlEndpoint, peer: PeerHandle) -> None:
+        # The peer may be gone already: nothing to undo, so only logged.
+        self._quietly(
+            NixlCall.PEER,
+            f"removing peer {peer}",
+            partial(agent.remove_remote, peer),
+            logging.DEBUG,
+        )
 
     def remove_peer(self, peer: PeerHandle) -> None:
         with self._lock:
             prepared = self._peers.pop(peer, None)
-            if prepared is None or self._agent is None:
+            agent = self._agent
+            if prepared is None or agent is None:
                 return
             for handle, (xfer, owner) in list(self._xfers.items()):
                 if owner == peer:
                     self._release_locked(handle, xfer)
-            self._agent.release_descs(prepared)
-            try:
-                self._agent.remove_remote(peer)
-            except Exception as exc:  # the peer may be gone already; nothing to undo
-                log.debug("removing peer %s: %s", peer, exc)
+            self._quietly(
+                NixlCall.RELEASE,
+                f"releasing the descriptors of peer {peer}",
+                partial(agent.release_descs, prepared),
+                logging.WARNING,
+            )
+            self._disconnect(agent, peer)
 
     # -- transfers ------------------------------------------------------------------
     def post(
@@ -212,16 +230,14 @@ class AgentBackend(Backend):
                 raise PeerError(f"unknown or removed peer {peer!r}")
             if self._local is None:
                 raise RegistrationError("post before prepare_local")
+            # The hot path maps NIXL's failures inline (see kvxfer.backends._nixl).
             try:
                 xfer = agent.post(op, self._local, local_ids, remote, remote_ids, notification)
-            except BackendError:
+            except KvxferError:
                 raise
             except Exception as exc:
-                if "DISCONNECT" in str(exc):  # UCX's endpoint to a dead peer
-                    raise PeerError(f"peer {peer} disconnected during a {op.value}: {exc}") from exc
-                raise BackendError(
-                    f"{self._description} refused a {op.value} to {peer}: {exc}"
-                ) from exc
+                what = f"{self._description}: {op.value} to {peer}"
+                raise nixl_error(exc, NixlCall.POST, what) from exc
             handle = XferHandle(next(self._ids))
             self._xfers[handle] = (xfer, peer)
             return handle
@@ -236,8 +252,8 @@ class AgentBackend(Backend):
                 return XferStatus.FAILED
             try:
                 return self._agent.state(entry[0])
-            except Exception as exc:
-                log.warning("transfer %d to %s: %s", handle, entry[1], exc)
+            except Exception as exc:  # a poll answers FAILED (the contract), never raises
+                log.warning("transfer %d to %s: %r", handle, entry[1], exc)
                 return XferStatus.FAILED
         finally:
             self._lock.release()
@@ -250,8 +266,8 @@ class AgentBackend(Backend):
             self._agent.release_xfer(xfer)
         except Exception as exc:
             # NIXL refuses to release a request still in flight; it goes with the agent.
-            # Never let that turn into a crash of the caller.
-            log.debug("releasing transfer %d: %s", handle, exc)
+            # Never let that turn into a crash of the caller (a release never raises).
+            log.debug("releasing transfer %d: %r", handle, exc)
 
     def release(self, handle: XferHandle) -> None:
         with self._lock:
@@ -265,10 +281,8 @@ class AgentBackend(Backend):
             agent = self._live()
             if peer not in self._peers:
                 raise PeerError(f"unknown or removed peer {peer!r}")
-            try:
+            with map_nixl_errors(NixlCall.NOTIFY, f"could not notify {peer}"):
                 agent.send_notification(peer, payload)
-            except Exception as exc:
-                raise PeerError(f"could not notify {peer}: {exc}") from exc
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         # A poll, and the engine polls through it (freed(), progress(), waits). While
@@ -281,7 +295,12 @@ class AgentBackend(Backend):
         try:
             if self._agent is None:
                 return []
-            return self._agent.notifications()
+            try:
+                return self._agent.notifications()
+            except KvxferError:
+                raise
+            except Exception as exc:  # a poll: mapped inline, like post
+                raise nixl_error(exc, NixlCall.POLL, "reading notifications") from exc
         finally:
             self._lock.release()
 
@@ -298,14 +317,21 @@ class AgentBackend(Backend):
                 self._release_locked(handle, xfer)
             for peer in list(self._peers):
                 self.remove_peer(peer)
-            if self._local is not None:
-                agent.release_descs(self._local)
-                self._local = None
+            local, self._local = self._local, None
+            if local is not None:
+                self._quietly(
+                    NixlCall.RELEASE,
+                    "releasing the local descriptors",
+                    partial(agent.release_descs, local),
+                    logging.WARNING,
+                )
             for reg in self._registrations:
-                try:
-                    agent.deregister(reg)
-                except Exception as exc:
-                    log.warning("deregistering memory: %s", exc)
+                self._quietly(
+                    NixlCall.REGISTER,
+                    "deregistering memory",
+                    partial(agent.deregister, reg),
+                    logging.WARNING,
+                )
             self._registrations.clear()
             agent.close()
             self._agent = None

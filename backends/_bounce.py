@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import Backend, PeerHandle, XferHandle, XferOp, XferStatus
-from kvxfer.errors import KvxferError
+from kvxfer.errors import BackendError, KvxferError
 
 __all__ = ["Copier", "CopyDirection", "CopyTask", "Pipelined", "slice_ids"]
 
@@ -80,7 +80,14 @@ class Copier:
 
     def _serial(self, direction: CopyDirection, tasks: Sequence[CopyTask]) -> None:
         for task in tasks:
-            self._copy_one(direction, task)
+            try:
+                self._copy_one(direction, task)
+            except KvxferError:
+                raise
+            except Exception as exc:  # the engine's copy op (torch, CUDA, ...) failed
+                raise BackendError(
+                    f"staging copy {direction.value} of region {task[0]} failed: {exc}"
+                ) from exc
 
     def close(self) -> None:
         """Wait for queued copies and stop the threads."""

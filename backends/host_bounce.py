@@ -15,9 +15,11 @@ each slice's copy with the transfer of its neighbours (see
 engine's blocks, a WRITE stages its blocks out itself. :meth:`post` stays the plain
 staging-to-staging transfer of the inner transport.
 
-The inner transport is, by default, :func:`kvxfer.backends.nixl_rbln.host_transport`:
-nixl-rbln's backend when available, otherwise UCX after the log line
-``RBLN NIXL: nixl-rbln not available``. ``options.extra["transport"] = "ucx"`` pins UCX
+The inner transport is, by default, :func:`default_transport`: the ``nixl_rbln``
+backend when nixl-rbln is importable (or an adapter is configured, see
+:mod:`kvxfer.backends.nixl_rbln`), otherwise ``ucx`` after the warning
+``RBLN NIXL: nixl-rbln not available``; both are looked up in the backend registry, so
+this module imports no RBLN code. ``options.extra["transport"] = "ucx"`` pins UCX
 without trying nixl-rbln; a constructed backend can be passed as ``transport=``.
 
 Engine memory is reached through its address when it is host memory. Device memory
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -53,17 +56,32 @@ from kvxfer.backends._bounce import Copier, CopyDirection, CopyTask, Pipelined, 
 from kvxfer.errors import (
     BackendError,
     ConfigError,
+    MissingDependency,
     PlanError,
     RegistrationError,
     missing_dependency,
 )
 from kvxfer.layout import MemKind
+from kvxfer.registry import get_backend
 
 if TYPE_CHECKING:
     from kvxfer.descriptors import DescriptorTable
     from kvxfer.layout import KVLayout, Region
 
-__all__ = ["CopyDirection", "CopyOp", "HostBounceBackend", "host_block_view", "torch_copy_op"]
+__all__ = [
+    "NOT_AVAILABLE",
+    "CopyDirection",
+    "CopyOp",
+    "HostBounceBackend",
+    "default_transport",
+    "host_block_view",
+    "torch_copy_op",
+]
+
+log = logging.getLogger("kvxfer.backends.host_bounce")
+
+#: The exact log line of the fallback to UCX without nixl-rbln (operators grep for it).
+NOT_AVAILABLE = "RBLN NIXL: nixl-rbln not available"
 
 IntArray = npt.NDArray[np.int64]
 ByteArray = npt.NDArray[np.uint8]
@@ -134,17 +152,22 @@ def torch_copy_op(tensors: Sequence[Any]) -> CopyOp:
     return copy
 
 
-def _default_transport(options: BackendOptions) -> Backend:
+def default_transport(options: BackendOptions) -> Backend:
+    """The host-to-host transport host bounce uses unless given one (see the module
+    docstring); backends are looked up by name in :mod:`kvxfer.registry`."""
     choice = options.extra.get("transport", "auto")
     if choice == "ucx":
-        from kvxfer.backends.ucx import UcxBackend
-
-        return UcxBackend(options)
-    if choice == "auto":
-        from kvxfer.backends.nixl_rbln import host_transport
-
-        return host_transport(options)
-    raise BackendError(f"host_bounce: extra['transport']={choice!r}: use 'auto' or 'ucx'")
+        return get_backend("ucx")(options)
+    if choice != "auto":
+        raise BackendError(f"host_bounce: extra['transport']={choice!r}: use 'auto' or 'ucx'")
+    try:
+        return get_backend("nixl_rbln")(options)
+    except MissingDependency as exc:
+        if exc.name != "nixl_rbln":  # NIXL itself is missing: UCX could not run either
+            raise
+        log.warning(NOT_AVAILABLE)
+        log.debug("nixl-rbln import failure: %s", exc)
+    return get_backend("ucx")(options)
 
 
 def _int_option(options: BackendOptions, key: str, default: int, low: int) -> int:
@@ -192,7 +215,7 @@ class HostBounceBackend(Backend):
             if transport is not None:
                 transport.close()  # it was handed over to this backend
             raise
-        self._transport = transport if transport is not None else _default_transport(options)
+        self._transport = transport if transport is not None else default_transport(options)
         self._copy_op = copy_op
         self._lock = threading.Lock()
         self._engine: KVLayout | None = None

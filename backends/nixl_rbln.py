@@ -15,13 +15,15 @@ Which adapter is used, first match wins:
 4. the installed ``nixl_rbln`` module (its ``kvxfer_adapter()`` if it has one, else
    NIXL's ``"RBLN"`` plugin through :class:`~kvxfer.backends.rbln_adapter.NixlAgentAdapter`).
 
-Values for 2 and 3: ``"nixl_rbln"`` (the default, as 4), ``"emulated"`` (the emulation
-in :mod:`kvxfer.testing.rbln_emulation`, host memory standing in for the NPU), or
-``"package.module:factory"`` for any callable returning an adapter.
+Values for 2 and 3: ``"nixl_rbln"`` (the default, as 4), ``"package.module:factory"``
+for any callable returning an adapter, or the name of an entry point in the
+``kvxfer.rbln_adapters`` group (a factory as well). kvxfer declares one there:
+``emulated``, the emulation in :mod:`kvxfer.testing.rbln_emulation` (host memory
+standing in for the NPU); this module never imports it.
 
 Without nixl-rbln, device-to-device is refused with
-:class:`~kvxfer.errors.MissingDependency`; host bounce calls :func:`host_transport`,
-which logs ``RBLN NIXL: nixl-rbln not available`` and falls back to UCX.
+:class:`~kvxfer.errors.MissingDependency` (its ``name`` is ``"nixl_rbln"``); host bounce
+then falls back to UCX (see :mod:`kvxfer.backends.host_bounce`).
 """
 
 from __future__ import annotations
@@ -29,43 +31,59 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from importlib.metadata import entry_points
 from typing import ClassVar
 
-from kvxfer.backend import Backend, BackendOptions, Capabilities
+from kvxfer.backend import BackendOptions, Capabilities
 from kvxfer.backends._agent_backend import AgentBackend
+from kvxfer.backends._nixl import NixlCall, map_nixl_errors
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter
-from kvxfer.backends.ucx import UcxBackend
 from kvxfer.errors import BackendError, MissingDependency
 from kvxfer.layout import MemKind
 
-__all__ = [
-    "ADAPTER_ENV",
-    "NOT_AVAILABLE",
-    "NixlRblnBackend",
-    "host_transport",
-    "load_adapter",
-]
+__all__ = ["ADAPTER_ENV", "ADAPTER_GROUP", "NixlRblnBackend", "load_adapter"]
 
 log = logging.getLogger("kvxfer.backends.nixl_rbln")
 
 #: Environment variable selecting the adapter (see the module docstring).
 ADAPTER_ENV = "KVXFER_RBLN_ADAPTER"
-#: The exact log line of the host-bounce fallback to UCX (operators grep for it).
-NOT_AVAILABLE = "RBLN NIXL: nixl-rbln not available"
+#: Entry-point group of named adapter factories (``emulated`` is kvxfer's own).
+ADAPTER_GROUP = "kvxfer.rbln_adapters"
+
+
+def _factory(choice: str) -> object:
+    """The adapter factory a ``module:factory`` path or an entry-point name stands for."""
+    if ":" in choice:
+        module_name, _, attr = choice.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise BackendError(f"RBLN adapter factory {choice!r} not found: {exc}") from exc
+    named = {ep.name: ep for ep in entry_points(group=ADAPTER_GROUP)}
+    if choice not in named:
+        # kvxfer declares "emulated" itself: none at all means stale package metadata.
+        known = ", ".join(sorted(named)) or "none installed; reinstall kvxfer (pip install -e .)"
+        raise BackendError(
+            f"unknown RBLN adapter {choice!r}: use 'nixl_rbln', 'module:factory' or a name "
+            f"from the {ADAPTER_GROUP} entry points ({known})"
+        )
+    try:
+        return named[choice].load()
+    except (ImportError, AttributeError) as exc:
+        raise BackendError(
+            f"RBLN adapter {choice!r} ({named[choice].value}) not found: {exc}"
+        ) from exc
 
 
 def load_adapter(selection: str | None = None) -> RblnAdapter:
     """Load the RBLN adapter named by ``selection`` (see the module docstring).
 
     Raises:
-        MissingDependency: nixl-rbln is not importable (the real adapter was asked for).
+        MissingDependency: nixl-rbln is not importable (the real adapter was asked for);
+            its ``name`` is ``"nixl_rbln"``.
         BackendError: an unknown selection, or a factory not returning an adapter.
     """
     choice = (selection or "nixl_rbln").strip()
-    if choice == "emulated":
-        from kvxfer.testing.rbln_emulation import EmulatedRblnAdapter
-
-        return EmulatedRblnAdapter()
     if choice == "nixl_rbln":
         try:
             module = importlib.import_module("nixl_rbln")
@@ -73,21 +91,16 @@ def load_adapter(selection: str | None = None) -> RblnAdapter:
             raise MissingDependency(
                 'nixl-rbln is required for kv_buffer_device "rbln" (device-to-device), but '
                 f"the Python module nixl_rbln could not be imported ({exc}); install nixl-rbln "
-                'with the RBLN SDK, or use kv_buffer_device "cpu" (host bounce over UCX)'
+                'with the RBLN SDK, or use kv_buffer_device "cpu" (host bounce over UCX)',
+                name="nixl_rbln",
             ) from exc
         factory = getattr(module, "kvxfer_adapter", None)
         adapter = factory() if callable(factory) else NixlAgentAdapter("RBLN")
-    elif ":" in choice:
-        module_name, _, attr = choice.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise BackendError(f"RBLN adapter factory {choice!r} not found: {exc}") from exc
-        adapter = factory()
     else:
-        raise BackendError(
-            f"unknown RBLN adapter {choice!r}: use 'nixl_rbln', 'emulated' or 'module:factory'"
-        )
+        factory = _factory(choice)
+        if not callable(factory):
+            raise BackendError(f"RBLN adapter {choice!r} is not callable")
+        adapter = factory()
     if not isinstance(adapter, RblnAdapter):
         raise BackendError(f"RBLN adapter {choice!r} does not implement kvxfer's RblnAdapter")
     return adapter
@@ -95,22 +108,6 @@ def load_adapter(selection: str | None = None) -> RblnAdapter:
 
 def _selection(options: BackendOptions) -> str | None:
     return options.extra.get("rbln_adapter") or os.environ.get(ADAPTER_ENV) or None
-
-
-def host_transport(options: BackendOptions, *, adapter: RblnAdapter | None = None) -> Backend:
-    """The host-to-host transport for host bounce on an RBLN deployment.
-
-    nixl-rbln's backend when an adapter is available, else UCX, after logging exactly
-    ``RBLN NIXL: nixl-rbln not available``.
-    """
-    if adapter is None:
-        try:
-            adapter = load_adapter(_selection(options))
-        except MissingDependency as exc:
-            log.warning(NOT_AVAILABLE)
-            log.debug("nixl-rbln import failure: %s", exc)
-            return UcxBackend(options)
-    return NixlRblnBackend(options, adapter=adapter)
 
 
 class NixlRblnBackend(AgentBackend):
@@ -129,19 +126,14 @@ class NixlRblnBackend(AgentBackend):
 
     def __init__(self, options: BackendOptions, *, adapter: RblnAdapter | None = None) -> None:
         self.adapter = adapter if adapter is not None else load_adapter(_selection(options))
-        try:
+        what = f"{self.adapter.description}: could not start agent {options.agent_name}"
+        with map_nixl_errors(NixlCall.START, what):
             agent = self.adapter.create_agent(
                 options.agent_name,
                 rails=options.rails,
                 stripe_width=options.stripe_width,
                 progress_thread=options.progress_thread,
             )
-        except BackendError:
-            raise
-        except Exception as exc:  # adapters raise their own (NIXL: bare RuntimeError)
-            raise BackendError(
-                f"{self.adapter.description}: could not start agent {options.agent_name}: {exc}"
-            ) from exc
         log.info("RBLN NIXL: agent %s on %s", options.agent_name, self.adapter.description)
         super().__init__(options, agent, self.adapter.description)
 

@@ -12,19 +12,15 @@ import os
 import sys
 import types
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
 from kvxfer.backend import BackendOptions
-from kvxfer.backends.nixl_rbln import (
-    ADAPTER_ENV,
-    NOT_AVAILABLE,
-    NixlRblnBackend,
-    host_transport,
-    load_adapter,
-)
+from kvxfer.backends.host_bounce import NOT_AVAILABLE, default_transport
+from kvxfer.backends.nixl_rbln import ADAPTER_ENV, ADAPTER_GROUP, NixlRblnBackend, load_adapter
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter, RblnAgent
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.descriptors import DescriptorTable
@@ -61,8 +57,8 @@ def test_without_nixl_rbln_device_to_device_is_refused(no_nixl_rbln: None) -> No
 def test_host_transport_falls_back_to_ucx_with_the_exact_line(
     no_nixl_rbln: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="kvxfer.backends.nixl_rbln"):
-        be = host_transport(_options())
+    with caplog.at_level(logging.INFO, logger="kvxfer.backends.host_bounce"):
+        be = default_transport(_options())
     try:
         assert isinstance(be, UcxBackend)
         warned = [r for r in caplog.records if r.getMessage() == NOT_AVAILABLE]
@@ -85,7 +81,7 @@ def test_environment_selects_the_emulation(
         assert emulation_lines and all(m.startswith("RBLN emulation:") for m in emulation_lines)
     finally:
         be.close()
-    host = host_transport(_options())  # with an adapter, host bounce rides it too
+    host = default_transport(_options())  # with an adapter, host bounce rides it too
     try:
         assert isinstance(host, NixlRblnBackend)
     finally:
@@ -110,12 +106,15 @@ def test_rails_and_stripe_width_reach_the_adapter() -> None:
 
 
 def test_adapter_selection_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "emulated" is a name in the adapters' entry-point group, not known to nixl_rbln.
+    named = {ep.name: ep.value for ep in entry_points(group=ADAPTER_GROUP)}
+    assert named.get("emulated") == "kvxfer.testing.rbln_emulation:EmulatedRblnAdapter"
     assert isinstance(load_adapter("emulated"), EmulatedRblnAdapter)
     assert isinstance(
         load_adapter("kvxfer.testing.rbln_emulation:EmulatedRblnAdapter"), EmulatedRblnAdapter
     )
     assert isinstance(EmulatedRblnAdapter(), RblnAdapter)
-    with pytest.raises(BackendError, match="unknown RBLN adapter"):
+    with pytest.raises(BackendError, match=r"unknown RBLN adapter 'gpu'.*emulated"):
         load_adapter("gpu")
     with pytest.raises(BackendError, match="not found"):
         load_adapter("kvxfer.testing.rbln_emulation:Nope")

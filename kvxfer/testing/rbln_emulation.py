@@ -15,6 +15,10 @@ Select the emulation with any of::
     BackendOptions(..., extra={"rbln_adapter": "emulated"})
     KVXFER_RBLN_ADAPTER=emulated        # environment, e.g. for whole processes
 
+``emulated`` is this class's name in the ``kvxfer.rbln_adapters`` entry-point group
+(kvxfer's ``pyproject.toml``): production code finds it there by name and never imports
+this module.
+
 Every log line it writes starts with ``RBLN emulation:``.
 """
 

@@ -1,0 +1,383 @@
+"""The NIXL edge: the one module that calls NIXL's Python API and reads its failures.
+
+* :func:`import_nixl` imports NIXL or raises the install hint;
+* :func:`nixl_error` and :func:`map_nixl_errors` turn what NIXL (or an adapter built
+  on it) raises into the most specific :mod:`kvxfer.errors` class, chained with
+  ``raise ... from``; no other module classifies NIXL failures;
+* :class:`NixlEndpoint` is what a kvxfer NIXL backend drives: one data-plane endpoint
+  (the nixl-rbln adapter's agents implement it too);
+* :class:`PluginAgent` is that endpoint on a ``nixl_agent`` with one backend plugin,
+  made by :func:`start_plugin_agent` (``ucx`` uses NIXL's UCX plugin, nixl-rbln its
+  ``"RBLN"`` plugin).
+
+How failures map (:func:`nixl_error`), by what NIXL raised and what the call was doing
+(:class:`NixlCall`):
+
+=============================  =============================================
+NIXL raises                    kvxfer raises
+=============================  =============================================
+``nixlRemoteDisconnectError``  :class:`~kvxfer.errors.PeerError`
+``nixlNotFoundError``          :class:`~kvxfer.errors.PeerError` in a call that
+                               names a peer (an unknown remote); else the call's class
+``nixlCancelledError``         :class:`~kvxfer.errors.TransferError`
+anything else                  the call's class: :class:`~kvxfer.errors.RegistrationError`
+                               (memory), :class:`~kvxfer.errors.PeerError` (peers,
+                               notifications), :class:`~kvxfer.errors.BackendError`
+                               (start, post, poll, release): invalid parameters,
+                               plugin faults, ``nixl._api``'s own ``KeyError`` or
+                               ``RuntimeError``, an adapter's own exceptions
+=============================  =============================================
+
+A :class:`~kvxfer.errors.KvxferError` passes unchanged; an exception that is not an
+``Exception`` (``KeyboardInterrupt``, ``SystemExit``) passes untouched. Everything
+else is wrapped, never passed raw: a backend method raises kvxfer errors only.
+
+The post and poll paths call :func:`nixl_error` from a plain ``try``/``except`` (free
+when nothing fails) instead of entering :func:`map_nixl_errors`, whose ``with`` costs
+two method calls per transfer or poll.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.backend import XferOp, XferStatus
+from kvxfer.errors import (
+    BackendError,
+    KvxferError,
+    PeerError,
+    RegistrationError,
+    TransferError,
+    missing_dependency,
+)
+from kvxfer.layout import MemKind
+
+__all__ = [
+    "NixlCall",
+    "NixlEndpoint",
+    "NixlErrorMap",
+    "PluginAgent",
+    "import_nixl",
+    "map_nixl_errors",
+    "nixl_error",
+    "start_plugin_agent",
+]
+
+
+def import_nixl() -> Any:
+    """Import NIXL's Python API: ``(nixl_agent, nixl_agent_config)``.
+
+    Raises:
+        MissingDependency: NIXL is not installed (with the ``pip install`` hint).
+    """
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise missing_dependency("nixl", "nixl", exc) from exc
+    return nixl_agent, nixl_agent_config
+
+
+# -- failures ---------------------------------------------------------------------------
+class NixlCall(enum.Enum):
+    """What a NIXL call was doing: picks the kvxfer error its failures become."""
+
+    START = "start"  # creating an agent or its plugin backend; reading its metadata
+    REGISTER = "register"  # (de)registering memory, preparing the local descriptors
+    PEER = "peer"  # loading or removing a peer, preparing its descriptors
+    POST = "post"  # making and posting a transfer
+    POLL = "poll"  # a transfer's state, received notifications
+    RELEASE = "release"  # releasing a transfer or a prepared list
+    NOTIFY = "notify"  # sending a notification
+
+
+_CALL_ERROR: dict[NixlCall, type[KvxferError]] = {
+    NixlCall.START: BackendError,
+    NixlCall.REGISTER: RegistrationError,
+    NixlCall.PEER: PeerError,
+    NixlCall.POST: BackendError,
+    NixlCall.POLL: BackendError,
+    NixlCall.RELEASE: BackendError,
+    NixlCall.NOTIFY: PeerError,
+}
+#: Calls that name a remote agent: NIXL's "not found" there means an unknown peer.
+_PEER_CALLS = frozenset({NixlCall.PEER, NixlCall.POST, NixlCall.NOTIFY})
+
+# NIXL's binding exceptions (nixl_cu12._bindings, nixl_cu13._bindings, ...: one class
+# per wheel) are told apart by name; every other one maps by the call alone.
+_DISCONNECT = "nixlRemoteDisconnectError"
+_NOT_FOUND = "nixlNotFoundError"
+_CANCELLED = "nixlCancelledError"
+
+
+def _nixl_kind(exc: BaseException) -> str | None:
+    """Name of the NIXL binding exception ``exc`` is, or None."""
+    for cls in type(exc).__mro__:
+        if cls.__module__.startswith("nixl"):
+            return cls.__name__
+    return None
+
+
+def nixl_error(exc: BaseException, call: NixlCall, what: str) -> KvxferError:
+    """The kvxfer error a failed NIXL call stands for (see the module docstring).
+
+    Args:
+        exc: What the call raised.
+        call: What it was doing.
+        what: The action, for the message ("NIXL plugin UCX: READ to peer p").
+
+    Returns:
+        ``exc`` itself when it is a kvxfer error already, else a new error whose
+        message names the action and NIXL's own error; raise it ``from exc``.
+    """
+    if isinstance(exc, KvxferError):
+        return exc
+    kind = _nixl_kind(exc)
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if kind == _DISCONNECT:
+        return PeerError(f"{what}: the peer disconnected ({detail})")
+    if kind == _NOT_FOUND and call in _PEER_CALLS:
+        return PeerError(f"{what}: NIXL does not know the peer ({detail})")
+    if kind == _CANCELLED:
+        return TransferError(f"{what}: the transfer was cancelled ({detail})")
+    return _CALL_ERROR[call](f"{what}: {detail}")
+
+
+class NixlErrorMap:
+    """What :func:`map_nixl_errors` returns: the context manager itself."""
+
+    __slots__ = ("call", "what")
+
+    def __init__(self, call: NixlCall, what: str) -> None:
+        self.call = call
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None or isinstance(exc, KvxferError) or not isinstance(exc, Exception):
+            return
+        raise nixl_error(exc, self.call, self.what) from exc
+
+
+def map_nixl_errors(call: NixlCall, what: str) -> NixlErrorMap:
+    """Context manager: a failure inside becomes :func:`nixl_error`'s kvxfer error.
+
+    ``with map_nixl_errors(NixlCall.PEER, "loading a peer"): agent.add_remote(md)``
+
+    Args:
+        call: What the calls inside do.
+        what: The action, for the message.
+    """
+    return NixlErrorMap(call, what)
+
+
+# -- the endpoint -----------------------------------------------------------------------
+@runtime_checkable
+class NixlEndpoint(Protocol):
+    """One data-plane endpoint of a NIXL-style agent (one per kvxfer backend).
+
+    Everything crossing this boundary is a kvxfer type, a number, bytes or a numpy
+    array; the endpoint's own handles stay opaque. Methods may raise anything: the
+    backend maps failures with :func:`nixl_error` at its edge.
+    """
+
+    @property
+    def name(self) -> str:
+        """The agent's name, as peers see it in notifications."""
+
+    def metadata(self) -> bytes:
+        """Connection blob a peer passes to :meth:`add_remote`."""
+
+    def register(self, mem: MemKind, device: int, spans: Sequence[tuple[int, int]]) -> object:
+        """Register ``(start, length)`` byte ranges of one device; returns a handle."""
+
+    def deregister(self, registration: object) -> None:
+        """Undo one :meth:`register`."""
+
+    def prep_descs(self, agent: str | None, mem: MemKind, descs: npt.NDArray[np.uint64]) -> object:
+        """Prepare an ``N×3`` ``(addr, length, device)`` list; ``agent`` None is local."""
+
+    def release_descs(self, prepared: object) -> None:
+        """Release a prepared list."""
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name."""
+
+    def remove_remote(self, agent: str) -> None:
+        """Forget a peer and disconnect from it."""
+
+    def post(
+        self,
+        op: XferOp,
+        local: object,
+        local_ids: npt.NDArray[np.int64],
+        remote: object,
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes,
+    ) -> object:
+        """Create and start one transfer of paired prepared descriptors; returns a handle."""
+
+    def state(self, xfer: object) -> XferStatus:
+        """Non-blocking state of a transfer (drives progress)."""
+
+    def release_xfer(self, xfer: object) -> None:
+        """Release a transfer handle."""
+
+    def send_notification(self, agent: str, payload: bytes) -> None:
+        """Send a message to a peer outside any transfer."""
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as ``(agent name, payload)``."""
+
+    def close(self) -> None:
+        """Release the agent itself (everything else was released before)."""
+
+
+_OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
+
+
+def _text(name: Any) -> str:
+    # NIXL's binding hands agent names back as bytes; kvxfer keys peers by str.
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+class PluginAgent:
+    """:class:`NixlEndpoint` over a ``nixl._api.nixl_agent`` with one backend plugin.
+
+    A thin shape adapter (kvxfer types in, NIXL's calls out); its NIXL failures reach
+    the caller raw, for the backend's edge to map.
+
+    Args:
+        agent: The ``nixl_agent``, its plugin backend created.
+        plugin: The plugin every call is pinned to (``"UCX"``, ``"RBLN"``).
+        mem_names: NIXL memory type of each :class:`~kvxfer.layout.MemKind`.
+    """
+
+    def __init__(self, agent: Any, plugin: str, mem_names: Mapping[MemKind, str]) -> None:
+        self._agent = agent
+        self._plugin = plugin
+        self._plugins = [plugin]
+        self._mem = dict(mem_names)
+
+    @property
+    def name(self) -> str:
+        return str(self._agent.name)
+
+    def metadata(self) -> bytes:
+        blob: bytes = self._agent.get_agent_metadata()
+        return blob
+
+    def register(self, mem: MemKind, device: int, spans: Sequence[tuple[int, int]]) -> object:
+        descs = [(start, length, device, "") for start, length in spans]
+        return self._agent.register_memory(descs, self._mem[mem], self._plugins)
+
+    def deregister(self, registration: object) -> None:
+        self._agent.deregister_memory(registration, self._plugins)
+
+    def prep_descs(self, agent: str | None, mem: MemKind, descs: npt.NDArray[np.uint64]) -> object:
+        return self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT" if agent is None else agent,
+            np.ascontiguousarray(descs, dtype=np.uint64),
+            self._mem[mem],
+            self._plugins,
+        )
+
+    def release_descs(self, prepared: object) -> None:
+        prepared.release()  # type: ignore[attr-defined]
+
+    def add_remote(self, metadata: bytes) -> str:
+        return _text(self._agent.add_remote_agent(metadata))
+
+    def remove_remote(self, agent: str) -> None:
+        self._agent.remove_remote_agent(agent)
+
+    def post(
+        self,
+        op: XferOp,
+        local: object,
+        local_ids: npt.NDArray[np.int64],
+        remote: object,
+        remote_ids: npt.NDArray[np.int64],
+        notification: bytes,
+    ) -> object:
+        xfer = self._agent.make_prepped_xfer(
+            _OPS[op],
+            local,
+            np.ascontiguousarray(local_ids, dtype=np.int32),
+            remote,
+            np.ascontiguousarray(remote_ids, dtype=np.int32),
+            notification,
+            self._plugins,
+        )
+        if self._agent.transfer(xfer) == "ERR":
+            xfer.release()
+            raise BackendError(f"NIXL {self._plugin} failed to post a {op.value}")
+        return xfer
+
+    def state(self, xfer: object) -> XferStatus:
+        state = self._agent.check_xfer_state(xfer)
+        if state == "DONE":
+            return XferStatus.DONE
+        if state == "PROC":
+            return XferStatus.PENDING
+        return XferStatus.FAILED
+
+    def release_xfer(self, xfer: object) -> None:
+        xfer.release()  # type: ignore[attr-defined]
+
+    def send_notification(self, agent: str, payload: bytes) -> None:
+        self._agent.send_notif(agent, payload)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        notifs: dict[Any, list[bytes]] = self._agent.get_new_notifs()
+        return [(_text(name), msg) for name, msgs in notifs.items() for msg in msgs]
+
+    def close(self) -> None:
+        self._agent = None
+
+
+def start_plugin_agent(
+    name: str,
+    plugin: str,
+    *,
+    params: Mapping[str, str],
+    progress_thread: bool,
+    mem_names: Mapping[MemKind, str],
+) -> PluginAgent:
+    """Start a NIXL agent named ``name`` with one ``plugin`` backend.
+
+    NIXL's listener thread stays off: metadata travels in kvxfer's handshake.
+
+    Args:
+        name: The agent's name (peers address it by this name).
+        plugin: The NIXL backend plugin.
+        params: The plugin's init parameters.
+        progress_thread: NIXL's own progress thread (it spins a core while idle).
+        mem_names: NIXL memory type of each :class:`~kvxfer.layout.MemKind`.
+
+    Raises:
+        MissingDependency: NIXL is not installed.
+        BackendError: NIXL could not start the agent, or has no such plugin here.
+    """
+    nixl_agent, nixl_agent_config = import_nixl()
+    conf = nixl_agent_config(
+        enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[]
+    )
+    with map_nixl_errors(NixlCall.START, f"could not start a NIXL agent with {plugin}"):
+        agent = nixl_agent(name, conf)
+        if plugin not in agent.plugin_list:
+            raise BackendError(f"NIXL has no {plugin} plugin here (plugins: {agent.plugin_list})")
+        agent.create_backend(plugin, dict(params))
+    return PluginAgent(agent, plugin, mem_names)

@@ -1,0 +1,302 @@
+"""The NIXL edge (kvxfer.backends._nixl): how NIXL's failures become kvxfer errors, and
+the import rules of the backends package.
+
+The translation is checked with NIXL's own exception classes (the installed binding's),
+then with failures provoked from a real NIXL agent, then through a backend's hot path.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import nixl._bindings as bindings
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvxfer.backend import BackendOptions, Capabilities, PeerHandle, XferOp, XferStatus
+from kvxfer.backends._agent_backend import AgentBackend
+from kvxfer.backends._nixl import NixlCall, map_nixl_errors, nixl_error, start_plugin_agent
+from kvxfer.backends.host_bounce import NOT_AVAILABLE, HostBounceBackend
+from kvxfer.backends.nixl_rbln import ADAPTER_ENV
+from kvxfer.descriptors import DescriptorTable
+from kvxfer.errors import (
+    BackendError,
+    KvxferError,
+    MissingDependency,
+    PeerError,
+    RegistrationError,
+    TransferError,
+)
+from kvxfer.layout import MemKind
+from kvxfer.testing.patterns import CacheShape, PatternCache
+
+_names = itertools.count()
+
+# Every exception class the installed NIXL binding declares, and what it maps to in a
+# call that names a peer (a post) and in one that does not (a registration).
+_EXPECTED: dict[str, tuple[type[KvxferError], type[KvxferError]]] = {
+    "nixlRemoteDisconnectError": (PeerError, PeerError),
+    "nixlNotFoundError": (PeerError, RegistrationError),
+    "nixlCancelledError": (TransferError, TransferError),
+    "nixlInvalidParamError": (BackendError, RegistrationError),
+    "nixlBackendError": (BackendError, RegistrationError),
+    "nixlMismatchError": (BackendError, RegistrationError),
+    "nixlNotAllowedError": (BackendError, RegistrationError),
+    "nixlNotSupportedError": (BackendError, RegistrationError),
+    "nixlNotPostedError": (BackendError, RegistrationError),
+    "nixlRepostActiveError": (BackendError, RegistrationError),
+    "nixlNoTelemetryError": (BackendError, RegistrationError),
+    "nixlUnknownError": (BackendError, RegistrationError),
+}
+
+
+def test_every_binding_exception_is_in_the_table() -> None:
+    declared = {
+        name
+        for name in dir(bindings)
+        if isinstance(getattr(bindings, name), type)
+        and issubclass(getattr(bindings, name), BaseException)
+    }
+    assert declared == set(_EXPECTED), "NIXL's exception classes changed: review nixl_error"
+
+
+@pytest.mark.parametrize("name", sorted(_EXPECTED))
+def test_each_nixl_exception_maps_to_its_kvxfer_error(name: str) -> None:
+    cls = getattr(bindings, name)
+    on_post, on_register = _EXPECTED[name]
+    for call, expected in ((NixlCall.POST, on_post), (NixlCall.REGISTER, on_register)):
+        raised = cls("NIXL_ERR_SOMETHING")
+        with pytest.raises(KvxferError) as info, map_nixl_errors(call, "doing it"):
+            raise raised
+        assert type(info.value) is expected, (name, call)
+        assert info.value.__cause__ is raised
+        assert "doing it" in str(info.value) and name in str(info.value)
+        # The inline form of the hot paths is the same translation.
+        assert type(nixl_error(raised, call, "doing it")) is expected
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (NixlCall.START, BackendError),
+        (NixlCall.REGISTER, RegistrationError),
+        (NixlCall.PEER, PeerError),
+        (NixlCall.POST, BackendError),
+        (NixlCall.POLL, BackendError),
+        (NixlCall.RELEASE, BackendError),
+        (NixlCall.NOTIFY, PeerError),
+    ],
+)
+def test_other_exceptions_take_the_calls_class(call: NixlCall, expected: type[KvxferError]) -> None:
+    # What nixl._api raises itself (KeyError for an unknown memory type, RuntimeError
+    # without plugins) and an adapter's own exceptions: wrapped, never passed raw.
+    for raised in (KeyError("FOO"), RuntimeError("no plugins"), OSError("adapter says no")):
+        with pytest.raises(KvxferError) as info, map_nixl_errors(call, "x"):
+            raise raised
+        assert type(info.value) is expected and info.value.__cause__ is raised
+
+
+def test_kvxfer_errors_pass_unchanged_and_interrupts_untouched() -> None:
+    mine = RegistrationError("already registered")
+    with pytest.raises(RegistrationError) as info, map_nixl_errors(NixlCall.PEER, "x"):
+        raise mine
+    assert info.value is mine and info.value.__cause__ is None
+    assert nixl_error(mine, NixlCall.POST, "x") is mine
+    with pytest.raises(KeyboardInterrupt), map_nixl_errors(NixlCall.POST, "x"):
+        raise KeyboardInterrupt
+    with map_nixl_errors(NixlCall.POST, "x"):
+        pass  # nothing raised: nothing happens
+
+
+# -- failures provoked from a real NIXL agent ------------------------------------------
+def _agent() -> Any:
+    return start_plugin_agent(
+        f"edge-{os.getpid()}-{next(_names)}",
+        "UCX",
+        params={},
+        progress_thread=False,
+        mem_names={MemKind.DRAM: "DRAM", MemKind.VRAM: "DRAM"},
+    )
+
+
+def test_real_nixl_failures_map_by_meaning() -> None:
+    agent = _agent()
+    buf = np.zeros(4096, dtype=np.uint8)
+    descs = np.array([[buf.ctypes.data, 1024, 0]], dtype=np.uint64)
+    # Metadata that is not NIXL's: nixlMismatchError, a rejected peer.
+    with pytest.raises(PeerError) as info, map_nixl_errors(NixlCall.PEER, "loading a peer"):
+        agent.add_remote(b"not nixl metadata")
+    assert type(info.value.__cause__).__name__ == "nixlMismatchError"
+    # Descriptors of a remote NIXL never heard of: nixlNotFoundError, an unknown peer.
+    with pytest.raises(PeerError) as info, map_nixl_errors(NixlCall.PEER, "preparing"):
+        agent.prep_descs("nobody", MemKind.DRAM, descs)
+    assert type(info.value.__cause__).__name__ == "nixlNotFoundError"
+    # Deregistering twice: nixlNotFoundError again, but about memory this time.
+    reg = agent.register(MemKind.DRAM, 0, [(buf.ctypes.data, buf.nbytes)])
+    agent.deregister(reg)
+    with pytest.raises(RegistrationError), map_nixl_errors(NixlCall.REGISTER, "deregistering"):
+        agent.deregister(reg)
+    # A plugin NIXL does not have: the clear BackendError, not NIXL's own.
+    with pytest.raises(BackendError, match="no NOPE plugin"):
+        start_plugin_agent("edge-nope", "NOPE", params={}, progress_thread=False, mem_names={})
+    agent.close()
+
+
+# -- through a backend's hot path ------------------------------------------------------
+class _Failing:
+    """A NixlEndpoint whose transfer calls raise what NIXL raises."""
+
+    def __init__(self, on_post: BaseException, on_state: BaseException | None = None) -> None:
+        self.on_post, self.on_state = on_post, on_state
+        self.name = "failing"
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def register(self, mem: MemKind, device: int, spans: Any) -> object:
+        return object()
+
+    def deregister(self, registration: object) -> None:
+        pass
+
+    def prep_descs(self, agent: str | None, mem: MemKind, descs: npt.NDArray[np.uint64]) -> object:
+        return object()
+
+    def release_descs(self, prepared: object) -> None:
+        pass
+
+    def add_remote(self, metadata: bytes) -> str:
+        return "peer"
+
+    def remove_remote(self, agent: str) -> None:
+        raise bindings.nixlNotFoundError("NIXL_ERR_NOT_FOUND")  # logged, never raised
+
+    def post(self, op: XferOp, *args: object) -> object:
+        if self.on_post is not None:
+            raise self.on_post
+        return object()
+
+    def state(self, xfer: object) -> XferStatus:
+        if self.on_state is not None:
+            raise self.on_state
+        return XferStatus.DONE
+
+    def release_xfer(self, xfer: object) -> None:
+        raise bindings.nixlRepostActiveError("NIXL_ERR_REPOST_ACTIVE")  # in flight
+
+    def send_notification(self, agent: str, payload: bytes) -> None:
+        raise bindings.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        raise bindings.nixlBackendError("NIXL_ERR_BACKEND")
+
+    def close(self) -> None:
+        pass
+
+
+class _Backend(AgentBackend):
+    name: ClassVar[str] = "edge-test"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            name=self.name, mem_kinds=frozenset({MemKind.DRAM}), device_to_device=False
+        )
+
+
+def _connected(endpoint: _Failing) -> tuple[_Backend, PeerHandle]:
+    be = _Backend(BackendOptions(agent_name="edge"), endpoint, "test endpoint")
+    table = DescriptorTable.build(be.register(PatternCache(CacheShape(num_blocks=4)).layout))
+    be.prepare_local(table)
+    return be, be.add_peer(b"md", table)
+
+
+def test_a_disconnect_during_post_is_a_peer_error() -> None:
+    be, peer = _connected(
+        _Failing(bindings.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT"))
+    )
+    ids = np.arange(2, dtype=np.int64)
+    with pytest.raises(PeerError, match="disconnected"):
+        be.post(XferOp.READ, peer, ids, ids)
+    with pytest.raises(PeerError):
+        be.notify(peer, b"x")
+    with pytest.raises(BackendError):
+        be.drain_notifications()
+    be.close()
+
+
+def test_a_refused_post_is_a_backend_error_and_a_failed_poll_is_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    endpoint = _Failing(bindings.nixlInvalidParamError("NIXL_ERR_INVALID_PARAM"))
+    be, peer = _connected(endpoint)
+    ids = np.arange(2, dtype=np.int64)
+    with pytest.raises(BackendError, match="read to peer: nixlInvalidParamError"):
+        be.post(XferOp.READ, peer, ids, ids)
+    endpoint.on_post = None  # type: ignore[assignment]
+    endpoint.on_state = bindings.nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+    handle = be.post(XferOp.WRITE, peer, ids, ids)
+    with caplog.at_level(logging.WARNING, logger="kvxfer.backends"):
+        assert be.status(handle) is XferStatus.FAILED  # a poll answers, never raises
+    assert any("nixlRemoteDisconnectError" in m for m in caplog.messages)
+    be.release(handle)  # NIXL refusing the release is logged, not raised
+    be.remove_peer(peer)  # so is a peer NIXL already forgot
+    be.close()
+
+
+# -- the transport host bounce picks ---------------------------------------------------
+def test_without_nixl_host_bounce_raises_the_nixl_hint_not_the_rbln_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ADAPTER_ENV, "emulated")
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # from nixl._api import -> ImportError
+    with caplog.at_level(logging.DEBUG), pytest.raises(MissingDependency, match="kvxfer\\[nixl\\]"):
+        HostBounceBackend(BackendOptions(agent_name=f"edge-{os.getpid()}-{next(_names)}"))
+    assert NOT_AVAILABLE not in caplog.messages
+
+
+# -- import rules ----------------------------------------------------------------------
+_BACKENDS = Path(__file__).resolve().parent.parent / "backends"
+_RBLN = {"kvxfer.backends.rbln_adapter", "kvxfer.backends.nixl_rbln"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy and TYPE_CHECKING ones too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_backends_import_no_testing_code_and_no_rbln_code_below_rbln() -> None:
+    graph = {
+        f"kvxfer.backends.{p.stem}": {
+            m for m in _imports(p) if m.startswith("kvxfer.backends.") and m.count(".") == 2
+        }
+        for p in _BACKENDS.glob("*.py")
+        if p.stem != "__init__"
+    }
+    for p in _BACKENDS.glob("*.py"):
+        assert not [m for m in _imports(p) if m.startswith("kvxfer.testing")], p.name
+    for generic in ("ucx", "host_bounce", "_bounce", "_agent_backend", "_nixl"):
+        assert not graph[f"kvxfer.backends.{generic}"] & _RBLN, generic
+
+    # No circle: a depth-first walk never comes back to a module on its own path.
+    def walk(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, " -> ".join((*path, module))
+        for nxt in graph.get(module, ()):
+            walk(nxt, (*path, module))
+
+    for module in graph:
+        walk(module, ())
