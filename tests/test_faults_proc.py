@@ -85,7 +85,7 @@ def test_ucx_a_strangers_release_does_not_free_a_live_lease(
     fp = Fingerprint(
         model="test/model",
         dtype="bfloat16",
-        kv_cache_dtype="auto",
+        kv_cache_dtype="bfloat16",
         attention_backend="test",
         direction=Direction.PULL,
     )
