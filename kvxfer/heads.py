@@ -330,8 +330,10 @@ def check_head_layouts(
         region_heads(remote, remote_heads, remote_rank)
     except LayoutError as exc:
         raise LayoutError(f"remote: {exc}") from None
-    if max(mine_per, theirs_per) > 1 and local.kv_layout != remote.kv_layout:
-        # With one head per region NHD and HND are the same bytes; with more they are not.
+    if mine_per == theirs_per > 1 and local.kv_layout != remote.kv_layout:
+        # Regions of several heads pair whole: their interiors must agree. (With one
+        # head per region NHD and HND are the same bytes; regions of different widths
+        # are refused by map_regions, naming the head slice.)
         raise LayoutMismatch("kv_layout", local.kv_layout, remote.kv_layout)
     layers = len({k[0] for k in mine_keys}), len({k[0] for k in theirs_keys})
     if layers[0] != layers[1]:
