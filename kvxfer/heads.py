@@ -58,6 +58,7 @@ from kvxfer.layout import KVLayout, KVPart, SplitAxis
 __all__ = [
     "HeadLayout",
     "RegionSource",
+    "TPRank",
     "check_head_layouts",
     "map_regions",
     "needed_ranks",
@@ -150,10 +151,39 @@ class HeadLayout(msgspec.Struct, frozen=True, kw_only=True):
             return f"{kind} tp_size={self.tp_size} (each head on {self.replicas} ranks)"
         return f"{kind} tp_size={self.tp_size} ({self.heads_per_rank} heads per rank)"
 
+    def for_tp_size(self, tp_size: int) -> HeadLayout:
+        """The same model's heads split over ``tp_size`` ranks (a peer's, from its
+        ticket's ``tp_size``).
+
+        Raises:
+            ConfigError: ``tp_size`` cannot split this many heads (named rule).
+        """
+        return HeadLayout(num_kv_heads=self.num_kv_heads, tp_size=tp_size, latent=self.latent)
+
     @staticmethod
     def _check(key: str, value: Any, bound: int) -> None:
         if not _is_int(value) or not 0 <= value < bound:
             raise ConfigError(key, value, f"must be an int in [0, {bound})")
+
+
+class TPRank(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank of a TP group, as the handshake carries it.
+
+    Attributes:
+        heads: the group's head layout.
+        rank: this rank, in ``[0, heads.tp_size)``.
+    """
+
+    heads: HeadLayout
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.heads, HeadLayout):
+            raise ConfigError("heads", self.heads, "must be a HeadLayout")
+        if not _is_int(self.rank) or not 0 <= self.rank < self.heads.tp_size:
+            raise ConfigError(
+                "tp_rank", self.rank, f"must be an int in [0, tp_size={self.heads.tp_size})"
+            )
 
 
 def _check_pair(local: HeadLayout, remote: HeadLayout) -> None:
