@@ -1,4 +1,4 @@
-"""The algebra of KV heads across tensor-parallel ranks (R-TP-1..3).
+"""The algebra of KV heads across tensor-parallel ranks (R-TP-1, R-TP-2, R-TP-4).
 
 A tensor-parallel (TP) group of ``tp_size`` ranks splits a model's ``num_kv_heads``
 KV heads between its ranks (:class:`HeadLayout`):
@@ -47,7 +47,7 @@ connector likewise asks for an HND cache across TP sizes).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -63,6 +63,7 @@ __all__ = [
     "map_regions",
     "needed_ranks",
     "place_heads",
+    "reader_ranks",
     "region_heads",
     "source_ranks",
 ]
@@ -224,6 +225,19 @@ def needed_ranks(
 ) -> tuple[int, ...]:
     """The producer ranks ``consumer_rank`` reads from (handshakes with), ascending."""
     return tuple(sorted(set(source_ranks(consumer, consumer_rank, producer, salt=salt).values())))
+
+
+def reader_ranks(
+    producer: HeadLayout, producer_rank: int, consumer: HeadLayout, *, salt: int = 0
+) -> tuple[int, ...]:
+    """The consumer ranks that read from ``producer_rank`` (push: the ranks it writes
+    into), ascending: the inverse of :func:`needed_ranks`."""
+    producer.heads_of(producer_rank)  # a bad rank is named before the scan
+    return tuple(
+        c
+        for c in range(consumer.tp_size)
+        if producer_rank in needed_ranks(consumer, c, producer, salt=salt)
+    )
 
 
 def _keys(layout: KVLayout) -> dict[_Key, list[int]]:
@@ -413,11 +427,13 @@ def map_regions(
     remote_heads: HeadLayout,
     local_rank: int,
     salt: int = 0,
+    only: Collection[int] | None = None,
 ) -> tuple[RegionSource, ...]:
     """The producer rank and region supplying each consumer region, in table order.
 
     ``remotes`` maps producer ranks to their layouts; it must hold at least
-    :func:`needed_ranks`. Run :func:`check_head_layouts` on each pair first.
+    :func:`needed_ranks` (those in ``only`` when given: then only the consumer regions
+    those ranks supply are mapped). Run :func:`check_head_layouts` on each pair first.
 
     Raises:
         ConfigError: a needed producer rank is missing, or a consumer region and its
@@ -425,14 +441,15 @@ def map_regions(
         LayoutError: a layout disagrees with its head layout.
     """
     ranks = source_ranks(local_heads, local_rank, remote_heads, salt=salt)
-    missing = sorted(set(ranks.values()) - set(remotes))
+    wanted = set(ranks.values()) if only is None else set(only)
+    missing = sorted(wanted - set(remotes))
     if missing:
         raise ConfigError(
             "remote layouts", sorted(remotes), f"need producer ranks {missing} as well"
         )
     mine = region_heads(local, local_heads, local_rank)
     index: dict[tuple[int, int, KVPart, int, int], tuple[int, range]] = {}
-    for p in sorted(set(ranks.values())):
+    for p in sorted(wanted):
         held = region_heads(remotes[p], remote_heads, p)
         for j, (r, hs) in enumerate(zip(remotes[p].regions, held)):
             for h in hs:
@@ -440,6 +457,8 @@ def map_regions(
     out: list[RegionSource] = []
     for i, (r, hs) in enumerate(zip(local.regions, mine)):
         p = ranks[hs.start]
+        if p not in wanted:
+            continue
         found = index.get((p, r.layer, r.part, r.shard, hs.start))
         if found is None:
             where = f"regions of layer {r.layer} {r.part.name} shard {r.shard}"

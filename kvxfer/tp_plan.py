@@ -1,4 +1,4 @@
-"""Transfer plans across tensor-parallel sizes (R-TP-1..2).
+"""Transfer plans across tensor-parallel sizes (R-TP-1, R-TP-2).
 
 A consumer rank whose heads live on several producer ranks moves one request with
 one :class:`~kvxfer.descriptors.Plan` per producer rank. :class:`TPPlanner` is built
@@ -18,7 +18,7 @@ the tables' addresses when the planner is built.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import msgspec
 import numpy as np
@@ -80,8 +80,9 @@ class TPPlanner:
     Attributes:
         local: the consumer rank's full table.
         remotes: the producer ranks' full tables, by rank.
-        sources: per consumer region, the producer rank and region it reads.
-        ranks: the producer ranks this consumer rank reads from, ascending.
+        sources: per consumer region planned, the producer rank and region it reads.
+        ranks: the producer ranks planned (all this consumer rank reads from, unless
+            ``only`` restricted them), ascending.
     """
 
     local: DescriptorTable
@@ -100,6 +101,7 @@ class TPPlanner:
         remote_heads: HeadLayout,
         local_rank: int,
         salt: int = 0,
+        only: Collection[int] | None = None,
     ) -> TPPlanner:
         """Match regions and prepare the per-rank sub-tables.
 
@@ -111,6 +113,8 @@ class TPPlanner:
             remote_heads: the producer's TP head layout.
             local_rank: the consumer's TP rank.
             salt: spreads replicated heads (see :func:`~kvxfer.heads.source_ranks`).
+            only: plan only these producer ranks' parts (push: a producer rank plans
+                its own writes into a consumer rank, holding only its own table).
 
         Raises:
             LayoutMismatch: the layouts cannot exchange heads (named field).
@@ -119,6 +123,14 @@ class TPPlanner:
             PlanError: a remote table was built with other options.
         """
         ranks = needed_ranks(local_heads, local_rank, remote_heads, salt=salt)
+        if only is not None:
+            if not set(only) <= set(ranks):
+                raise ConfigError(
+                    "only",
+                    sorted(only),
+                    f"consumer rank {local_rank} reads from producer ranks {list(ranks)} only",
+                )
+            ranks = tuple(p for p in ranks if p in set(only))
         missing = [p for p in ranks if p not in remotes]
         if missing:
             raise ConfigError(
@@ -145,6 +157,7 @@ class TPPlanner:
             remote_heads=remote_heads,
             local_rank=local_rank,
             salt=salt,
+            only=ranks,
         )
         tables = []
         for p in ranks:

@@ -1,4 +1,4 @@
-"""Properties of the head algebra and of plans across TP sizes (R-TP-1..2).
+"""Properties of the head algebra and of plans across TP sizes (R-TP-1..3).
 
 The oracle is written from what the bytes mean, not from the mapping: every byte of
 every rank's cache is labelled with the (layer, K/V, head, token, byte-in-head, block)
@@ -25,6 +25,7 @@ from kvxfer.heads import (
     map_regions,
     needed_ranks,
     place_heads,
+    reader_ranks,
     region_heads,
     source_ranks,
 )
@@ -103,6 +104,21 @@ def _execute(case: tps.TPCase) -> None:
             count[r][b, o : o + k] += 1
         # The merged runs move the same bytes as the descriptors.
         assert rp.runs().nbytes == plan.nbytes
+        # Push: producer rank p, holding only its own table, plans the same pairs.
+        assert case.consumer_rank in reader_ranks(
+            case.producer, rp.rank, case.consumer, salt=case.salt
+        )
+        (push,) = TPPlanner.build(
+            local,
+            {rp.rank: table},
+            local_heads=case.consumer,
+            remote_heads=case.producer,
+            local_rank=case.consumer_rank,
+            salt=case.salt,
+            only=(rp.rank,),
+        ).plan(lb, rb, n)
+        assert np.array_equal(push.plan.local_ids, plan.local_ids)
+        assert np.array_equal(push.plan.remote_ids, plan.remote_ids)
     # The bytes an equal-TP plan writes into this rank's cache (build_plan's selection).
     ref = build_plan(local, local, lb, lb, n)
     want = [np.zeros((nb, r.block_len), dtype=bool) for r in case.local.regions]
@@ -147,6 +163,10 @@ def test_replicas_spread_over_producer_ranks_and_equal_tp_pairs_rank_with_rank(
         # Over salts, one consumer rank reaches every replica.
         salted = {source_ranks(consumer, takers[0], producer, salt=s)[h] for s in range(8)}
         assert salted == set(holders)
+    for p in range(producer.tp_size):
+        readers = reader_ranks(producer, p, consumer)
+        for c in range(consumer.tp_size):
+            assert (p in needed_ranks(consumer, c, producer)) == (c in readers)
     same = HeadLayout(num_kv_heads=n, tp_size=producer.tp_size)
     for r in range(same.tp_size):
         assert needed_ranks(same, r, same) == (r,)

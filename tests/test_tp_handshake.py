@@ -1,4 +1,4 @@
-"""The TP vocabulary of the handshake, the ticket and the compatibility check (R-TP-3).
+"""The TP vocabulary of the handshake, the ticket and the compatibility check (R-TP-4).
 
 Two ranks that say where they sit in their TP groups (``Hello.tp`` / ``Welcome.tp``)
 are compared by global head layout; without that, region by region as before.

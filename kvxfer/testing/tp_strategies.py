@@ -1,4 +1,4 @@
-"""Hypothesis strategies for KV transfers across tensor-parallel sizes (R-TP-2).
+"""Hypothesis strategies for KV transfers across tensor-parallel sizes (R-TP-3).
 
 Engines property-test their own head mapping with these, as with
 :mod:`kvxfer.testing.strategies`::
