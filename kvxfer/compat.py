@@ -19,10 +19,11 @@ import msgspec
 
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.errors import ConfigError, LayoutMismatch
+from kvxfer.heads import TPRank, check_head_layouts
 from kvxfer.layout import KVLayout
 from kvxfer.types import Direction
 
-__all__ = ["Fingerprint", "check_layout"]
+__all__ = ["Fingerprint", "check_layout", "check_pair"]
 
 
 class Fingerprint(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,3 +97,35 @@ def check_layout(local: KVLayout, remote: KVLayout) -> None:
     difference = local.first_difference(remote)
     if difference is not None:
         raise LayoutMismatch(*difference)
+
+
+def check_pair(
+    local: KVLayout,
+    remote: KVLayout,
+    *,
+    local_tp: TPRank | None = None,
+    remote_tp: TPRank | None = None,
+) -> None:
+    """Raise if two ranks cannot exchange KV: the handshake's layout check.
+
+    When both sides say where they sit in their TP groups, their *global head
+    layouts* are compared (:func:`~kvxfer.heads.check_head_layouts`: the same model
+    heads and bytes per head; TP sizes and regions may differ). When either side
+    does not (a peer of an earlier build, an engine without TP), the layouts must
+    agree region by region (:func:`check_layout`), which pairs rank *r* with rank *r*.
+
+    Raises:
+        LayoutMismatch: naming the first differing field and both values.
+        LayoutError: a layout disagrees with its own head layout.
+    """
+    if local_tp is None or remote_tp is None:
+        check_layout(local, remote)
+        return
+    check_head_layouts(
+        local,
+        remote,
+        local_heads=local_tp.heads,
+        remote_heads=remote_tp.heads,
+        local_rank=local_tp.rank,
+        remote_rank=remote_tp.rank,
+    )

@@ -34,7 +34,7 @@ import msgspec
 
 from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION, __version__
-from kvxfer.compat import check_layout
+from kvxfer.compat import check_pair
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import (
     AuthError,
@@ -42,12 +42,14 @@ from kvxfer.errors import (
     HandshakeError,
     HandshakeRejected,
     KvxferError,
+    LayoutError,
     LayoutMismatch,
     LeaseError,
     PeerError,
     ProtocolVersionError,
     WireError,
 )
+from kvxfer.heads import TPRank
 from kvxfer.layout import KVLayout
 from kvxfer.types import Direction, Role
 from kvxfer.wire import Message, RejectCode
@@ -85,6 +87,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     compat_hash: str
     address: str = ""
     guard: wire.GuardTable | None = None
+    tp: TPRank | None = None
 
 
 def roles_pair(initiator: Role, responder: Role, direction: Direction) -> bool:
@@ -326,12 +329,14 @@ class Responder:
                 f"{welcome.role.value}",
             )
         try:
-            check_layout(welcome.layout, hello.layout)
+            check_pair(welcome.layout, hello.layout, local_tp=welcome.tp, remote_tp=hello.tp)
         except LayoutMismatch as exc:
             raise _Refusal(
                 RejectCode.LAYOUT,
                 f"KV layout differs at {exc.field}: ours {exc.local!r}, yours {exc.remote!r}",
             ) from exc
+        except LayoutError as exc:
+            raise _Refusal(RejectCode.LAYOUT, str(exc)) from exc
         return welcome
 
     def _pong(self, ping: wire.Ping) -> wire.Pong:
@@ -539,7 +544,7 @@ class Initiator:
                 f"{message.role.value}; a {mine.direction.value} {mine.role.value} cannot "
                 "pair with it"
             )
-        check_layout(self.local_layout, message.layout)
+        check_pair(self.local_layout, message.layout, local_tp=mine.tp, remote_tp=message.tp)
         return PeerInfo(
             engine_id=message.engine_id,
             incarnation=message.incarnation,
@@ -554,4 +559,5 @@ class Initiator:
             compat_hash=compat_hash,
             address=self.address,
             guard=message.guard,
+            tp=message.tp,
         )

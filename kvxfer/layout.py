@@ -118,6 +118,10 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
         part: keys, values or packed KV.
         shard: which shard of the block (see :class:`SplitAxis`).
         group: index into :attr:`KVLayout.groups`.
+        head: the global KV head index when a region holds one head's K or V (caches
+            whose block interior is head-major are described one region per
+            (layer, K/V, head), so that inside a region a block is token-major);
+            0 when a region holds every head of its layer.
     """
 
     base: int
@@ -130,6 +134,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
     part: KVPart = KVPart.KV
     shard: int = 0
     group: int = 0
+    head: int = 0
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -141,6 +146,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
             ("layer", 0),
             ("shard", 0),
             ("group", 0),
+            ("head", 0),
         ):
             _check_int("Region", name, getattr(self, name), minimum)
         if self.stride < self.block_len:
@@ -218,7 +224,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
         tokens = self.tokens_per_desc
         num_blocks = self.regions[0].num_blocks
-        seen: set[tuple[int, KVPart, int]] = set()
+        seen: set[tuple[int, KVPart, int, int]] = set()
         used_groups: set[int] = set()
         for i, r in enumerate(self.regions):
             owner = f"KVLayout.regions[{i}]"
@@ -234,9 +240,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                 raise _bad(owner, "shard", r.shard, f"must be < num_shards ({self.num_shards})")
             if r.group >= len(self.groups):
                 raise _bad(owner, "group", r.group, f"must be < len(groups) ({len(self.groups)})")
-            key = (r.layer, r.part, r.shard)
+            key = (r.layer, r.part, r.shard, r.head)
             if key in seen:
-                raise _bad(owner, "layer", r.layer, f"duplicate (layer, part, shard) {key}")
+                raise _bad(owner, "layer", r.layer, f"duplicate (layer, part, shard, head) {key}")
             seen.add(key)
             used_groups.add(r.group)
         for g in range(len(self.groups)):
@@ -294,7 +300,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             where = f"regions[{i}] (layer {a.layer} {a.part.name})"
             # Identity before size: a block_len difference is only meaningful between
             # regions that hold the same layer's same part.
-            for name in ("layer", "part", "shard", "group", "mem"):
+            for name in ("layer", "part", "shard", "group", "head", "mem"):
                 mine, theirs = getattr(a, name), getattr(b, name)
                 if mine != theirs:
                     return f"{where}.{name}", mine, theirs

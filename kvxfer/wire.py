@@ -58,6 +58,7 @@ from kvxfer.errors import (
     ProtocolVersionError,
     WireError,
 )
+from kvxfer.heads import TPRank
 from kvxfer.layout import KVLayout
 from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
 
@@ -187,6 +188,9 @@ class Hello(WireMessage, frozen=True, kw_only=True, tag="hello"):
     direction: Direction
     layout: KVLayout
     rails: Rails = ()
+    #: Where the sender sits in its TP group (None: an earlier build, or no TP
+    #: mapping wanted; layouts are then compared region by region).
+    tp: TPRank | None = None
 
 
 class Welcome(WireMessage, frozen=True, kw_only=True, tag="welcome"):
@@ -205,6 +209,8 @@ class Welcome(WireMessage, frozen=True, kw_only=True, tag="welcome"):
     #: Fail-closed pulls: where this producer's hold generations live (None: a
     #: producer of an earlier build, or a backend that cannot expose one).
     guard: GuardTable | None = None
+    #: Where the responder sits in its TP group (see Hello.tp).
+    tp: TPRank | None = None
 
 
 class Reject(WireMessage, frozen=True, kw_only=True, tag="reject"):

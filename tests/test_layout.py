@@ -97,7 +97,7 @@ def test_group_window_iff_sliding() -> None:
         ({"regions": (region(group=1),)}, r"regions\[0\].group=1: must be < len\(groups\)"),
         (
             {"regions": (region(), region(base=1 << 20))},
-            r"regions\[1\].layer=0: duplicate \(layer, part, shard\)",
+            r"regions\[1\].layer=0: duplicate \(layer, part, shard, head\)",
         ),
         (
             {"groups": (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=4))},
