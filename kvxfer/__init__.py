@@ -5,15 +5,16 @@ torch, zmq, pyverbs or vllm. Those load where they are used.
 
 The embedding API in one glance::
 
-    from kvxfer import Agent, AgentConfig, Direction, Fingerprint, KVLayout, Role
+    from kvxfer import Agent, AgentConfig, Direction, Fingerprint, Role
 
     fingerprint = Fingerprint(model="org/model", dtype="bfloat16", kv_cache_dtype="bfloat16",
                               attention_backend="my-engine", direction=Direction.PULL)
     config = AgentConfig(engine_id="prefill-0", fingerprint=fingerprint, role=Role.PRODUCER,
+                         direction=fingerprint.direction,  # must equal it
                          side_channel_host="10.0.0.12")  # routable: it goes into tickets
     with Agent(config) as agent:
-        # per layer (2, num_blocks, block_size, kv_heads, head_dim); keep them alive
-        agent.register(KVLayout.from_kv_caches(kv_caches, block_size=16))
+        # per layer (2, num_blocks, block_size, kv_heads, head_dim); kept alive until close
+        agent.register_tensors(kv_caches, block_size=16)
         agent.serve()
         ticket = agent.hold("req-1", block_ids, num_tokens)   # to the router
         ...

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvxfer import blocks
 from kvxfer.blocks import block_array, block_groups, describe, to_wire
 from kvxfer.errors import PlanError
 
@@ -106,3 +107,50 @@ def test_groups_name_the_group_of_a_bad_id() -> None:
 def test_describe_is_log_sized() -> None:
     assert describe([1, 2]) == "invalid blocks: [1, 2]"
     assert describe(np.arange(20)) == "20 invalid blocks: [0, 1, 2, 3] ... [18, 19]"
+
+
+# -- check_counts: block counts against num_tokens ----------------------------------------
+
+
+def _g(*counts: int) -> blocks.Groups:
+    return tuple(np.arange(n, dtype=np.int64) for n in counts)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "cached", "count"),
+    [(0, 0, 0), (1, 0, 1), (16, 0, 1), (17, 0, 2), (100, 0, 7), (100, 2, 5), (100, 7, 0)],
+)
+def test_check_counts_accepts_exactly_the_blocks_the_tokens_fill(
+    num_tokens: int, cached: int, count: int
+) -> None:
+    got = blocks.check_counts(
+        _g(count, count), num_tokens=num_tokens, block_size=16, cached_blocks=cached
+    )
+    assert got == count
+
+
+@pytest.mark.parametrize(
+    ("groups", "num_tokens", "cached", "match"),
+    [
+        (_g(3), 100, 0, r"group 0\): 3 block\(s\) given; num_tokens=100 fills 7 .* exactly 7"),
+        (_g(4), 48, 0, r"4 block\(s\) given; num_tokens=48 fills 3"),
+        (_g(3, 2), 48, 0, r"group 1\): 2 block\(s\)"),
+        (_g(3), 48, 1, r"cached_blocks=1, so exactly 2"),
+        (_g(0), 48, 4, r"cached_blocks=4: more than the 3 block"),
+        (_g(1), -1, 0, r"num_tokens=-1: must be a non-negative int"),
+        (_g(1), 16, -1, r"cached_blocks=-1: must be a non-negative int"),
+        (_g(1), True, 0, r"num_tokens=True"),
+    ],
+)
+def test_check_counts_refuses_with_the_counts_named(
+    groups: blocks.Groups, num_tokens: int, cached: int, match: str
+) -> None:
+    with pytest.raises(PlanError, match=match):
+        blocks.check_counts(groups, num_tokens=num_tokens, block_size=16, cached_blocks=cached)
+
+
+def test_check_counts_lets_a_sliding_group_name_fewer_never_more() -> None:
+    sliding = [False, True]
+    assert blocks.check_counts(_g(7, 2), num_tokens=100, block_size=16, sliding=sliding) == 7
+    with pytest.raises(PlanError, match=r"group 1\): 8 block\(s\).*at most 7"):
+        blocks.check_counts(_g(7, 8), num_tokens=100, block_size=16, sliding=sliding)
