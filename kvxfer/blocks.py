@@ -236,8 +236,10 @@ def check_counts(
             breaks the rule, with the counts.
     """
     for key, value in (("num_tokens", num_tokens), ("cached_blocks", cached_blocks)):
-        if type(value) is not int or value < 0:
+        # numpy integers are integers; a bool or a float is a mistake, never converted
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise PlanError(f"{key}={value!r}: must be a non-negative int")
+    num_tokens, cached_blocks = int(num_tokens), int(cached_blocks)
     filled = -(-num_tokens // block_size)
     expected = filled - cached_blocks
     if expected < 0:

@@ -140,6 +140,7 @@ def test_check_counts_accepts_exactly_the_blocks_the_tokens_fill(
         (_g(1), -1, 0, r"num_tokens=-1: must be a non-negative int"),
         (_g(1), 16, -1, r"cached_blocks=-1: must be a non-negative int"),
         (_g(1), True, 0, r"num_tokens=True"),
+        (_g(1), 16.0, 0, r"num_tokens=16\.0"),
     ],
 )
 def test_check_counts_refuses_with_the_counts_named(
@@ -149,8 +150,36 @@ def test_check_counts_refuses_with_the_counts_named(
         blocks.check_counts(groups, num_tokens=num_tokens, block_size=16, cached_blocks=cached)
 
 
+def test_check_counts_takes_numpy_integers() -> None:
+    assert blocks.check_counts(_g(2), num_tokens=np.int64(17), block_size=16) == 2  # type: ignore[arg-type]
+
+
 def test_check_counts_lets_a_sliding_group_name_fewer_never_more() -> None:
     sliding = [False, True]
     assert blocks.check_counts(_g(7, 2), num_tokens=100, block_size=16, sliding=sliding) == 7
     with pytest.raises(PlanError, match=r"group 1\): 8 block\(s\).*at most 7"):
         blocks.check_counts(_g(7, 8), num_tokens=100, block_size=16, sliding=sliding)
+
+
+def test_pair_remote_pairs_by_token_position_cut_or_not() -> None:
+    local = (np.array([20, 21, 22]),)
+    full = (np.array([1, 2, 3, 4, 5]),)  # a hold's list: blocks 0..4 of 70 tokens
+    cut = (np.array([3, 4, 5]),)  # the same ticket cut to the suffix
+    for remote in (full, cut):
+        got = blocks.pair_remote(local, remote, num_tokens=70, remote_num_tokens=70, block_size=16)
+        assert got[0].tolist() == [3, 4, 5]
+    shared = np.array([1, 2, 3, 4, 5])
+    got = blocks.pair_remote(
+        (local[0], local[0]), (shared, shared), num_tokens=70, remote_num_tokens=70, block_size=16
+    )
+    assert got[0] is got[1]  # identical groups stay one array
+    with pytest.raises(PlanError, match=r"holds blocks 2\.\.4 of its 70 tokens"):
+        blocks.pair_remote(
+            (np.array([9, 8, 7, 6]),), cut, num_tokens=70, remote_num_tokens=70, block_size=16
+        )
+    with pytest.raises(PlanError, match="more than the ticket's 70 tokens"):
+        blocks.pair_remote(local, full, num_tokens=80, remote_num_tokens=70, block_size=16)
+    with pytest.raises(PlanError, match="1 KV group"):
+        blocks.pair_remote(
+            (local[0], local[0]), full, num_tokens=70, remote_num_tokens=70, block_size=16
+        )
