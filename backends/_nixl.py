@@ -40,6 +40,7 @@ two method calls per transfer or poll.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
@@ -76,6 +77,10 @@ def import_nixl() -> Any:
     Raises:
         MissingDependency: NIXL is not installed (with the ``pip install`` hint).
     """
+    # NIXL logs at INFO to stdout (an agent's creation, each backend instantiated):
+    # noise in an engine's output. Warnings and errors stay; a NIXL_LOG_LEVEL the
+    # user set wins. Read by NIXL's Python logger and its C++ library at import.
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:

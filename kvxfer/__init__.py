@@ -5,15 +5,16 @@ torch, zmq, pyverbs or vllm. Those load where they are used.
 
 The embedding API in one glance::
 
-    from kvxfer import Agent, AgentConfig, Direction, Fingerprint, KVLayout, Role
+    from kvxfer import Agent, AgentConfig, Direction, Fingerprint, Role
 
     fingerprint = Fingerprint(model="org/model", dtype="bfloat16", kv_cache_dtype="bfloat16",
                               attention_backend="my-engine", direction=Direction.PULL)
     config = AgentConfig(engine_id="prefill-0", fingerprint=fingerprint, role=Role.PRODUCER,
+                         direction=fingerprint.direction,  # must equal it
                          side_channel_host="10.0.0.12")  # routable: it goes into tickets
     with Agent(config) as agent:
-        # per layer (2, num_blocks, block_size, kv_heads, head_dim); keep them alive
-        agent.register(KVLayout.from_kv_caches(kv_caches, block_size=16))
+        # per layer (2, num_blocks, block_size, kv_heads, head_dim); kept alive until close
+        agent.register_tensors(kv_caches, block_size=16)
         agent.serve()
         ticket = agent.hold("req-1", block_ids, num_tokens)   # to the router
         ...
@@ -26,7 +27,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvxfer._version import PROTOCOL_VERSION, __version__
+from kvxfer._version import PROTOCOL_VERSION as PROTOCOL_VERSION
+from kvxfer._version import __version__ as __version__
 from kvxfer.errors import *
 from kvxfer.errors import __all__ as _errors_all
 
@@ -90,20 +92,33 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
+    # "X as X": an explicit re-export, so `from kvxfer import Agent` passes
+    # mypy --strict (no_implicit_reexport) in the user's code.
+    from kvxfer.adapters.vllm.kv_transfer_config import BufferDevice as BufferDevice
+    from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig as TransferConfig
     from kvxfer.adapters.vllm.kv_transfer_config import (
-        BufferDevice,
-        TransferConfig,
-        parse_kv_transfer_config,
+        parse_kv_transfer_config as parse_kv_transfer_config,
     )
-    from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
-    from kvxfer.compat import Fingerprint, check_layout
-    from kvxfer.descriptors import (
-        DescriptorTable,
-        Plan,
-        PlanOptions,
-        build_plan,
-        chunk_size,
-    )
-    from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
-    from kvxfer.transfer import Transfer, TransferState, TransferStats
-    from kvxfer.types import Direction, Role
+    from kvxfer.agent import Agent as Agent
+    from kvxfer.agent import AgentConfig as AgentConfig
+    from kvxfer.agent import PushPost as PushPost
+    from kvxfer.agent import Ticket as Ticket
+    from kvxfer.compat import Fingerprint as Fingerprint
+    from kvxfer.compat import check_layout as check_layout
+    from kvxfer.descriptors import DescriptorTable as DescriptorTable
+    from kvxfer.descriptors import Plan as Plan
+    from kvxfer.descriptors import PlanOptions as PlanOptions
+    from kvxfer.descriptors import build_plan as build_plan
+    from kvxfer.descriptors import chunk_size as chunk_size
+    from kvxfer.layout import Group as Group
+    from kvxfer.layout import GroupKind as GroupKind
+    from kvxfer.layout import KVLayout as KVLayout
+    from kvxfer.layout import KVPart as KVPart
+    from kvxfer.layout import MemKind as MemKind
+    from kvxfer.layout import Region as Region
+    from kvxfer.layout import SplitAxis as SplitAxis
+    from kvxfer.transfer import Transfer as Transfer
+    from kvxfer.transfer import TransferState as TransferState
+    from kvxfer.transfer import TransferStats as TransferStats
+    from kvxfer.types import Direction as Direction
+    from kvxfer.types import Role as Role

@@ -2,8 +2,8 @@
 
 An engine drives everything through an :class:`Agent`::
 
-    agent = Agent(AgentConfig(engine_id="prefill-0", fingerprint=fp))
-    agent.register(layout)            # once (or defer=True, then complete_registration())
+    agent = Agent(AgentConfig(engine_id="prefill-0", fingerprint=fp, direction=fp.direction))
+    agent.register_tensors(kv_caches, block_size=16)  # kept alive until close()
     agent.serve()                     # side channel up: peers can handshake
 
     # producer (prefill), when a request's prompt is done:
@@ -11,13 +11,15 @@ An engine drives everything through an :class:`Agent`::
     ...
     for request_id in agent.freed(): engine.free_blocks(request_id)
 
-    # consumer (decode), with the ticket the router forwarded:
-    transfer = agent.pull(ticket, local_block_ids)
+    # consumer (decode), with the ticket the router forwarded (ceil(num_tokens /
+    # block_size) - cached_blocks local blocks, checked at the call):
+    transfer = agent.pull(ticket, local_block_ids, cached_blocks=0)
     ... transfer.poll() in the step loop, or transfer.wait() / await transfer
 
 Push is the mirror image: the consumer calls :meth:`Agent.expect_push` with its
-receiving blocks; the producer's :meth:`Agent.hold` then writes into them (and
-:meth:`Agent.stream` writes blocks early, during prefill, with ``push_stream``).
+receiving blocks and a :meth:`Ticket.for_push <kvxfer.ticket.Ticket.for_push>`; the
+producer's :meth:`Agent.hold` then writes into them (and :meth:`Agent.stream` writes
+blocks early, during prefill, with ``push_stream``).
 
 The data path of a pull: :meth:`Agent.pull` checks the block ids
 (:func:`kvxfer.blocks.block_groups`) → :meth:`Runtime.post <kvxfer._runtime.Runtime.post>`
@@ -44,7 +46,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 
@@ -61,8 +65,15 @@ from kvxfer.backend import Backend, BackendOptions, XferOp
 from kvxfer.blocks import BlockIds
 from kvxfer.control import SideChannelClient
 from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import ConfigError, KvxferError, PlanError, RegistrationError
-from kvxfer.layout import KVLayout
+from kvxfer.errors import (
+    ConfigError,
+    HandshakeRejected,
+    KvxferError,
+    LayoutError,
+    PlanError,
+    RegistrationError,
+)
+from kvxfer.layout import GroupKind, KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, Transfer, TransferState
@@ -141,6 +152,8 @@ class Agent:
             # A lease whose consumer registers after its hold() is written by a tick.
             self._runtime.add_tick_hook(self._push.resume)
         self._io_pool: ThreadPoolExecutor | None = None
+        # What register(keep=...) / register_tensors() keep alive while registered.
+        self._kept: object = None
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -159,20 +172,62 @@ class Agent:
         return self._local.table
 
     # -- registration ---------------------------------------------------------------
-    def register(self, layout: KVLayout, *, defer: bool = False) -> None:
+    def register(self, layout: KVLayout, *, defer: bool = False, keep: object = None) -> None:
         """Register the KV cache memory described by ``layout`` (R-REG-1, R-REG-2).
+
+        A layout records addresses, not tensors. ``keep`` (for example the list of
+        tensors the layout was built from) is referenced by the agent until
+        :meth:`close`, so that memory is not collected while peers may still read or
+        write it; without ``keep`` the caller must keep it alive. Either way the memory
+        must stay in place: a re-allocated pool is not seen by the agent.
+        :meth:`register_tensors` builds the layout and keeps the tensors in one call.
 
         With ``defer=True`` only the layout is kept; call :meth:`complete_registration`
         once the engine's warm-up is over (device memory may move before that).
+
+        Raises:
+            RegistrationError: a layout is already registered (or deferred), or the
+                transport refused the memory.
         """
         with self._lock:
             if self._local.layout is not None or self._local.deferred is not None:
                 raise RegistrationError("this agent already has a registered layout")
+            self._kept = keep
             if defer:
                 self._local.deferred = layout
                 log.info("%sdeferring registration until the engine is warmed up", self._log_prefix)
                 return
             self._register_now(layout)
+
+    def register_tensors(
+        self,
+        kv_caches: Sequence[Any],
+        *,
+        block_size: int,
+        defer: bool = False,
+        **layout_options: Any,
+    ) -> KVLayout:
+        """Register an engine's per-layer KV caches and keep them alive until :meth:`close`.
+
+        ``kv_caches`` holds one tensor per layer, ``(2, num_blocks, block_size,
+        kv_heads, head_dim)`` by default; ``layout_options`` are the other keywords of
+        :meth:`KVLayout.from_kv_caches <kvxfer.layout.KVLayout.from_kv_caches>`
+        (``kv_dim``, ``kv_layout``, ``layer_groups``, ``groups``, ...). The agent holds
+        a reference to every tensor, so dropping the engine's own (``del pool``) does
+        not free memory a peer may still move bytes into or out of.
+
+        Returns:
+            The registered layout.
+
+        Raises:
+            LayoutError: the tensors do not describe a valid layout (block_size
+                disagreeing with their token dimension, mixed dtypes, ...).
+            RegistrationError: as :meth:`register`.
+        """
+        caches = tuple(kv_caches)
+        layout = KVLayout.from_kv_caches(caches, block_size=block_size, **layout_options)
+        self.register(layout, defer=defer, keep=caches)
+        return layout
 
     def complete_registration(self) -> None:
         """Finish a deferred registration (no-op when nothing is deferred)."""
@@ -209,6 +264,17 @@ class Agent:
         _, layout = self._local.require_registered()
         return blocks.block_groups(
             block_ids, len(layout.groups), num_blocks=layout.num_blocks, broadcast=True
+        )
+
+    def _check_counts(self, local: blocks.Groups, num_tokens: int, cached_blocks: int) -> int:
+        """The block count rule (:func:`kvxfer.blocks.check_counts`) for this layout."""
+        _, layout = self._local.require_registered()
+        return blocks.check_counts(
+            local,
+            num_tokens=num_tokens,
+            block_size=layout.block_size,
+            cached_blocks=cached_blocks,
+            sliding=[g.kind is GroupKind.SLIDING for g in layout.groups],
         )
 
     # -- side channel ---------------------------------------------------------------
@@ -264,15 +330,23 @@ class Agent:
         write is posted here, on the caller's thread, once the consumer is connected;
         see :class:`PushPost`).
 
+        ``block_ids`` are all the blocks of the prompt's ``num_tokens`` tokens, in
+        order: exactly ``ceil(num_tokens / block_size)`` per group (a sliding-window
+        group may name fewer: the last ones). The last block travels whole; its slots
+        past ``num_tokens`` are not zeroed (see docs/EMBEDDING.md). Device writes to
+        the blocks must be complete (the stream synchronised) before this call.
+
         ``staged``: the engine already copied exactly these blocks out with
         :meth:`stage_out` after their last forward (host bounce), so a pull's hold
         does not copy them again.
 
         Raises:
             RegistrationError: no memory registered yet.
-            PlanError: a block id that is not an integer, out of range or repeated.
+            PlanError: a block id that is not an integer, out of range or repeated, or
+                a block count that does not fit ``num_tokens`` (nothing is held).
         """
         local = self._blocks(block_ids)
+        self._check_counts(local, num_tokens, 0)
         groups = blocks.to_wire(local)
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
         host, port = self._side.address if self._side.serving else ("", 0)
@@ -357,10 +431,21 @@ class Agent:
 
     # -- consumer -------------------------------------------------------------------
     def pull(
-        self, ticket: Ticket, local_blocks: BlockIds, *, num_tokens: int | None = None
+        self,
+        ticket: Ticket,
+        local_blocks: BlockIds,
+        *,
+        num_tokens: int | None = None,
+        cached_blocks: int = 0,
     ) -> Transfer:
         """Read the ticket's blocks into ``local_blocks`` (R-XFER-1). Never raises for
         transport trouble: a failure is reported on the returned :class:`Transfer`.
+
+        ``local_blocks`` receive the request's tokens from ``cached_blocks *
+        block_size`` to ``num_tokens`` (default: the ticket's): exactly
+        ``ceil(num_tokens / block_size) - cached_blocks`` blocks per group, in order.
+        ``cached_blocks`` leading blocks are a local prefix-cache hit and are not read;
+        the matching blocks of the ticket are skipped.
 
         A first contact handshakes on a worker thread; a known peer's read is posted
         here, so a transport that copies inside its post (UCX over CMA on one host)
@@ -369,15 +454,26 @@ class Agent:
         Raises:
             RegistrationError: no memory registered yet.
             PlanError: a local block id that is not an integer, out of range or
-                repeated (nothing is posted; the producer is told to release).
+                repeated; a block count that does not fit ``num_tokens`` and
+                ``cached_blocks``; or blocks the ticket does not hold (nothing is
+                posted; the producer is told to release).
         """
         try:
             local = self._blocks(local_blocks)
+            tokens = ticket.num_tokens if num_tokens is None else num_tokens
+            self._check_counts(local, tokens, cached_blocks)
+            remote = blocks.pair_remote(
+                local,
+                blocks.from_wire(ticket.block_ids),
+                num_tokens=tokens,
+                remote_num_tokens=ticket.num_tokens,
+                block_size=self._block_size(),
+                request_id=ticket.request_id,
+            )
         except PlanError:
             # Nothing will be read: let the producer free its blocks now, not at lease expiry.
             self.abort(ticket)
             raise
-        tokens = ticket.num_tokens if num_tokens is None else num_tokens
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
         if ticket.lease_expiry:
@@ -391,15 +487,24 @@ class Agent:
             ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
         )
         if peer is not None:
-            self._start_pull(transfer, peer, ticket, local, tokens)
+            self._start_pull(transfer, peer, ticket, local, remote, tokens)
         else:
             # A first contact handshakes on a worker thread: the engine's step loop never
             # waits for a peer (which can take the whole handshake timeout if it is gone).
-            self._io().submit(self._connect_and_pull, transfer, ticket, local, tokens)
+            self._io().submit(self._connect_and_pull, transfer, ticket, local, remote, tokens)
         return transfer
 
+    def _block_size(self) -> int:
+        _, layout = self._local.require_registered()
+        return layout.block_size
+
     def _connect_and_pull(
-        self, transfer: Transfer, ticket: Ticket, local: blocks.Groups, tokens: int
+        self,
+        transfer: Transfer,
+        ticket: Ticket,
+        local: blocks.Groups,
+        remote: blocks.Groups,
+        tokens: int,
     ) -> None:
         try:
             peer = self._peers.get(
@@ -407,11 +512,24 @@ class Agent:
             )
         except KvxferError as exc:
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+            if _refused_pairing(exc):
+                # The producer answered and refused to pair (layout, role): nothing will
+                # be read, so it frees the blocks now rather than at lease expiry. We are
+                # on a worker thread already. A producer that did not answer cannot be
+                # told; one that answered as another engine or incarnation does not
+                # hold this ticket's lease.
+                self._send_release(ticket)
             return
-        self._start_pull(transfer, peer, ticket, local, tokens)
+        self._start_pull(transfer, peer, ticket, local, remote, tokens)
 
     def _start_pull(
-        self, transfer: Transfer, peer: Peer, ticket: Ticket, local: blocks.Groups, tokens: int
+        self,
+        transfer: Transfer,
+        peer: Peer,
+        ticket: Ticket,
+        local: blocks.Groups,
+        remote: blocks.Groups,
+        tokens: int,
     ) -> None:
         notice = self._local.encode(
             wire.Notice(
@@ -423,7 +541,6 @@ class Agent:
         )
         if transfer.done:  # the agent closed meanwhile
             return
-        remote = blocks.from_wire(ticket.block_ids)
         self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, notice)
         if transfer.state is TransferState.FAILED:
             # Nothing was read: let the producer free its blocks now, not at lease expiry.
@@ -457,21 +574,37 @@ class Agent:
             )
 
     def expect_push(
-        self, ticket: Ticket, local_blocks: BlockIds, *, num_tokens: int | None = None
+        self,
+        ticket: Ticket,
+        local_blocks: BlockIds,
+        *,
+        num_tokens: int | None = None,
+        cached_blocks: int = 0,
     ) -> Transfer:
         """Register receiving blocks with the producer; the returned transfer settles
         once every expected write landed (R-XFER-2).
 
+        ``ticket`` names the producer and the request; it needs no blocks
+        (:meth:`Ticket.for_push <kvxfer.ticket.Ticket.for_push>` builds one before
+        prefill ran). ``local_blocks`` follow the rule of :meth:`pull`. The producer
+        notifies this agent through its side channel, so this starts serving (as
+        :meth:`serve`) when the agent does not serve yet.
+
         Raises:
             RegistrationError: no memory registered yet.
-            PlanError: a local block id that is not an integer, out of range or repeated.
+            PlanError: a local block id that is not an integer, out of range or
+                repeated, or a block count that does not fit ``num_tokens`` and
+                ``cached_blocks`` (nothing is registered).
         """
         table, _ = self._local.require_registered()
         local = self._blocks(local_blocks)
+        tokens = ticket.num_tokens if num_tokens is None else num_tokens
+        self._check_counts(local, tokens, cached_blocks)
+        if not self._side.serving:
+            self.serve()  # before the transfer exists: a failure to bind leaves nothing behind
         groups = blocks.to_wire(local)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, groups)
-        tokens = ticket.num_tokens if num_tokens is None else num_tokens
         # The bytes the producer will write are the bytes our own plan of these blocks
         # covers (both sides share the layout shape); computed here for the stats.
         try:
@@ -534,9 +667,17 @@ class Agent:
         self._side.close()
         self._peers.close()
         self.backend.close()
+        self._kept = None  # deregistered: the engine's tensors are its own again
 
     def __enter__(self) -> Agent:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refused_pairing(exc: KvxferError) -> bool:
+    """True when the producer answered the handshake and refused to pair with us."""
+    if isinstance(exc, LayoutError):
+        return True
+    return isinstance(exc, HandshakeRejected) and exc.code in ("layout", "role")

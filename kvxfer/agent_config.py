@@ -44,7 +44,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         engine_id: This instance's id; consumers check it against the one they expect.
         fingerprint: Model/dtype/backend identity folded into the compatibility hash.
         role: Producer, consumer or both.
-        direction: Pull (consumer reads) or push (producer writes).
+        direction: Pull (consumer reads) or push (producer writes); must equal
+            ``fingerprint.direction`` (refused otherwise, naming both).
         backend: Backend name from the ``kvxfer.backends`` registry.
         side_channel_host: Address peers reach this instance at (must be routable).
         side_channel_port: Side-channel TCP port; 0 picks a free one.
@@ -104,6 +105,16 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(key, value, "must be a positive number of seconds")
         if not 0 <= self.side_channel_port <= 65535:
             raise ConfigError("side_channel_port", self.side_channel_port, "must be 0..65535")
+        if self.fingerprint.direction is not self.direction:
+            # The fingerprint's direction goes into the compatibility hash, this one
+            # decides the behaviour: two values would pair instances that cannot work.
+            raise ConfigError(
+                "direction",
+                self.direction.value,
+                f"must equal fingerprint.direction ({self.fingerprint.direction.value}); "
+                "set both AgentConfig.direction and Fingerprint.direction to the same "
+                "Direction",
+            )
         if self.push_stream and self.direction is not Direction.PUSH:
             raise ConfigError("push_stream", True, "only valid with the push direction")
 

@@ -32,8 +32,10 @@ __all__ = [
     "IntArray",
     "block_array",
     "block_groups",
+    "check_counts",
     "describe",
     "from_wire",
+    "pair_remote",
     "to_wire",
 ]
 
@@ -200,6 +202,127 @@ def block_groups(
             block_array(row, side=side, group=g, num_blocks=num_blocks)
             for g, row in enumerate(rows)
         )
+    )
+
+
+def check_counts(
+    groups: Groups,
+    *,
+    num_tokens: int,
+    block_size: int,
+    cached_blocks: int = 0,
+    sliding: Sequence[bool] = (),
+    side: str = "local",
+) -> int:
+    """Check each group's block count against the tokens it must hold; return the count.
+
+    The blocks of a request are positional: block ``i`` holds tokens ``[i * block_size,
+    (i + 1) * block_size)``. A request of ``num_tokens`` tokens fills
+    ``ceil(num_tokens / block_size)`` blocks; the leading ``cached_blocks`` of them are
+    a prefix the caller already has (a prefix-cache hit), so the list names the rest,
+    in order. A sliding-window group (``sliding[g]``) may name fewer (the blocks that
+    fell out of its window are not kept), never more.
+
+    Args:
+        groups: Normalised block ids (:func:`block_groups`).
+        num_tokens: The request's token count (>= 0).
+        block_size: Tokens per block.
+        cached_blocks: Leading blocks not listed (>= 0).
+        sliding: Per group, True when it is a sliding-window group (default: none).
+        side: For error messages (``"local"``, ``"remote"``).
+
+    Raises:
+        PlanError: naming ``num_tokens``, ``cached_blocks`` or the group whose count
+            breaks the rule, with the counts.
+    """
+    for key, value in (("num_tokens", num_tokens), ("cached_blocks", cached_blocks)):
+        # numpy integers are integers; a bool or a float is a mistake, never converted
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise PlanError(f"{key}={value!r}: must be a non-negative int")
+    num_tokens, cached_blocks = int(num_tokens), int(cached_blocks)
+    filled = -(-num_tokens // block_size)
+    expected = filled - cached_blocks
+    if expected < 0:
+        raise PlanError(
+            f"cached_blocks={cached_blocks}: more than the {filled} block(s) that "
+            f"num_tokens={num_tokens} fills (block_size {block_size})"
+        )
+    for g, ids in enumerate(groups):
+        window = g < len(sliding) and sliding[g]
+        if len(ids) == expected or (window and len(ids) < expected):
+            continue
+        rule = "at most" if window else "exactly"
+        raise PlanError(
+            f"{_where(side, g)}: {len(ids)} block(s) given; num_tokens={num_tokens} "
+            f"fills {filled} block(s) of {block_size} tokens and cached_blocks="
+            f"{cached_blocks}, so {rule} {expected} must be listed (the blocks of "
+            f"tokens {cached_blocks * block_size}..{num_tokens})"
+        )
+    return expected
+
+
+def pair_remote(
+    local: Groups,
+    remote: Groups,
+    *,
+    num_tokens: int,
+    remote_num_tokens: int,
+    block_size: int,
+    request_id: str = "",
+) -> Groups:
+    """The remote blocks that pair with ``local``, by token position.
+
+    Each list holds the *last* blocks of its token count: ``local`` those of
+    ``num_tokens`` (:func:`check_counts` checked it), ``remote`` (a ticket's) those of
+    ``remote_num_tokens`` (all of them when it comes from a hold; a router may cut it
+    to a suffix). The remote blocks at the positions ``local`` covers are returned, so
+    a prefix-cache suffix reads the matching remote blocks whether or not the ticket
+    was cut.
+
+    Args:
+        local: Normalised local block ids.
+        remote: The ticket's block ids (:func:`from_wire`).
+        num_tokens: The tokens ``local`` ends at.
+        remote_num_tokens: The tokens ``remote`` ends at (0: unknown, taken as
+            ``num_tokens``).
+        block_size: Tokens per block.
+        request_id: For error messages.
+
+    Raises:
+        PlanError: another group count, more tokens than the remote side holds, or
+            positions it does not cover (naming both ranges).
+    """
+    if len(remote) != len(local):
+        raise PlanError(
+            f"remote block_ids of {request_id!r}: {len(remote)} KV group(s), the local "
+            f"block_ids {len(local)}"
+        )
+    if remote_num_tokens and num_tokens > remote_num_tokens:
+        raise PlanError(
+            f"num_tokens={num_tokens}: more than the ticket's {remote_num_tokens} tokens "
+            f"(request {request_id!r})"
+        )
+    held = -(-(remote_num_tokens or num_tokens) // block_size)
+    wanted = -(-num_tokens // block_size)
+    bounds: list[tuple[int, int]] = []
+    for g, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
+        start = (wanted - len(mine)) - (held - len(theirs))
+        stop = start + len(mine)
+        if start < 0 or stop > len(theirs):
+            raise PlanError(
+                f"{_where('remote', g)}: the ticket of {request_id!r} holds blocks "
+                f"{held - len(theirs)}..{held - 1} of its {remote_num_tokens} tokens, the "
+                f"{len(mine)} local block(s) need blocks {wanted - len(mine)}..{wanted - 1}"
+            )
+        bounds.append((start, stop))
+    if all(r is remote[0] for r in remote) and len(set(bounds)) == 1:
+        # Identical groups stay one shared array (see from_wire).
+        start, stop = bounds[0]
+        one = remote[0] if (start, stop) == (0, len(remote[0])) else remote[0][start:stop]
+        return (one,) * len(remote)
+    return tuple(
+        r if (start, stop) == (0, len(r)) else r[start:stop]
+        for r, (start, stop) in zip(remote, bounds, strict=True)
     )
 
 

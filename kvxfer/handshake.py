@@ -60,6 +60,9 @@ log = logging.getLogger("kvxfer.handshake")
 
 MIN_SECRET_BYTES: Final = 16
 _REPLAY_CACHE: Final = 65536
+# Unauthenticated side channels already warned about in this process: the warning is
+# a deployment fact, said once, not once per agent (an engine may build many).
+_UNAUTHENTICATED_WARNED: list[bool] = []
 _PENDING: Final = 64
 
 #: Handles a non-handshake message (PushRegister, Release); returns the reply, or None
@@ -158,7 +161,7 @@ class Responder:
         hold_state: Answers a Ping that names a request (see :data:`HoldHook`); None
             leaves :attr:`~kvxfer.wire.Pong.hold` unset.
         auth_secret: Shared secret (at least 16 bytes); None leaves the side channel
-            unauthenticated (warned once here).
+            unauthenticated (warned once per process).
         max_bytes: Largest frame parsed; bigger ones get TOO_LARGE.
         max_skew_s: Largest accepted clock distance of authenticated frames.
         clock: Time source in seconds (tests inject one).
@@ -203,8 +206,13 @@ class Responder:
         self._fallback = wire.encode(
             wire.Reject(code=RejectCode.INTERNAL, reason="internal error"), compat_hash
         )
-        if self._key is None:
-            log.warning("side channel of %s is unauthenticated (no shared secret)", engine_id)
+        if self._key is None and not _UNAUTHENTICATED_WARNED:
+            _UNAUTHENTICATED_WARNED.append(True)
+            log.warning(
+                "side channel of %s is unauthenticated (no shared secret; set auth_secret "
+                "on every instance); said once per process",
+                engine_id,
+            )
         if not enforce_compat:
             log.warning(
                 "enforce_handshake_compat is false: %s skips the compatibility hash check "

@@ -378,6 +378,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         The tensors are described, not owned: they must stay alive and in place for as
         long as the layout is registered with an Agent (a freed or re-allocated tensor
         leaves the Agent moving bytes at a stale address).
+        :meth:`Agent.register_tensors <kvxfer.agent.Agent.register_tensors>` (or
+        ``Agent.register(layout, keep=tensors)``) keeps them alive until the Agent closes.
 
         Raises:
             LayoutError: mixed dtypes, non-contiguous blocks, or a layout rule broken.

@@ -32,6 +32,26 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     lease_expiry: float = 0.0
     tp_size: int = 1
 
+    @classmethod
+    def for_push(
+        cls, engine_id: str, host: str, port: int, request_id: str, num_tokens: int
+    ) -> Ticket:
+        """The ticket a push consumer registers with, before the producer's prefill ran.
+
+        It names the producer (its engine id and side-channel address, which the router
+        knows in advance), the request and its token count; it has no blocks (the
+        producer's are matched by request id). Pass it to
+        :meth:`Agent.expect_push <kvxfer.agent.Agent.expect_push>`.
+        """
+        return cls(
+            engine_id=engine_id,
+            host=host,
+            port=port,
+            request_id=request_id,
+            block_ids=(),
+            num_tokens=num_tokens,
+        )
+
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """The upstream ``kv_transfer_params`` dict (decode side of a pull)."""
         blocks: Any = (

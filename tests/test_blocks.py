@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvxfer import blocks
 from kvxfer.blocks import block_array, block_groups, describe, to_wire
 from kvxfer.errors import PlanError
 
@@ -106,3 +107,79 @@ def test_groups_name_the_group_of_a_bad_id() -> None:
 def test_describe_is_log_sized() -> None:
     assert describe([1, 2]) == "invalid blocks: [1, 2]"
     assert describe(np.arange(20)) == "20 invalid blocks: [0, 1, 2, 3] ... [18, 19]"
+
+
+# -- check_counts: block counts against num_tokens ----------------------------------------
+
+
+def _g(*counts: int) -> blocks.Groups:
+    return tuple(np.arange(n, dtype=np.int64) for n in counts)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "cached", "count"),
+    [(0, 0, 0), (1, 0, 1), (16, 0, 1), (17, 0, 2), (100, 0, 7), (100, 2, 5), (100, 7, 0)],
+)
+def test_check_counts_accepts_exactly_the_blocks_the_tokens_fill(
+    num_tokens: int, cached: int, count: int
+) -> None:
+    got = blocks.check_counts(
+        _g(count, count), num_tokens=num_tokens, block_size=16, cached_blocks=cached
+    )
+    assert got == count
+
+
+@pytest.mark.parametrize(
+    ("groups", "num_tokens", "cached", "match"),
+    [
+        (_g(3), 100, 0, r"group 0\): 3 block\(s\) given; num_tokens=100 fills 7 .* exactly 7"),
+        (_g(4), 48, 0, r"4 block\(s\) given; num_tokens=48 fills 3"),
+        (_g(3, 2), 48, 0, r"group 1\): 2 block\(s\)"),
+        (_g(3), 48, 1, r"cached_blocks=1, so exactly 2"),
+        (_g(0), 48, 4, r"cached_blocks=4: more than the 3 block"),
+        (_g(1), -1, 0, r"num_tokens=-1: must be a non-negative int"),
+        (_g(1), 16, -1, r"cached_blocks=-1: must be a non-negative int"),
+        (_g(1), True, 0, r"num_tokens=True"),
+        (_g(1), 16.0, 0, r"num_tokens=16\.0"),
+    ],
+)
+def test_check_counts_refuses_with_the_counts_named(
+    groups: blocks.Groups, num_tokens: int, cached: int, match: str
+) -> None:
+    with pytest.raises(PlanError, match=match):
+        blocks.check_counts(groups, num_tokens=num_tokens, block_size=16, cached_blocks=cached)
+
+
+def test_check_counts_takes_numpy_integers() -> None:
+    assert blocks.check_counts(_g(2), num_tokens=np.int64(17), block_size=16) == 2  # type: ignore[arg-type]
+
+
+def test_check_counts_lets_a_sliding_group_name_fewer_never_more() -> None:
+    sliding = [False, True]
+    assert blocks.check_counts(_g(7, 2), num_tokens=100, block_size=16, sliding=sliding) == 7
+    with pytest.raises(PlanError, match=r"group 1\): 8 block\(s\).*at most 7"):
+        blocks.check_counts(_g(7, 8), num_tokens=100, block_size=16, sliding=sliding)
+
+
+def test_pair_remote_pairs_by_token_position_cut_or_not() -> None:
+    local = (np.array([20, 21, 22]),)
+    full = (np.array([1, 2, 3, 4, 5]),)  # a hold's list: blocks 0..4 of 70 tokens
+    cut = (np.array([3, 4, 5]),)  # the same ticket cut to the suffix
+    for remote in (full, cut):
+        got = blocks.pair_remote(local, remote, num_tokens=70, remote_num_tokens=70, block_size=16)
+        assert got[0].tolist() == [3, 4, 5]
+    shared = np.array([1, 2, 3, 4, 5])
+    got = blocks.pair_remote(
+        (local[0], local[0]), (shared, shared), num_tokens=70, remote_num_tokens=70, block_size=16
+    )
+    assert got[0] is got[1]  # identical groups stay one array
+    with pytest.raises(PlanError, match=r"holds blocks 2\.\.4 of its 70 tokens"):
+        blocks.pair_remote(
+            (np.array([9, 8, 7, 6]),), cut, num_tokens=70, remote_num_tokens=70, block_size=16
+        )
+    with pytest.raises(PlanError, match="more than the ticket's 70 tokens"):
+        blocks.pair_remote(local, full, num_tokens=80, remote_num_tokens=70, block_size=16)
+    with pytest.raises(PlanError, match="1 KV group"):
+        blocks.pair_remote(
+            (local[0], local[0]), full, num_tokens=70, remote_num_tokens=70, block_size=16
+        )

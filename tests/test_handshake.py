@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -478,13 +481,21 @@ def test_hostile_input_gets_a_log_line_rate_limited(caplog: pytest.LogCaptureFix
     assert r.rejected[RejectCode.MALFORMED] == 51
 
 
-def test_unauthenticated_side_channel_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvxfer.handshake"):
-        r = responder()
-        i = initiator()
-        i.receive(r.respond(i.hello()))
-        responder(auth_secret=SECRET)
-    assert caplog.text.count("unauthenticated") == 1
+def test_unauthenticated_side_channel_is_warned_once_per_process() -> None:
+    # A fresh process: the warning is once per process, whatever earlier tests did here.
+    code = (
+        "import logging, sys; logging.basicConfig(stream=sys.stdout, level=logging.WARNING)\n"
+        "from tests.test_handshake import SECRET, initiator, responder\n"
+        "for _ in range(3):\n"
+        "    r = responder(); i = initiator(); i.receive(r.respond(i.hello()))\n"
+        "responder(auth_secret=SECRET)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("unauthenticated") == 1, run.stdout
 
 
 # -- authentication (R-HS-6) -----------------------------------------------------------

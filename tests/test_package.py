@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +103,41 @@ def test_registry_duplicates_and_missing_modules() -> None:
     register_backend("old-api", OldApi, clobber=True)
     with pytest.raises(errors.BackendError, match="API version"):
         get_backend("old-api")
+
+
+def test_mypy_strict_user_code_sees_every_public_name(tmp_path: Path) -> None:
+    """`from kvxfer import X` type-checks under mypy --strict for every X in __all__
+    (no "does not explicitly export" for the lazily loaded names). Only the user's file
+    and kvxfer/__init__.py are analysed (the re-export rule is decided there), which
+    keeps this to seconds."""
+    pytest.importorskip("mypy")
+    names = sorted(kvxfer.__all__)
+    snippet = tmp_path / "user.py"
+    snippet.write_text(
+        "from kvxfer import (\n"
+        + "".join(f"    {n},\n" for n in names)
+        + ")\n\n"
+        + "USED: list[object] = [\n"
+        + "".join(f"    {n},\n" for n in names)
+        + "]\n"
+    )
+    init = Path(kvxfer.__file__).resolve()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--follow-imports=skip",
+            str(snippet),
+            str(init),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(init.parent.parent)},
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Success" in run.stdout

@@ -446,6 +446,10 @@ class SchedulerSide:
         if not any(s in status for s in _NORMAL_FINISH) or not any(groups):
             return False, None  # aborted or empty: free at once, hand out nothing
         num_tokens = int(request.num_computed_tokens)
+        # Agent.hold() takes exactly the blocks num_tokens fills; a block allocated
+        # past them (for a token not computed yet) is the engine's, not the ticket's.
+        filled = -(-num_tokens // self.block_size)
+        groups = tuple(g[:filled] for g in groups)
         expiry = time.time() + self.lease_s
         lease_id = base_request_id(rid) if self.direction is Direction.PUSH else rid
         self._held[rid] = expiry

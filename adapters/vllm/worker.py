@@ -243,10 +243,15 @@ class WorkerSide:
                 skip_blocks=load.skip_blocks,
                 num_tokens=load.num_tokens,
             )
-            if self.config.direction is Direction.PUSH:
-                transfer = agent.expect_push(ticket, load.local_blocks, num_tokens=load.num_tokens)
-            else:
-                transfer = agent.pull(ticket, load.local_blocks, num_tokens=load.num_tokens)
+            # The ticket's blocks are already cut to the local ones (remote_ticket);
+            # cached_blocks says which token positions they hold.
+            start = agent.expect_push if self.config.direction is Direction.PUSH else agent.pull
+            transfer = start(
+                ticket,
+                load.local_blocks,
+                num_tokens=load.num_tokens,
+                cached_blocks=load.skip_blocks,
+            )
         except Exception as exc:
             log.error("kvxfer: could not start the load of %s: %s", load.request_id, exc)
             self._fail_load(load.request_id, load.local_blocks, str(exc))

@@ -36,7 +36,6 @@ from kvxfer import (
     AgentConfig,
     Direction,
     Fingerprint,
-    KVLayout,
     Role,
     Ticket,
     Transfer,
@@ -58,13 +57,14 @@ def make_agent(engine: ToyEngine, engine_id: str, role: Role, direction: Directi
             engine_id=engine_id,
             fingerprint=fingerprint,
             role=role,
-            direction=direction,  # stated here as well as in the fingerprint
+            direction=fingerprint.direction,  # must equal it: a contradiction is refused
             side_channel_host="127.0.0.1",  # on two hosts: this host's routable address
         )
     )
     # (2, num_blocks, block_size, kv_heads, head_dim) per layer -> a K and a V region
-    # per layer. The tensors stay owned by the engine and must outlive the agent.
-    agent.register(KVLayout.from_kv_caches(engine.kv_caches, block_size=engine.block_size))
+    # per layer. The agent keeps the tensors alive until close(); they must stay in
+    # place (a re-allocated pool needs a new agent).
+    agent.register_tensors(engine.kv_caches, block_size=engine.block_size)
     return agent
 
 
@@ -121,16 +121,11 @@ def transfer_kv(
     prompt = {"op": "prefill", "request_id": seq.request_id, "tokens": seq.tokens}
     if direction is Direction.PUSH:
         # Push: register our receiving blocks with the producer before its prefill
-        # ends. The ticket names only where the producer is; it has no blocks yet.
-        stub = Ticket(
-            engine_id=prefill["engine_id"],
-            host=prefill["host"],
-            port=prefill["port"],
-            request_id=seq.request_id,
-            block_ids=((),),
-            num_tokens=len(seq.tokens),
+        # ends. The ticket names only where the producer is (the router knows it).
+        ticket = Ticket.for_push(
+            prefill["engine_id"], prefill["host"], prefill["port"], seq.request_id, len(seq.tokens)
         )
-        transfer = agent.expect_push(stub, seq.blocks)
+        transfer = agent.expect_push(ticket, seq.blocks)  # serves on first use
         conn.send_bytes(json.dumps(prompt).encode())
         reply = json.loads(conn.recv_bytes())
     else:
@@ -154,8 +149,6 @@ def run_direction(
     conn.send_bytes(json.dumps({"op": "start", "direction": direction.value}).encode())
     prefill = json.loads(conn.recv_bytes())
     agent = make_agent(engine, "decode-0", Role.CONSUMER, direction)
-    if direction is Direction.PUSH:
-        agent.serve()  # the producer writes to us and notifies us through the side channel
     equal = differ_without_kv = same_ids = recomputed = 0
     try:
         for i, (tokens, want) in enumerate(zip(prompts, reference)):
