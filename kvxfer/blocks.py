@@ -30,7 +30,9 @@ __all__ = ["BlockIds", "Groups", "IntArray", "block_array", "block_groups", "des
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
 #: What callers may pass: one list (or 1-d array) of ids, or one list per KV group.
-BlockIds: TypeAlias = "Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[Any]"
+BlockIds: TypeAlias = (
+    "Sequence[int] | Sequence[Sequence[int] | npt.NDArray[Any]] | npt.NDArray[Any]"
+)
 #: Normalised block ids: one read-only int64 array per KV group.
 Groups: TypeAlias = tuple[IntArray, ...]
 
@@ -101,24 +103,38 @@ def block_array(
             ) from None
     if arr.size:
         hi = _INT64_MAX if num_blocks is None else num_blocks - 1
-        if arr.min() < 0 or arr.max() > hi:
+        # One reduction checks both ends: seen as uint64, a negative id is above hi.
+        if int(arr.view(np.uint64).max()) > hi:
             pos = int(np.flatnonzero((arr < 0) | (arr > hi))[0])
             raise PlanError(
                 f"{_where(side, group)}[{pos}]={int(arr[pos])}: out of range [0, {hi + 1})"
             )
-        if arr.size > 1:
+        if arr.size > 1 and _has_repeats(arr, num_blocks):
             order = np.argsort(arr, kind="stable")
             same = arr[order[1:]] == arr[order[:-1]]
-            if same.any():
-                # Name the repeat that comes latest in the caller's list order of the pair.
-                first = int(np.flatnonzero(same)[0])
-                pos = int(order[first + 1])
-                raise PlanError(
-                    f"{_where(side, group)}[{pos}]={int(arr[pos])}: block id repeated "
-                    f"(first at position {int(order[first])}); each block may appear once"
-                )
+            # Name the repeat that comes latest in the caller's list order of the pair.
+            first = int(np.flatnonzero(same)[0])
+            pos = int(order[first + 1])
+            raise PlanError(
+                f"{_where(side, group)}[{pos}]={int(arr[pos])}: block id repeated "
+                f"(first at position {int(order[first])}); each block may appear once"
+            )
     arr.flags.writeable = False
     return arr
+
+
+def _has_repeats(arr: IntArray, num_blocks: int | None) -> bool:
+    """Whether an in-range id list repeats an id (block_array is on the request path).
+
+    A bitmap over the block table costs O(num_blocks) but no sort; past a few times
+    the list's size a sort is cheaper.
+    """
+    if num_blocks is not None and num_blocks <= 32 * arr.size + 4096:
+        seen = np.zeros(num_blocks, dtype=np.bool_)
+        seen[arr] = True
+        return int(np.count_nonzero(seen)) != arr.size
+    ordered = np.sort(arr)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _is_id_list(item: Any) -> bool:

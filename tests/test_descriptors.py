@@ -193,9 +193,9 @@ def test_mismatched_lengths_are_rejected() -> None:
 @pytest.mark.parametrize("bad", [8, -1, 100])
 def test_out_of_range_block_ids_name_the_id_and_range(bad: int) -> None:
     local = DescriptorTable.build(make_layout(num_blocks=8))
-    with pytest.raises(PlanError, match=rf"local block id {bad} \(group 0, position 1\).*\[0, 8\)"):
+    with pytest.raises(PlanError, match=rf"local block_ids \(group 0\)\[1\]={bad}.*\[0, 8\)"):
         build_plan(local, local, [0, bad], [0, 1], 32)
-    with pytest.raises(PlanError, match=rf"remote block id {bad} .*\[0, 8\)"):
+    with pytest.raises(PlanError, match=rf"remote block_ids \(group 0\)\[1\]={bad}.*\[0, 8\)"):
         build_plan(local, local, [0, 1], [0, bad], 32)
 
 
@@ -219,7 +219,7 @@ def test_non_integer_or_ragged_block_ids_are_rejected() -> None:
     two = DescriptorTable.build(
         make_layout(groups=(Group(kind=GroupKind.FULL), Group(kind=GroupKind.FULL)))
     )
-    with pytest.raises(PlanError, match="one flat list given, the layout has 2 groups"):
+    with pytest.raises(PlanError, match="one flat list given, the layout has 2 KV groups"):
         build_plan(two, two, [0, 1], [0, 1], 32)
     with pytest.raises(PlanError, match="3 group"):
         build_plan(two, two, [[0], [1], [2]], [[0], [1], [2]], 32)
@@ -255,11 +255,16 @@ def test_chunk_mode_sends_only_chunks_holding_tokens_of_the_last_block(
     expected = []
     for r in range(2):
         expected.append(r * 8 + 2)  # block 2 is not the last: whole
-        expected += [16 + (r * 8 + 5) * 2 + k for k in last_block_chunks]
+        if len(last_block_chunks) == 2:  # every chunk goes: one whole descriptor
+            expected.append(r * 8 + 5)
+        else:
+            expected += [16 + (r * 8 + 5) * 2 + k for k in last_block_chunks]
     assert plan.local_ids.tolist() == expected
     chunk_addr = layout.regions[1].base + 5 * 16 * TB + 8 * TB  # region 1, block 5, chunk 1
-    if 1 in last_block_chunks:
-        assert (chunk_addr, 8 * TB) in moved(table, plan.local_ids)
+    if last_block_chunks == [0]:
+        assert (chunk_addr - 8 * TB, 8 * TB) in moved(table, plan.local_ids)
+    else:
+        assert (chunk_addr - 8 * TB, 16 * TB) in moved(table, plan.local_ids)
     assert plan.nbytes == 2 * (16 + 8 * len(last_block_chunks)) * TB
 
 
@@ -299,9 +304,14 @@ def test_token_split_sends_only_shards_and_chunks_holding_tokens(
     plan = build_plan(table, table, [1, 3], [1, 3], 16 + last_tokens)
     nb = layout.num_blocks
     want = [0 * nb + 1]  # shard 0, block 1 whole
-    want += [16 + (0 * nb + 3) * 2 + k for s, k in expected if s == 0]
-    want += [1 * nb + 1]  # shard 1, block 1 whole
-    want += [16 + (1 * nb + 3) * 2 + k for s, k in expected if s == 1]
+    for shard in range(2):
+        if shard:
+            want += [1 * nb + 1]  # shard 1, block 1 whole
+        chunks = [k for s, k in expected if s == shard]
+        if chunks == [0, 1]:  # both chunks: the shard's one whole descriptor
+            want += [shard * nb + 3]
+        else:
+            want += [16 + (shard * nb + 3) * 2 + k for k in chunks]
     assert plan.local_ids.tolist() == want
 
 
@@ -396,12 +406,20 @@ def test_window_must_divide_the_block_size() -> None:
     DescriptorTable.build(layout)  # fine while the mode is off
 
 
-def test_window_and_token_shards_must_nest() -> None:
-    # 48 tokens over 3 shards = 16 per descriptor; a window of 12 straddles shards.
-    groups = (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=12))
-    layout = make_layout(48, num_regions=6, split=SplitAxis.TOKEN, num_shards=3, groups=groups)
-    with pytest.raises(ConfigError, match="window 12 and the 16-token range"):
-        DescriptorTable.build(layout, PlanOptions(swa_window_mode=True))
+def test_windows_that_straddle_token_shards_are_cut_in_gcd_units() -> None:
+    # block 6 over 3 TOKEN shards = 2 tokens a descriptor; window 3 straddles shards.
+    # Units of gcd(3, 2) = 1 token. n=8: window granules 1 and 2 = tokens [3, 9).
+    groups = (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=3))
+    layout = make_layout(6, num_regions=6, split=SplitAxis.TOKEN, num_shards=3, groups=groups)
+    table = DescriptorTable.build(layout, PlanOptions(swa_window_mode=True))
+    plan = build_plan(table, table, [[0, 1], [0, 1]], [[0, 1], [0, 1]], 8)
+    r3, r4, r5 = layout.regions[3:]
+    assert moved(table, plan.local_ids[6:]) == [  # after the full layer's 3 shards x 2 blocks
+        (r3.base + 2 * TB, 2 * TB),  # shard 0 of block 1 (tokens 6, 7): whole
+        (r4.base + 1 * TB, TB),  # shard 1 of block 0: token 3 only
+        (r4.base + 2 * TB, TB),  # shard 1 of block 1: token 8 only
+        (r5.base, 2 * TB),  # shard 2 of block 0 (tokens 4, 5): whole
+    ]
 
 
 def test_sub_block_descriptors_need_a_token_major_layout() -> None:
