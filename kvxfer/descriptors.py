@@ -157,7 +157,7 @@ class DescriptorTable:
     _cuts: tuple[GroupCut, ...]
     _shard_start: IntArray  # first token of each region's descriptor within a block
     single_device: int | None  # the device of every descriptor, if they share one
-    _key: tuple[Any, ...]  # what two tables must share to be paired
+    _key: bytes  # the shape and options two tables must share to be paired
     # Fast path of build_plan when every group moves every listed block whole (no
     # chunks, no window selection): per group, the first descriptor id of each region, and the bytes
     # of one block over all of the group's regions. None when some group cuts blocks.
@@ -213,13 +213,20 @@ class DescriptorTable:
                 size += len(c.regions) * per_region
         shard = np.array([r.shard for r in regions], dtype=np.int64)
         spans = layout.token_spans
-        key = (
-            layout.block_size,
-            layout.split_axis,
-            layout.num_shards,
-            layout.groups,
-            tuple((r.block_len, r.shard, r.group) for r in regions),
-            options,
+        # Every shape field KVLayout.first_difference compares, and the options, as one
+        # byte string: build_plan compares it on each request (a memcmp, not a walk
+        # over hundreds of region fields).
+        key = msgspec.msgpack.encode(
+            (
+                layout.block_size,
+                layout.split_axis,
+                layout.num_shards,
+                layout.dtype,
+                layout.kv_layout,
+                layout.groups,
+                [(r.block_len, r.layer, r.part, r.shard, r.group, r.mem) for r in regions],
+                options,
+            )
         )
         whole = (
             tuple((_readonly(c.regions * nb), int(block_len[c.regions].sum())) for c in cuts)
@@ -305,7 +312,7 @@ class Plan:
     nbytes: int
     num_tokens: int
     local_blocks: tuple[IntArray, ...]
-    _key: tuple[Any, ...]
+    _key: bytes
 
     @property
     def num_descriptors(self) -> int:

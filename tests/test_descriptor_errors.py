@@ -1,0 +1,104 @@
+"""Every class of bad input to build_plan fails with its error class (R-DESC-1, R-DESC-7).
+
+Stated over :func:`kvxfer.testing.strategies.bad_requests` (one flaw per request),
+:func:`~kvxfer.testing.strategies.adversarial_ids` and
+:func:`~kvxfer.testing.strategies.mismatched`: bad block ids and token counts are
+:class:`~kvxfer.errors.PlanError` naming the rule, layouts of another shape are
+:class:`~kvxfer.errors.LayoutMismatch` naming the field. Nothing is ever planned from
+a bad input, and no other exception type escapes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvxfer.descriptors import DescriptorTable, build_plan
+from kvxfer.errors import LayoutMismatch, PlanError
+from kvxfer.layout import KVLayout
+from kvxfer.testing import strategies as kst
+
+#: What the message must say for each flaw (the rule broken).
+RULE = {
+    kst.Flaw.WRONG_TYPE: "integer",
+    kst.Flaw.REPEATED: "repeated",
+    kst.Flaw.OUT_OF_RANGE: "out of range",
+    kst.Flaw.GROUP_COUNT: r"group\(s\) given|flat list",
+    kst.Flaw.LENGTH_MISMATCH: "must match",
+    kst.Flaw.TOO_MANY_BLOCKS: "fill only",
+    kst.Flaw.BAD_NUM_TOKENS: "num_tokens",
+}
+
+
+@st.composite
+def _bad_cases(
+    draw: st.DrawFn, flaw: kst.Flaw
+) -> tuple[DescriptorTable, DescriptorTable, kst.BadRequest]:
+    case = draw(kst.plan_cases())
+    local = DescriptorTable.build(case.local, case.options)
+    remote = DescriptorTable.build(case.remote, case.options)
+    return local, remote, draw(kst.bad_requests(case.local, case.remote, flaws=(flaw,)))
+
+
+@pytest.mark.parametrize("flaw", list(kst.Flaw), ids=lambda f: f.value)
+@given(data=st.data())
+def test_each_flaw_is_a_plan_error_naming_the_rule_and_side(
+    flaw: kst.Flaw, data: st.DataObject
+) -> None:
+    # Regressions: repeated ids were planned (a byte written twice), 2.7 and True were
+    # converted to blocks 2 and 1, and 2**70 escaped as a bare OverflowError.
+    local, remote, bad = data.draw(_bad_cases(flaw))
+    with pytest.raises(PlanError, match=RULE[flaw]) as info:
+        build_plan(local, remote, bad.local_blocks, bad.remote_blocks, bad.num_tokens)
+    if bad.side != "both":
+        assert bad.side in str(info.value)
+
+
+@given(data=st.data())
+def test_an_adversarial_id_anywhere_is_refused_by_position(data: st.DataObject) -> None:
+    case = data.draw(kst.plan_cases())
+    req = case.request
+    local = DescriptorTable.build(case.local, case.options)
+    remote = DescriptorTable.build(case.remote, case.options)
+    g = data.draw(st.integers(0, len(req.local_blocks) - 1))
+    ids = list(req.local_blocks[g])
+    if not ids:
+        return
+    pos = data.draw(st.integers(0, len(ids) - 1))
+    ids[pos] = data.draw(kst.adversarial_ids(case.local.num_blocks))
+    mine = [list(b) for b in req.local_blocks]
+    mine[g] = ids
+    with pytest.raises(PlanError, match=rf"local block_ids \(group {g}\)\[{pos}\]="):
+        build_plan(local, remote, mine, req.remote_blocks, req.num_tokens)
+
+
+@given(data=st.data())
+def test_layouts_of_another_shape_raise_layout_mismatch_naming_the_field(
+    data: st.DataObject,
+) -> None:
+    local = data.draw(kst.layouts())
+    other = data.draw(kst.mismatched(local))
+    field = local.first_difference(other)
+    assert field is not None
+    # As the peer's layout arrives: through the wire.
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(other), type=KVLayout)
+    mine, theirs = DescriptorTable.build(local), DescriptorTable.build(wire)
+    with pytest.raises(LayoutMismatch) as info:
+        build_plan(mine, theirs, [[]] * len(local.groups), [[]] * len(other.groups), 0)
+    assert info.value.field == field[0]
+
+
+@given(data=st.data())
+def test_tables_built_with_other_options_do_not_pair(data: st.DataObject) -> None:
+    case = data.draw(kst.plan_cases())
+    other = data.draw(kst.plan_options(case.local).filter(lambda o: o != case.options))
+    local = DescriptorTable.build(case.local, case.options)
+    remote = DescriptorTable.build(case.remote, other)
+    req = case.request
+    with pytest.raises(PlanError, match="PlanOptions"):
+        build_plan(local, remote, req.local_blocks, req.remote_blocks, req.num_tokens)
+    plan = build_plan(local, local, req.local_blocks, req.local_blocks, req.num_tokens)
+    with pytest.raises(PlanError, match="differ in shape"):
+        plan.runs(local, remote)
