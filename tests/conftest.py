@@ -28,7 +28,7 @@ settings.register_profile(
 settings.register_profile(
     "mutation",
     parent=settings.get_profile("ci"),
-    max_examples=15,
+    max_examples=8,
     print_blob=False,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.descriptors import DescriptorTable, build_plan
@@ -42,7 +42,12 @@ def _bad_cases(
     return local, remote, draw(kst.bad_requests(case.local, case.remote, flaws=(flaw,)))
 
 
+#: Seven flaw classes share the profile's budget (each still gets 60 examples in ci).
+PER_FLAW = settings(max_examples=max(8, settings().max_examples // 5))
+
+
 @pytest.mark.parametrize("flaw", list(kst.Flaw), ids=lambda f: f.value)
+@PER_FLAW
 @given(data=st.data())
 def test_each_flaw_is_a_plan_error_naming_the_rule_and_side(
     flaw: kst.Flaw, data: st.DataObject
