@@ -11,12 +11,13 @@ a bad input, and no other exception type escapes.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import LayoutMismatch, PlanError
+from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
 from kvxfer.layout import KVLayout
 from kvxfer.testing import strategies as kst
 
@@ -107,3 +108,47 @@ def test_tables_built_with_other_options_do_not_pair(data: st.DataObject) -> Non
     plan = build_plan(local, local, req.local_blocks, req.local_blocks, req.num_tokens)
     with pytest.raises(PlanError, match="differ in shape"):
         plan.runs(local, remote)
+
+
+@given(
+    st.sampled_from(("chunk_tokens", "prefill_step_tokens")),
+    st.sampled_from((0, -1, -(2**70), True, False, 1.5, "4", 4.0)),
+)
+def test_bad_option_counts_are_config_errors_naming_key_value_and_rule(
+    name: str, value: object
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        PlanOptions(**{name: value})  # type: ignore[arg-type]
+    assert (info.value.key, info.value.value) == (name, value)
+    assert str(info.value) == f"{name}={value!r}: must be a positive int or unset"
+
+
+@given(
+    st.sampled_from(("chunk_mode", "swa_window_mode", "coalesce")),
+    st.sampled_from((0, 1, "yes", None, 1.0, np.bool_(True))),
+)
+def test_bad_option_flags_are_config_errors(name: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        PlanOptions(**{name: value})  # type: ignore[arg-type]
+    assert (info.value.key, info.value.value) == (name, value)
+    assert str(info.value) == f"{name}={value!r}: must be a bool"
+
+
+@given(st.integers(1, 4096), st.integers(1, 4096))
+def test_chunks_below_one_prefill_step_and_unbounded_chunks_are_refused(
+    chunk: int, step: int
+) -> None:
+    if chunk < step:
+        with pytest.raises(ConfigError) as info:
+            PlanOptions(chunk_tokens=chunk, prefill_step_tokens=step)
+        assert (info.value.key, info.value.value) == ("chunk_tokens", chunk)
+        assert info.value.rule == (
+            f"below one prefill step ({step} tokens): a step must close at most one chunk"
+        )
+    else:
+        assert PlanOptions(chunk_tokens=chunk, prefill_step_tokens=step).chunk_bound == chunk
+    with pytest.raises(ConfigError) as info:
+        PlanOptions(chunk_mode=True)
+    assert str(info.value) == (
+        "chunk_tokens=None: chunk_mode needs chunk_tokens or prefill_step_tokens"
+    )

@@ -249,6 +249,7 @@ def test_every_returned_array_has_its_documented_dtype(case: kst.PlanCase) -> No
         assert not table.addr.flags.writeable and not table.length.flags.writeable
     assert plan.local_ids.dtype == plan.remote_ids.dtype == np.int64
     assert plan.local_ids.ndim == plan.remote_ids.ndim == 1
+    assert len(plan.local_blocks) == len(case.local.groups)
     assert all(b.dtype == np.int64 and b.ndim == 1 for b in plan.local_blocks)
     assert type(plan.nbytes) is int and type(plan.num_tokens) is int
     _assert_dtypes(plan.runs(local, remote, merge=False), plan.num_descriptors)
@@ -356,9 +357,15 @@ def test_every_way_of_passing_the_blocks_gives_the_same_plan(case: kst.PlanCase)
     n = len(req.local_blocks)
     for form in (lambda b: np.array(b, dtype=np.int64), list):
         shared = build_plan(local, remote, [form(mine)] * n, [form(theirs)] * n, req.num_tokens)
-        _assert_same_plan(
-            shared, build_plan(local, remote, [mine] * n, [theirs] * n, req.num_tokens)
+        # The reference gets one distinct list per group (no shortcut).
+        apart = build_plan(
+            local,
+            remote,
+            [list(mine) for _ in range(n)],
+            [list(theirs) for _ in range(n)],
+            req.num_tokens,
         )
+        _assert_same_plan(shared, apart)
 
 
 def _assert_same_plan(a: Plan, b: Plan) -> None:

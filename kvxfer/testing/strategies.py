@@ -250,8 +250,11 @@ def layouts(
         small = [w for w in windows if w < tokens]
         pool = small if len(small) > 0 and draw(_MOSTLY) else windows
         groups.append(Group(kind=GroupKind.SLIDING, window=draw(st.sampled_from(pool))))
+        if num_layers > 2 and draw(_BOOL):
+            # A second sliding group (another window): its units follow the first's.
+            groups.append(Group(kind=GroupKind.SLIDING, window=draw(st.sampled_from(windows))))
         if draw(st.booleans()):
-            groups.reverse()  # the sliding group need not come second
+            groups.reverse()  # sliding groups need not come after the full one
     parts = draw(st.sampled_from([(KVPart.KV,), (KVPart.K, KVPart.V)]))
     num_blocks = draw(st.integers(1, max_blocks))
     mem = draw(st.sampled_from(MemKind))
