@@ -78,3 +78,54 @@ def test_describe_lists_up_to_eight_ids_then_summarises(ids: list[int]) -> None:
             assert text == f"invalid blocks: {ids}"
         else:
             assert text == f"{len(ids)} invalid blocks: {ids[:4]} ... {ids[-2:]}"
+
+
+@given(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=6, unique=True), st.data())
+def test_unsigned_arrays_are_exact_up_to_int64_and_refused_past_it(
+    ids: list[int], data: st.DataObject
+) -> None:
+    arr = np.array(ids, dtype=np.uint64)
+    assert block_array(arr).tolist() == ids  # 2**63 - 1 included: the largest int64
+    pos = data.draw(st.integers(0, len(ids) - 1))
+    bad = data.draw(st.integers(2**63, 2**64 - 1))
+    arr[pos] = bad
+    num_blocks = data.draw(st.sampled_from((None, 10, 2**62)))
+    bound = 2**63 if num_blocks is None else num_blocks
+    with pytest.raises(PlanError) as info:
+        block_array(arr, side="remote", group=2, num_blocks=num_blocks)
+    assert str(info.value) == f"remote block_ids (group 2)[{pos}]={bad}: out of range [0, {bound})"
+
+
+@given(
+    st.integers(2, 3),  # one group: a flat list, where a stray value is a bad id
+    st.sampled_from(("local", "remote")),
+    st.sampled_from(("12", b"12", 7, None, 1.5, {1: 2}, np.zeros((2, 2), dtype=np.int64))),
+    st.data(),
+)
+def test_a_group_that_is_not_a_list_of_ids_names_side_and_group(
+    num_groups: int, side: str, row: object, data: st.DataObject
+) -> None:
+    # Not group 0: block_groups tells a flat list from a list of groups by its first item.
+    g = data.draw(st.integers(1, num_groups - 1))
+    rows: list[object] = [[0] for _ in range(num_groups)]
+    rows[g] = row
+    expect = (
+        rf"^{side} block_ids \(group {g}\): need a 1-d list of ids, got shape \(2, 2\)$"
+        if isinstance(row, np.ndarray)
+        else rf"^{side} block_ids \(group {g}\)=.*: need a list of integer block ids$"
+    )
+    with pytest.raises(PlanError, match=expect):
+        block_groups(rows, num_groups, side=side)  # type: ignore[arg-type]
+
+
+@given(st.integers(1, 4), st.integers(1, 6), st.sampled_from(("local", "remote")))
+def test_the_wrong_group_count_is_named_exactly(num_groups: int, given_n: int, side: str) -> None:
+    if given_n in (0, num_groups):
+        return  # [] is a flat (empty) list, not zero groups
+    rows = [[i] for i in range(given_n)]
+    with pytest.raises(PlanError) as info:
+        block_groups(rows, num_groups, side=side)
+    assert str(info.value) == (
+        f"{side} block_ids: {given_n} group(s) given, the layout has {num_groups}; "
+        "pass one list per KV group"
+    )

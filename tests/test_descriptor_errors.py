@@ -10,15 +10,17 @@ a bad input, and no other exception type escapes.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan, chunk_size
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
-from kvxfer.layout import KVLayout
+from kvxfer.layout import GroupKind, KVLayout
 from kvxfer.testing import strategies as kst
 
 #: What the message must say for each flaw (the rule broken).
@@ -152,3 +154,30 @@ def test_chunks_below_one_prefill_step_and_unbounded_chunks_are_refused(
     assert str(info.value) == (
         "chunk_tokens=None: chunk_mode needs chunk_tokens or prefill_step_tokens"
     )
+
+
+@given(kst.plan_cases())
+def test_sub_block_units_on_a_layout_that_is_not_token_major_are_refused(
+    case: kst.PlanCase,
+) -> None:
+    # Oracle (R-DESC-3/4): the first group whose unit is smaller than a descriptor names
+    # the mode that cut it: chunk_mode when the unit is the chunk, else swa_window_mode.
+    layout = msgspec.structs.replace(case.local, kv_layout="HND")
+    opts, tokens = case.options, layout.tokens_per_desc
+    bound = opts.chunk_bound
+    chunk = chunk_size(tokens, bound) if opts.chunk_mode and bound is not None else tokens
+    key = None
+    for group in layout.groups:
+        unit = chunk
+        if opts.swa_window_mode and group.kind is GroupKind.SLIDING:
+            unit = math.gcd(group.window, tokens, chunk)
+        if unit != tokens:
+            key = "chunk_mode" if unit == chunk else "swa_window_mode"
+            break
+    if key is None:
+        DescriptorTable.build(layout, opts)
+        return
+    with pytest.raises(ConfigError) as info:
+        DescriptorTable.build(layout, opts)
+    assert (info.value.key, info.value.value) == (key, True)
+    assert info.value.rule == "needs a token-major kv_layout, not 'HND'"

@@ -420,6 +420,7 @@ def _sweep_case(bs: int, shards: int, window: int, n: int) -> kst.PlanCase:
         (12, 2, 4, 3),
         (24, 3, 12, 2),
         (24, 4, 4, 3),
+        (4, 2, 1, 1),  # a 1-token window: the window is the last token alone
     ],
 )
 def test_composed_modes_on_every_token_count(
