@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan, chunk_size
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
-from kvxfer.layout import GroupKind, KVLayout
+from kvxfer.layout import Group, GroupKind, KVLayout, Region
 from kvxfer.testing import strategies as kst
 
 #: What the message must say for each flaw (the rule broken).
@@ -181,3 +181,29 @@ def test_sub_block_units_on_a_layout_that_is_not_token_major_are_refused(
         DescriptorTable.build(layout, opts)
     assert (info.value.key, info.value.value) == (key, True)
     assert info.value.rule == "needs a token-major kv_layout, not 'HND'"
+
+
+@given(st.sampled_from(kst.BLOCK_SIZES), st.integers(1, 100), st.booleans())
+def test_a_window_that_does_not_divide_the_block_is_refused_when_windows_are_cut(
+    block_size: int, window: int, reverse: bool
+) -> None:
+    groups = (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=window))
+    groups = groups[::-1] if reverse else groups
+    regions = tuple(
+        Region(
+            base=4096 * i, num_blocks=2, stride=block_size, block_len=block_size, layer=i, group=i
+        )
+        for i in range(2)
+    )
+    layout = KVLayout(block_size=block_size, regions=regions, groups=groups)
+    DescriptorTable.build(layout)  # fine while the mode is off
+    if block_size % window == 0:
+        DescriptorTable.build(layout, PlanOptions(swa_window_mode=True))
+        return
+    with pytest.raises(ConfigError) as info:
+        DescriptorTable.build(layout, PlanOptions(swa_window_mode=True))
+    assert (info.value.key, info.value.value) == ("swa_window_mode", True)
+    assert info.value.rule == (
+        f"group {int(reverse is False)}: block_size {block_size} is not a multiple of the "
+        f"sliding window {window}"
+    )
