@@ -488,5 +488,38 @@ def test_runs_refuse_tables_of_another_shape() -> None:
     table = DescriptorTable.build(make_layout())
     plan = build_plan(table, table, [0], [0], 16)
     other = DescriptorTable.build(make_layout(num_regions=3))
-    with pytest.raises(PlanError, match="differ in shape"):
+    with pytest.raises(PlanError) as info:
         plan.runs(other, other)
+    assert str(info.value) == "runs(): tables differ in shape from those the plan was built on"
+
+
+def test_two_contiguous_descriptors_merge_into_one_run() -> None:
+    table = DescriptorTable.build(make_layout(num_regions=1))
+    plan = build_plan(table, table, [2, 3], [2, 3], 32)
+    assert plan.num_descriptors == 2
+    runs = plan.runs(table, table, merge=True)
+    assert (len(runs), int(runs.length[0])) == (1, 2 * 16 * TB)
+
+
+@pytest.mark.parametrize("wraps", ["local", "remote", "both"])
+def test_runs_never_merge_across_the_top_of_the_address_space(wraps: str) -> None:
+    # Region 0's only block ends exactly at 2**64, region 1's starts at 0: their ends
+    # meet modulo 2**64 but the bytes are not contiguous, on either side.
+    n = 16 * TB
+
+    def layout(wrap: bool) -> KVLayout:
+        bases = (2**64 - n, 0) if wrap else (1 << 40, (1 << 40) + n)
+        return KVLayout(
+            block_size=16,
+            regions=tuple(
+                Region(base=b, num_blocks=1, stride=n, block_len=n, layer=i)
+                for i, b in enumerate(bases)
+            ),
+        )
+
+    local = DescriptorTable.build(layout(wraps in ("local", "both")))
+    remote = DescriptorTable.build(layout(wraps in ("remote", "both")))
+    plan = build_plan(local, remote, [0], [0], 16)
+    runs = plan.runs(local, remote, merge=True)
+    assert len(runs) == 2
+    assert runs.length.tolist() == [n, n]
