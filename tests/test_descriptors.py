@@ -470,18 +470,22 @@ def test_runs_follow_the_coalesce_option_unless_told() -> None:
     assert len(plan.runs(table, table, merge=True)) == 2
 
 
-def test_runs_do_not_merge_across_devices() -> None:
-    layout = make_layout(packed=True, num_blocks=2)
+@pytest.mark.parametrize("mixed", ["local", "remote", "both"])
+def test_runs_do_not_merge_across_devices(mixed: str) -> None:
+    # Contiguous on both sides, but region 1 sits on another device on the mixed side(s).
+    single = make_layout(packed=True, num_blocks=2)
     moved_regions = (
-        layout.regions[0],
-        msgspec.structs.replace(layout.regions[1], device_id=1),
+        single.regions[0],
+        msgspec.structs.replace(single.regions[1], device_id=1),
     )
-    layout = msgspec.structs.replace(layout, regions=moved_regions)
-    table = DescriptorTable.build(layout)
-    plan = build_plan(table, table, [0, 1], [0, 1], 32)
-    runs = plan.runs(table, table)
-    assert runs.local_device.tolist() == [0, 1]
+    two = msgspec.structs.replace(single, regions=moved_regions)
+    local = DescriptorTable.build(two if mixed in ("local", "both") else single)
+    remote = DescriptorTable.build(two if mixed in ("remote", "both") else single)
+    plan = build_plan(local, remote, [0, 1], [0, 1], 32)
+    runs = plan.runs(local, remote)
     assert runs.length.tolist() == [2 * 64, 2 * 64]
+    assert (runs.local_device.tolist() == [0, 1]) == (mixed != "remote")
+    assert (runs.remote_device.tolist() == [0, 1]) == (mixed != "local")
 
 
 def test_runs_refuse_tables_of_another_shape() -> None:
