@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env demo test lint typecheck unit e2e bench clean
+.PHONY: env demo test lint typecheck unit e2e bench clean properties mutation
 
 env:
 	@bash scripts/setup_env.sh
@@ -22,5 +22,16 @@ typecheck: env
 test: env
 	bash scripts/run_tests.sh
 
+# The descriptor properties with 10x the CI example budget (docs/TESTING.md).
+PROPERTY_TESTS := tests/test_descriptor_properties.py tests/test_descriptor_errors.py \
+	tests/test_blocks.py tests/test_blocks_properties.py
+properties: env
+	HYPOTHESIS_PROFILE=properties $(PY) -m pytest -p no:cacheprovider -q $(PROPERTY_TESTS)
+
+# Mutation testing of descriptors, _selection, blocks, layout, compat, wire with mutmut:
+# long (tens of minutes), so not part of `make test`. Score and survivors: docs/TESTING.md.
+mutation: env
+	KVXFER_VENV=$(VENV) bash scripts/mutation.sh
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache mutants

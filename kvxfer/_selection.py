@@ -2,8 +2,8 @@
 
 A group's descriptors are cut into *units* of tokens (:class:`GroupCut`): whole
 descriptors, chunks (``chunk_mode``), or window units (``swa_window_mode`` on sliding
-groups, ``gcd(min(window, T), chunk)`` tokens so that a unit lies inside one granule
-and one chunk). :func:`pick` selects, for one group, which listed blocks go whole and
+groups, ``gcd(window, T, chunk)`` tokens so that a unit lies inside one granule, one
+descriptor and one chunk). :func:`pick` selects, for one group, which listed blocks go whole and
 which units of the remaining blocks go, without looking at block ids; :func:`unit_ids`
 maps that selection onto one side's table ids. Selecting once and mapping twice is
 what makes the local and remote plans pair by position.
@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.errors import ConfigError, PlanError
+from kvxfer.errors import ConfigError
 from kvxfer.layout import GroupKind, KVLayout
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
-
-#: One group's block ids, or one entry per group.
-BlockIds = Sequence[int] | IntArray | Sequence[Sequence[int] | IntArray]
 
 #: In-block orders where a token's bytes are contiguous (chunks and granules need it).
 TOKEN_MAJOR_LAYOUTS = frozenset({"NHD"})
@@ -70,15 +66,10 @@ def group_cuts(layout: KVLayout, chunk: int, swa_window_mode: bool) -> tuple[Gro
                     f"group {g}: block_size {layout.block_size} is not a multiple of the "
                     f"sliding window {window}",
                 )
-            if tokens % window and window % tokens:
-                raise ConfigError(
-                    "swa_window_mode",
-                    True,
-                    f"group {g}: window {window} and the {tokens}-token range of one "
-                    "descriptor do not divide one another",
-                )
-            # A unit must lie inside one granule and (chunk_mode) inside one chunk.
-            unit = math.gcd(min(window, tokens), chunk)
+            # A unit must lie inside one granule, one descriptor and (chunk_mode) one
+            # chunk. Window and range need not nest: 6-token blocks over 3 TOKEN shards
+            # (2 tokens a descriptor) with a 3-token window cut 1-token units.
+            unit = math.gcd(window, tokens, chunk)
         if unit == tokens:
             section = Section.WHOLE
         elif unit == chunk:
@@ -93,16 +84,23 @@ def group_cuts(layout: KVLayout, chunk: int, swa_window_mode: bool) -> tuple[Gro
 
 
 class Pick(NamedTuple):
-    """One group's selection, independent of which side's block ids it is applied to."""
+    """One group's selection, independent of which side's block ids it is applied to.
+
+    Listed positions ``[0, skip)`` move nothing (before the window), ``[skip, skip +
+    whole)`` go as whole descriptors and the remaining ``tail`` positions go as units
+    (``K = tokens_per_desc / cut.unit`` per block and region).
+    """
 
     cut: GroupCut
-    whole: int  # the first `whole` listed blocks go as whole descriptors
-    tail: IntArray  # listed positions whose blocks go as units
-    mask: BoolArray | None  # (regions, whole + len(tail) * K) kept entries; None = all
+    skip: int
+    whole: int
+    tail: int
+    mask: BoolArray | None  # (regions, whole + tail * K) entries kept; None = all
+    full: BoolArray | None  # (regions, tail): the block's units all go, as one whole
 
     def touched(self, blocks: IntArray) -> IntArray:
         """The listed blocks that receive bytes under this selection."""
-        return blocks if self.whole or not len(self.tail) else blocks[self.tail[0] :]
+        return blocks[self.skip :] if self.skip else blocks
 
 
 def pick(
@@ -117,42 +115,48 @@ def pick(
     """Select one group's units for ``listed`` blocks ending a ``num_tokens`` request.
 
     ``shard_start[r]`` is the first token of region *r*'s descriptor within a block.
+    A (region, block) whose units all go is sent as its one whole descriptor, so a
+    plan never splits what a single descriptor moves (with or without coalescing).
     """
-    empty = np.zeros(0, dtype=np.int64)
     if listed == 0:
-        return Pick(cut, 0, empty, None)
+        return Pick(cut, 0, 0, 0, None, None)
     bs, tokens = layout.block_size, layout.tokens_per_desc
     last = -(-num_tokens // bs) - 1  # request index of the last block
     first = last + 1 - listed  # request index of the first listed block
     if not cut.window and not chunk_mode:
-        return Pick(cut, listed, empty, None)  # R-DESC-2: the last block goes whole
+        return Pick(cut, 0, listed, 0, None, None)  # R-DESC-2: the last block goes whole
     if cut.window:
         w = cut.window
         g_lo, g_hi = max(num_tokens - w, 0) // w, (num_tokens - 1) // w
         # Blocks wholly before the window's first granule go nowhere.
-        tail = np.arange(max(g_lo * w // bs - first, 0), listed, dtype=np.int64)
+        skip = min(max(g_lo * w // bs - first, 0), listed)
         whole = 0
     else:
-        tail = np.array([listed - 1], dtype=np.int64)
-        whole = listed - 1
+        skip, whole = 0, listed - 1
+    tail = listed - skip - whole
     k = tokens // cut.unit
     # Global token of each unit's first token: (regions, tail blocks, units).
-    desc_start = (first + tail)[None, :] * bs + shard_start[cut.regions][:, None]
+    tail_index = first + skip + whole + np.arange(tail, dtype=np.int64)
+    desc_start = tail_index[None, :] * bs + shard_start[cut.regions][:, None]
     offset = np.arange(k, dtype=np.int64) * cut.unit
-    keep = np.ones((len(cut.regions), len(tail), k), dtype=np.bool_)
+    keep = np.ones((len(cut.regions), tail, k), dtype=np.bool_)
     if cut.window:
         granule = (desc_start[:, :, None] + offset[None, None, :]) // cut.window
         keep &= (granule >= g_lo) & (granule <= g_hi)
     if chunk_mode:
         # Of the last block only chunks holding a token go, each one whole.
         chunk_start = desc_start[:, :, None] + (offset // chunk * chunk)
-        keep &= ((first + tail) != last)[None, :, None] | (chunk_start < num_tokens)
-    tail_keep = keep.reshape(len(cut.regions), -1)
-    if tail_keep.all():
-        return Pick(cut, whole, tail, None)
-    mask = np.ones((len(cut.regions), whole + tail_keep.shape[1]), dtype=np.bool_)
-    mask[:, whole:] = tail_keep
-    return Pick(cut, whole, tail, mask)
+        keep &= (tail_index != last)[None, :, None] | (chunk_start < num_tokens)
+    all_units: BoolArray = np.all(keep, axis=2)
+    if all_units.all():
+        return Pick(cut, skip, whole + tail, 0, None, None)
+    full: BoolArray | None = None
+    if k > 1 and all_units.any():
+        keep[:, :, 1:] &= ~all_units[:, :, None]  # unit 0 stands for the whole descriptor
+        full = all_units
+    mask = np.ones((len(cut.regions), whole + tail * k), dtype=np.bool_)
+    mask[:, whole:] = keep.reshape(len(cut.regions), -1)
+    return Pick(cut, skip, whole, tail, mask, full)
 
 
 def unit_ids(
@@ -167,62 +171,24 @@ def unit_ids(
     cut = sel.cut
     rows = cut.regions * num_blocks
     parts: list[IntArray] = []
+    lo = sel.skip + sel.whole
     if sel.whole:
-        parts.append(rows[:, None] + blocks[None, : sel.whole])
-    if len(sel.tail):
-        tail_blocks = blocks[sel.tail]
+        parts.append(rows[:, None] + blocks[None, sel.skip : lo])
+    if sel.tail:
+        tail_blocks = blocks[lo:]
         k = tokens_per_desc // cut.unit
         units = np.arange(k, dtype=np.int64)[None, None, :]
-        if cut.section is Section.WHOLE:
-            t = rows[:, None] + tail_blocks[None, :]
+        if cut.section is Section.WHOLE:  # k == 1: the units are the descriptors
+            first = rows[:, None] + tail_blocks[None, :]
         elif cut.section is Section.CHUNK:
             first = chunk_offset + (rows[:, None] + tail_blocks[None, :]) * k
-            t = (first[:, :, None] + units).reshape(len(rows), -1)
         else:
             first = window_offset[cut.regions][:, None] + tail_blocks[None, :] * k
-            t = (first[:, :, None] + units).reshape(len(rows), -1)
-        parts.append(t)
+        t = first[:, :, None] + units
+        if sel.full is not None:
+            t[:, :, 0] = np.where(sel.full, rows[:, None] + tail_blocks[None, :], t[:, :, 0])
+        parts.append(t.reshape(len(rows), -1))
     if not parts:
         return np.zeros(0, dtype=np.int64)
     ids = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
     return ids[sel.mask] if sel.mask is not None else ids.ravel()
-
-
-def as_groups(blocks: BlockIds, num_groups: int, side: str) -> list[IntArray]:
-    """Normalize one array (single group) or one array per group to int64 copies."""
-    items: list[Any]
-    if isinstance(blocks, np.ndarray):
-        items = [blocks] if blocks.ndim == 1 else list(blocks)
-    else:
-        seq = list(blocks)
-        # Peek at one element only: checking every id in Python would cost a loop per
-        # block, and numpy rejects mixed input below anyway.
-        flat = not seq or isinstance(seq[0], (int, np.integer))
-        if flat and seq and num_groups > 1:
-            raise PlanError(
-                f"{side} blocks: one flat list given, the layout has {num_groups} groups; "
-                "pass one list per group"
-            )
-        items = [seq] if flat and num_groups == 1 else seq
-    if len(items) != num_groups:
-        raise PlanError(f"{side} blocks: {len(items)} group(s) given, the layout has {num_groups}")
-    out = []
-    for g, item in enumerate(items):
-        try:
-            arr = np.array(item, dtype=np.int64) if not isinstance(item, np.ndarray) else item
-        except (TypeError, ValueError) as exc:
-            raise PlanError(f"{side} blocks of group {g}: not a list of block ids") from exc
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise PlanError(f"{side} blocks of group {g}: need a 1-d integer array")
-        out.append(arr.astype(np.int64, copy=True))
-    return out
-
-
-def check_range(blocks: IntArray, num_blocks: int, side: str, group: int) -> None:
-    """Raise PlanError naming the first block id outside ``[0, num_blocks)``."""
-    if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
-        pos = int(np.flatnonzero((blocks < 0) | (blocks >= num_blocks))[0])
-        raise PlanError(
-            f"{side} block id {int(blocks[pos])} (group {group}, position {pos}) "
-            f"out of range [0, {num_blocks})"
-        )

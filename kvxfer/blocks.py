@@ -41,7 +41,9 @@ __all__ = [
 
 IntArray: TypeAlias = npt.NDArray[np.int64]
 #: What callers may pass: one list (or 1-d array) of ids, or one list per KV group.
-BlockIds: TypeAlias = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[Any]
+BlockIds: TypeAlias = (
+    "Sequence[int] | Sequence[Sequence[int] | npt.NDArray[Any]] | npt.NDArray[Any]"
+)
 #: Normalised block ids: one read-only int64 array per KV group.
 Groups: TypeAlias = tuple[IntArray, ...]
 
@@ -130,14 +132,13 @@ def block_array(
         if arr.size > 1 and len(set(values)) != arr.size:
             order = np.argsort(arr, kind="stable")
             same = arr[order[1:]] == arr[order[:-1]]
-            if same.any():
-                # Name the repeat that comes latest in the caller's list order of the pair.
-                first = int(np.flatnonzero(same)[0])
-                pos = int(order[first + 1])
-                raise PlanError(
-                    f"{_where(side, group)}[{pos}]={int(arr[pos])}: block id repeated "
-                    f"(first at position {int(order[first])}); each block may appear once"
-                )
+            # Name the repeat that comes latest in the caller's list order of the pair.
+            first = int(np.flatnonzero(same)[0])
+            pos = int(order[first + 1])
+            raise PlanError(
+                f"{_where(side, group)}[{pos}]={int(arr[pos])}: block id repeated "
+                f"(first at position {int(order[first])}); each block may appear once"
+            )
     arr.flags.writeable = False
     return arr
 

@@ -33,17 +33,15 @@ import numpy.typing as npt
 
 from kvxfer._selection import (
     TOKEN_MAJOR_LAYOUTS,
-    BlockIds,
     GroupCut,
     IntArray,
     Pick,
     Section,
-    as_groups,
-    check_range,
     group_cuts,
     pick,
     unit_ids,
 )
+from kvxfer.blocks import BlockIds, Groups, block_array, block_groups
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
 from kvxfer.layout import KVLayout
 
@@ -159,7 +157,7 @@ class DescriptorTable:
     _cuts: tuple[GroupCut, ...]
     _shard_start: IntArray  # first token of each region's descriptor within a block
     single_device: int | None  # the device of every descriptor, if they share one
-    _key: tuple[Any, ...]  # what two tables must share to be paired
+    _key: bytes  # the shape and options two tables must share to be paired
     # Fast path of build_plan when every group moves every listed block whole (no
     # chunks, no window selection): per group, the first descriptor id of each region, and the bytes
     # of one block over all of the group's regions. None when some group cuts blocks.
@@ -215,13 +213,20 @@ class DescriptorTable:
                 size += len(c.regions) * per_region
         shard = np.array([r.shard for r in regions], dtype=np.int64)
         spans = layout.token_spans
-        key = (
-            layout.block_size,
-            layout.split_axis,
-            layout.num_shards,
-            layout.groups,
-            tuple((r.block_len, r.shard, r.group) for r in regions),
-            options,
+        # Every shape field KVLayout.first_difference compares, and the options, as one
+        # byte string: build_plan compares it on each request (a memcmp, not a walk
+        # over hundreds of region fields).
+        key = msgspec.msgpack.encode(
+            (
+                layout.block_size,
+                layout.split_axis,
+                layout.num_shards,
+                layout.dtype,
+                layout.kv_layout,
+                layout.groups,
+                [(r.block_len, r.layer, r.part, r.shard, r.group, r.mem) for r in regions],
+                options,
+            )
         )
         whole = (
             tuple((_readonly(c.regions * nb), int(block_len[c.regions].sum())) for c in cuts)
@@ -307,7 +312,7 @@ class Plan:
     nbytes: int
     num_tokens: int
     local_blocks: tuple[IntArray, ...]
-    _key: tuple[Any, ...]
+    _key: bytes
 
     @property
     def num_descriptors(self) -> int:
@@ -341,7 +346,10 @@ class Plan:
         if not merge or len(la) < 2:
             ld, rd = _devices(local_table, self.local_ids), _devices(remote_table, self.remote_ids)
             return Runs(la, ra, length, ld, rd)
+        # A run never wraps past 2**64: an end that overflows to 0 joins nothing (a
+        # real successor starts above its predecessor, never at address 0).
         joins = (la[1:] == la[:-1] + length[:-1]) & (ra[1:] == ra[:-1] + length[:-1])
+        joins &= (la[1:] != 0) & (ra[1:] != 0)
         # Most caches sit on one device per side; only mixed ones pay for device gathers.
         if local_table.single_device is None:
             ld = local_table.device[self.local_ids]
@@ -354,7 +362,8 @@ class Plan:
             return Runs(la, ra, length, ld, rd)
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
         # Run lengths as differences of a running sum (cheaper than ufunc.reduceat).
-        total = np.concatenate(([0], np.cumsum(length, dtype=np.uint64)))
+        # uint64 throughout: concatenating with a Python 0 would promote to float64.
+        total = np.concatenate((np.zeros(1, dtype=np.uint64), np.cumsum(length, dtype=np.uint64)))
         ends = np.append(starts[1:], len(length))
         return Runs(
             la[starts],
@@ -395,7 +404,8 @@ def build_plan(
     Raises:
         LayoutMismatch: the tables' layouts differ in shape.
         PlanError: group counts or lengths differ, more blocks than the tokens fill,
-            or a block id outside ``[0, num_blocks)``.
+            or a block id that is not an integer, repeats in its group's list, or lies
+            outside ``[0, num_blocks)`` (:func:`kvxfer.blocks.block_groups`).
     """
     if local._key != remote._key:
         diff = local.layout.first_difference(remote.layout)
@@ -404,18 +414,10 @@ def build_plan(
         raise PlanError("local and remote tables were built with different PlanOptions")
     if not _is_int(num_tokens) or num_tokens < 0:
         raise PlanError(f"num_tokens={num_tokens!r}: must be a non-negative int")
-    if local._whole is not None:
-        fast = _whole_plan(local, remote, local_blocks, remote_blocks, num_tokens)
-        if fast is not None:
-            return fast
-    num_groups = len(local.layout.groups)
-    mine = as_groups(local_blocks, num_groups, "local")
-    theirs = as_groups(remote_blocks, num_groups, "remote")
+    num_groups = len(local._cuts)
+    mine, shared = _groups(local_blocks, num_groups, "local", local.num_blocks)
+    theirs, shared_remote = _groups(remote_blocks, num_groups, "remote", remote.num_blocks)
     needed = -(-num_tokens // local.layout.block_size)
-    chunk_mode = local.options.chunk_mode
-    local_ids: list[IntArray] = []
-    remote_ids: list[IntArray] = []
-    touched: list[IntArray] = []
     for g, (lb, rb) in enumerate(zip(mine, theirs)):
         if len(lb) != len(rb):
             raise PlanError(
@@ -425,8 +427,13 @@ def build_plan(
             raise PlanError(
                 f"group {g}: {len(lb)} blocks given but {num_tokens} tokens fill only {needed}"
             )
-        check_range(lb, local.num_blocks, "local", g)
-        check_range(rb, remote.num_blocks, "remote", g)
+    if local._whole is not None:
+        return _whole_plan(local, remote, mine, theirs, shared and shared_remote, num_tokens)
+    chunk_mode = local.options.chunk_mode
+    local_ids: list[IntArray] = []
+    remote_ids: list[IntArray] = []
+    touched: list[IntArray] = []
+    for g, (lb, rb) in enumerate(zip(mine, theirs)):
         sel = pick(
             local._cuts[g],
             local.layout,
@@ -451,71 +458,54 @@ def build_plan(
     )
 
 
+def _groups(blocks: BlockIds, num_groups: int, side: str, num_blocks: int) -> tuple[Groups, bool]:
+    """Validated block ids per group (:mod:`kvxfer.blocks`), and whether every group
+    was given the very same list object (engines whose groups share a block table)."""
+    if (
+        num_groups > 1
+        and type(blocks) in (list, tuple)
+        and len(blocks) == num_groups
+        and isinstance(blocks[0], np.ndarray | list | tuple | range)
+        and all(b is blocks[0] for b in blocks)  # type: ignore[union-attr]
+    ):
+        one = block_array(blocks[0], side=side, group=0, num_blocks=num_blocks)  # type: ignore[index]
+        return (one,) * num_groups, True
+    return block_groups(blocks, num_groups, side=side, num_blocks=num_blocks), num_groups == 1
+
+
 def _whole_plan(
     local: DescriptorTable,
     remote: DescriptorTable,
-    local_blocks: BlockIds,
-    remote_blocks: BlockIds,
+    mine: Groups,
+    theirs: Groups,
+    shared: bool,
     num_tokens: int,
-) -> Plan | None:
-    """build_plan when every group moves whole blocks and the blocks come as int64
-    arrays (one, or one per group): the same plan with a handful of numpy calls. It
-    runs on every request, right after a large copy has flushed the caches, where each
-    call costs microseconds. None: take the general path (which also words errors)."""
-    whole, theirs = local._whole, remote._whole
-    if whole is None or theirs is None:
-        return None
-    mine_g, theirs_g = _int64_groups(local_blocks), _int64_groups(remote_blocks)
-    if mine_g is None or theirs_g is None or not len(mine_g) == len(theirs_g) == len(whole):
-        return None
-    needed = -(-num_tokens // local.layout.block_size)
-    nb, remote_nb = local.layout.num_blocks, remote.layout.num_blocks
-    if (
-        len(whole) > 1
-        and all(a is mine_g[0] for a in mine_g)
-        and all(b is theirs_g[0] for b in theirs_g)
-        and local._whole_all is not None
-        and remote._whole_all is not None
-    ):
+) -> Plan:
+    """build_plan when every group moves every listed block whole: a handful of numpy
+    calls. It runs on every request, right after a large copy has flushed the caches,
+    where each call costs microseconds."""
+    whole, remote_whole = local._whole, remote._whole
+    assert whole is not None and remote_whole is not None  # equal keys: both or neither
+    groups = 0
+    if shared and len(whole) > 1 and local._whole_all and remote._whole_all:
         # Every group lists the same blocks (one list for the whole model, as engines
         # pass it): one broadcast over all groups' rows gives the same ids, in order.
         groups = len(whole)
-        mine_g, theirs_g = mine_g[:1], theirs_g[:1]
-        whole, theirs = (local._whole_all,), (remote._whole_all,)
-    else:
-        groups = 0
-    local_ids, remote_ids, touched = [], [], []
+        mine, theirs = mine[:1], theirs[:1]
+        whole, remote_whole = (local._whole_all,), (remote._whole_all,)
+    local_ids, remote_ids = [], []
     nbytes = 0
-    for (rows, block_bytes), (remote_rows, _), lb, rb in zip(whole, theirs, mine_g, theirs_g):
-        n = len(lb)
-        if (
-            n != len(rb)
-            or n > needed
-            or (n and (lb.min() < 0 or lb.max() >= nb or rb.min() < 0 or rb.max() >= remote_nb))
-        ):
-            return None
-        lb = lb.copy()  # the plan keeps it: the engine may reuse its array
+    for (rows, block_bytes), (remote_rows, _), lb, rb in zip(whole, remote_whole, mine, theirs):
         local_ids.append((rows[:, None] + lb[None, :]).ravel())
         remote_ids.append((remote_rows[:, None] + rb[None, :]).ravel())
-        touched.append(lb)
-        nbytes += block_bytes * n
+        nbytes += block_bytes * len(lb)
     one = len(whole) == 1
     return Plan(
         local_ids=local_ids[0] if one else np.concatenate(local_ids),
         remote_ids=remote_ids[0] if one else np.concatenate(remote_ids),
         nbytes=nbytes,
         num_tokens=num_tokens,
-        local_blocks=tuple(touched) * groups if groups else tuple(touched),
+        # The validated arrays are read-only copies: the engine may reuse its own.
+        local_blocks=mine * groups if groups else mine,
         _key=local._key,
     )
-
-
-def _int64_groups(blocks: BlockIds) -> list[IntArray] | None:
-    """One int64 1-d array per group, or None when given any other way."""
-    items = [blocks] if type(blocks) is np.ndarray else blocks
-    if type(items) not in (list, tuple):
-        return None
-    for a in items:
-        if type(a) is not np.ndarray or a.dtype != np.int64 or a.ndim != 1:
-            return None
-    return list(items)  # type: ignore[arg-type]

@@ -403,12 +403,13 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise _bad("KVLayout.from_tensors", "tensors", sorted(dtypes), "mixed dtypes")
         regions = []
         for i, t in enumerate(tensors):
+            block_len = _block_len(t, i)  # first: it refuses a tensor without dim 0
             regions.append(
                 Region(
                     base=int(t.data_ptr()),
                     num_blocks=int(t.shape[0]),
                     stride=int(t.stride(0)) * int(t.element_size()),
-                    block_len=_block_len(t, i),
+                    block_len=block_len,
                     mem=MemKind.DRAM if t.device.type == "cpu" else MemKind.VRAM,
                     device_id=int(t.device.index or 0),
                     layer=int(layers[i]) if layers is not None else i,

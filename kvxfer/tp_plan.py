@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 import msgspec
 import numpy as np
 
-from kvxfer._selection import BlockIds, IntArray
+from kvxfer.blocks import BlockIds, IntArray
 from kvxfer.descriptors import DescriptorTable, Plan, Runs, build_plan
 from kvxfer.errors import ConfigError, PlanError
 from kvxfer.heads import HeadLayout, RegionSource, check_head_layouts, map_regions, needed_ranks

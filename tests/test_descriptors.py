@@ -193,9 +193,9 @@ def test_mismatched_lengths_are_rejected() -> None:
 @pytest.mark.parametrize("bad", [8, -1, 100])
 def test_out_of_range_block_ids_name_the_id_and_range(bad: int) -> None:
     local = DescriptorTable.build(make_layout(num_blocks=8))
-    with pytest.raises(PlanError, match=rf"local block id {bad} \(group 0, position 1\).*\[0, 8\)"):
+    with pytest.raises(PlanError, match=rf"local block_ids \(group 0\)\[1\]={bad}.*\[0, 8\)"):
         build_plan(local, local, [0, bad], [0, 1], 32)
-    with pytest.raises(PlanError, match=rf"remote block id {bad} .*\[0, 8\)"):
+    with pytest.raises(PlanError, match=rf"remote block_ids \(group 0\)\[1\]={bad}.*\[0, 8\)"):
         build_plan(local, local, [0, 1], [0, bad], 32)
 
 
@@ -219,7 +219,7 @@ def test_non_integer_or_ragged_block_ids_are_rejected() -> None:
     two = DescriptorTable.build(
         make_layout(groups=(Group(kind=GroupKind.FULL), Group(kind=GroupKind.FULL)))
     )
-    with pytest.raises(PlanError, match="one flat list given, the layout has 2 groups"):
+    with pytest.raises(PlanError, match="one flat list given, the layout has 2 KV groups"):
         build_plan(two, two, [0, 1], [0, 1], 32)
     with pytest.raises(PlanError, match="3 group"):
         build_plan(two, two, [[0], [1], [2]], [[0], [1], [2]], 32)
@@ -255,11 +255,16 @@ def test_chunk_mode_sends_only_chunks_holding_tokens_of_the_last_block(
     expected = []
     for r in range(2):
         expected.append(r * 8 + 2)  # block 2 is not the last: whole
-        expected += [16 + (r * 8 + 5) * 2 + k for k in last_block_chunks]
+        if len(last_block_chunks) == 2:  # every chunk goes: one whole descriptor
+            expected.append(r * 8 + 5)
+        else:
+            expected += [16 + (r * 8 + 5) * 2 + k for k in last_block_chunks]
     assert plan.local_ids.tolist() == expected
     chunk_addr = layout.regions[1].base + 5 * 16 * TB + 8 * TB  # region 1, block 5, chunk 1
-    if 1 in last_block_chunks:
-        assert (chunk_addr, 8 * TB) in moved(table, plan.local_ids)
+    if last_block_chunks == [0]:
+        assert (chunk_addr - 8 * TB, 8 * TB) in moved(table, plan.local_ids)
+    else:
+        assert (chunk_addr - 8 * TB, 16 * TB) in moved(table, plan.local_ids)
     assert plan.nbytes == 2 * (16 + 8 * len(last_block_chunks)) * TB
 
 
@@ -299,9 +304,14 @@ def test_token_split_sends_only_shards_and_chunks_holding_tokens(
     plan = build_plan(table, table, [1, 3], [1, 3], 16 + last_tokens)
     nb = layout.num_blocks
     want = [0 * nb + 1]  # shard 0, block 1 whole
-    want += [16 + (0 * nb + 3) * 2 + k for s, k in expected if s == 0]
-    want += [1 * nb + 1]  # shard 1, block 1 whole
-    want += [16 + (1 * nb + 3) * 2 + k for s, k in expected if s == 1]
+    for shard in range(2):
+        if shard:
+            want += [1 * nb + 1]  # shard 1, block 1 whole
+        chunks = [k for s, k in expected if s == shard]
+        if chunks == [0, 1]:  # both chunks: the shard's one whole descriptor
+            want += [shard * nb + 3]
+        else:
+            want += [16 + (shard * nb + 3) * 2 + k for k in chunks]
     assert plan.local_ids.tolist() == want
 
 
@@ -396,12 +406,20 @@ def test_window_must_divide_the_block_size() -> None:
     DescriptorTable.build(layout)  # fine while the mode is off
 
 
-def test_window_and_token_shards_must_nest() -> None:
-    # 48 tokens over 3 shards = 16 per descriptor; a window of 12 straddles shards.
-    groups = (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=12))
-    layout = make_layout(48, num_regions=6, split=SplitAxis.TOKEN, num_shards=3, groups=groups)
-    with pytest.raises(ConfigError, match="window 12 and the 16-token range"):
-        DescriptorTable.build(layout, PlanOptions(swa_window_mode=True))
+def test_windows_that_straddle_token_shards_are_cut_in_gcd_units() -> None:
+    # block 6 over 3 TOKEN shards = 2 tokens a descriptor; window 3 straddles shards.
+    # Units of gcd(3, 2) = 1 token. n=8: window granules 1 and 2 = tokens [3, 9).
+    groups = (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=3))
+    layout = make_layout(6, num_regions=6, split=SplitAxis.TOKEN, num_shards=3, groups=groups)
+    table = DescriptorTable.build(layout, PlanOptions(swa_window_mode=True))
+    plan = build_plan(table, table, [[0, 1], [0, 1]], [[0, 1], [0, 1]], 8)
+    r3, r4, r5 = layout.regions[3:]
+    assert moved(table, plan.local_ids[6:]) == [  # after the full layer's 3 shards x 2 blocks
+        (r3.base + 2 * TB, 2 * TB),  # shard 0 of block 1 (tokens 6, 7): whole
+        (r4.base + 1 * TB, TB),  # shard 1 of block 0: token 3 only
+        (r4.base + 2 * TB, TB),  # shard 1 of block 1: token 8 only
+        (r5.base, 2 * TB),  # shard 2 of block 0 (tokens 4, 5): whole
+    ]
 
 
 def test_sub_block_descriptors_need_a_token_major_layout() -> None:
@@ -452,23 +470,60 @@ def test_runs_follow_the_coalesce_option_unless_told() -> None:
     assert len(plan.runs(table, table, merge=True)) == 2
 
 
-def test_runs_do_not_merge_across_devices() -> None:
-    layout = make_layout(packed=True, num_blocks=2)
+@pytest.mark.parametrize("mixed", ["local", "remote", "both"])
+def test_runs_do_not_merge_across_devices(mixed: str) -> None:
+    # Contiguous on both sides, but region 1 sits on another device on the mixed side(s).
+    single = make_layout(packed=True, num_blocks=2)
     moved_regions = (
-        layout.regions[0],
-        msgspec.structs.replace(layout.regions[1], device_id=1),
+        single.regions[0],
+        msgspec.structs.replace(single.regions[1], device_id=1),
     )
-    layout = msgspec.structs.replace(layout, regions=moved_regions)
-    table = DescriptorTable.build(layout)
-    plan = build_plan(table, table, [0, 1], [0, 1], 32)
-    runs = plan.runs(table, table)
-    assert runs.local_device.tolist() == [0, 1]
+    two = msgspec.structs.replace(single, regions=moved_regions)
+    local = DescriptorTable.build(two if mixed in ("local", "both") else single)
+    remote = DescriptorTable.build(two if mixed in ("remote", "both") else single)
+    plan = build_plan(local, remote, [0, 1], [0, 1], 32)
+    runs = plan.runs(local, remote)
     assert runs.length.tolist() == [2 * 64, 2 * 64]
+    assert (runs.local_device.tolist() == [0, 1]) == (mixed != "remote")
+    assert (runs.remote_device.tolist() == [0, 1]) == (mixed != "local")
 
 
 def test_runs_refuse_tables_of_another_shape() -> None:
     table = DescriptorTable.build(make_layout())
     plan = build_plan(table, table, [0], [0], 16)
     other = DescriptorTable.build(make_layout(num_regions=3))
-    with pytest.raises(PlanError, match="differ in shape"):
+    with pytest.raises(PlanError) as info:
         plan.runs(other, other)
+    assert str(info.value) == "runs(): tables differ in shape from those the plan was built on"
+
+
+def test_two_contiguous_descriptors_merge_into_one_run() -> None:
+    table = DescriptorTable.build(make_layout(num_regions=1))
+    plan = build_plan(table, table, [2, 3], [2, 3], 32)
+    assert plan.num_descriptors == 2
+    runs = plan.runs(table, table, merge=True)
+    assert (len(runs), int(runs.length[0])) == (1, 2 * 16 * TB)
+
+
+@pytest.mark.parametrize("wraps", ["local", "remote", "both"])
+def test_runs_never_merge_across_the_top_of_the_address_space(wraps: str) -> None:
+    # Region 0's only block ends exactly at 2**64, region 1's starts at 0: their ends
+    # meet modulo 2**64 but the bytes are not contiguous, on either side.
+    n = 16 * TB
+
+    def layout(wrap: bool) -> KVLayout:
+        bases = (2**64 - n, 0) if wrap else (1 << 40, (1 << 40) + n)
+        return KVLayout(
+            block_size=16,
+            regions=tuple(
+                Region(base=b, num_blocks=1, stride=n, block_len=n, layer=i)
+                for i, b in enumerate(bases)
+            ),
+        )
+
+    local = DescriptorTable.build(layout(wraps in ("local", "both")))
+    remote = DescriptorTable.build(layout(wraps in ("remote", "both")))
+    plan = build_plan(local, remote, [0], [0], 16)
+    runs = plan.runs(local, remote, merge=True)
+    assert len(runs) == 2
+    assert runs.length.tolist() == [n, n]
