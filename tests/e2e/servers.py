@@ -31,7 +31,7 @@ from typing import Any
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Settings measured to work on the CPU machines (see shared/spec/VLLM_CPU_TESTBED.md).
+# Settings measured to work on this project's CPU-only machines (2 cores, no GPU).
 BASE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
