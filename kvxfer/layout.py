@@ -118,6 +118,14 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
         part: keys, values or packed KV.
         shard: which shard of the block (see :class:`SplitAxis`).
         group: index into :attr:`KVLayout.groups`.
+        head: the global KV head index when a region holds one head's K or V (caches
+            whose block interior is head-major are described one region per
+            (layer, K/V, head), so that inside a region a block is token-major);
+            0 when a region holds every head of its layer.
+        lane: the head-dim element when a region holds one element of every token
+            of one head (caches that store K transposed, element-major, are
+            described one region per (layer, head, element) for token ranges);
+            0 otherwise.
     """
 
     base: int
@@ -130,6 +138,8 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
     part: KVPart = KVPart.KV
     shard: int = 0
     group: int = 0
+    head: int = 0
+    lane: int = 0
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -141,6 +151,8 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
             ("layer", 0),
             ("shard", 0),
             ("group", 0),
+            ("head", 0),
+            ("lane", 0),
         ):
             _check_int("Region", name, getattr(self, name), minimum)
         if self.stride < self.block_len:
@@ -207,7 +219,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
         tokens = self.tokens_per_desc
         num_blocks = self.regions[0].num_blocks
-        seen: set[tuple[int, KVPart, int]] = set()
+        seen: set[tuple[int, KVPart, int, int, int]] = set()
         used_groups: set[int] = set()
         for i, r in enumerate(self.regions):
             owner = f"KVLayout.regions[{i}]"
@@ -223,9 +235,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                 raise _bad(owner, "shard", r.shard, f"must be < num_shards ({self.num_shards})")
             if r.group >= len(self.groups):
                 raise _bad(owner, "group", r.group, f"must be < len(groups) ({len(self.groups)})")
-            key = (r.layer, r.part, r.shard)
+            key = (r.layer, r.part, r.shard, r.head, r.lane)
             if key in seen:
-                raise _bad(owner, "layer", r.layer, f"duplicate (layer, part, shard) {key}")
+                raise _bad(
+                    owner, "layer", r.layer, f"duplicate (layer, part, shard, head, lane) {key}"
+                )
             seen.add(key)
             used_groups.add(r.group)
         for g in range(len(self.groups)):
@@ -272,7 +286,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         if len(self.regions) != len(other.regions):
             return "num_regions", len(self.regions), len(other.regions)
         for i, (a, b) in enumerate(zip(self.regions, other.regions)):
-            for name in ("block_len", "layer", "part", "shard", "group", "mem"):
+            for name in ("block_len", "layer", "part", "shard", "group", "head", "lane", "mem"):
                 mine, theirs = getattr(a, name), getattr(b, name)
                 if mine != theirs:
                     return f"regions[{i}].{name}", mine, theirs
@@ -310,6 +324,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         split_axis: SplitAxis = SplitAxis.HEAD,
         num_shards: int = 1,
         kv_layout: str = "NHD",
+        heads: Sequence[int] | None = None,
+        lanes: Sequence[int] | None = None,
     ) -> KVLayout:
         """Describe torch tensors in place (no copies) as one region each.
 
@@ -329,6 +345,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             split_axis: how shards cut a block.
             num_shards: shards per block.
             kv_layout: in-block order of the tensors.
+            heads: global KV head of each tensor (default: 0, every head).
+            lanes: head-dim element of each tensor (default: 0).
 
         Raises:
             LayoutError: mixed dtypes, non-contiguous blocks, or a layout rule broken.
@@ -341,6 +359,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             "parts": parts,
             "shards": shards,
             "region_groups": region_groups,
+            "heads": heads,
+            "lanes": lanes,
         }
         for name, values in per_region.items():
             if values is not None and len(values) != n:
@@ -364,6 +384,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                     part=parts[i] if parts is not None else KVPart.KV,
                     shard=int(shards[i]) if shards is not None else 0,
                     group=int(region_groups[i]) if region_groups is not None else 0,
+                    head=int(heads[i]) if heads is not None else 0,
+                    lane=int(lanes[i]) if lanes is not None else 0,
                 )
             )
         return cls(

@@ -203,6 +203,10 @@ class SchedulerSide:
             right after the forward that completed it (see the module docstring).
         push_stream: Producer in push mode: write each prompt block to a registered
             consumer in the step that closes it (chunked prefill), not only at the end.
+        windows: Per KV cache group, its sliding window in tokens (0: full
+            attention); empty: one full-attention group. A sliding group's block list
+            holds the null block where the window dropped a block; tickets, holds and
+            stages carry only the blocks the window keeps for the next token.
     """
 
     def __init__(
@@ -216,8 +220,10 @@ class SchedulerSide:
         tp_size: int = 1,
         stage_early: bool = False,
         push_stream: bool = False,
+        windows: Sequence[int] = (),
     ) -> None:
         self.engine_id = engine_id
+        self.windows = tuple(int(w) for w in windows)
         self.role = role
         self.direction = direction
         self.block_size = block_size
@@ -235,6 +241,29 @@ class SchedulerSide:
         self._held: dict[str, float] = {}  # producer: request id -> lease expiry (wall)
 
     # -- configuration ---------------------------------------------------------------
+    @property
+    def full_group(self) -> int:
+        """The first full-attention group (its blocks cover the whole prompt)."""
+        return next((g for g, w in enumerate(self.windows) if not w), 0)
+
+    def window_blocks(self, groups: Sequence[Sequence[int]], num_tokens: int) -> Groups:
+        """Each group's blocks a consumer needs for ``num_tokens`` tokens (R-HYB-1).
+
+        ``groups`` are vLLM's per-group lists, index = the request's block index. A
+        full-attention group keeps its first ``ceil(num_tokens / block_size)`` blocks;
+        a sliding one only those holding the window of the next token (vLLM's rule:
+        tokens before ``num_tokens - window + 1`` are skipped), which are exactly the
+        blocks a consumer's sliding group allocates for the same tokens.
+        """
+        bs = self.block_size
+        end = -(-num_tokens // bs)
+        out = []
+        for g, blocks in enumerate(groups):
+            window = self.windows[g] if g < len(self.windows) else 0
+            first = max(num_tokens - window + 1, 0) // bs if window else 0
+            out.append(tuple(int(b) for b in blocks[first:end]))
+        return tuple(out)
+
     def set_endpoint(self, host: str, port: int, incarnations: Sequence[int]) -> None:
         """Where consumers reach this instance: rank 0's side channel (rank *r*
         listens on ``port + r``) and every rank's incarnation, in rank order."""
@@ -279,7 +308,12 @@ class SchedulerSide:
         if remote_tokens is not None:
             available = min(available, remote_tokens)
         if groups:
-            available = min(available, min(len(g) for g in groups) * self.block_size)
+            # Sliding groups carry only their window's blocks: full ones bound the prompt.
+            full = [len(g) for g, w in zip(groups, self.windows) if not w]
+            lengths = (
+                full if len(groups) == len(self.windows) and full else [len(g) for g in groups]
+            )
+            available = min(available, min(lengths) * self.block_size)
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -382,8 +416,7 @@ class SchedulerSide:
         if end < prompt:
             return
         del self._producing[rid]  # staged once; hold() restages at the end
-        need = -(-prompt // self.block_size)
-        groups = tuple(tuple(int(b) for b in g[:need]) for g in block_ids_of(rid))
+        groups = self.window_blocks(block_ids_of(rid), prompt)
         self._plan.stages.append(StageSpec(request_id=rid, block_ids=groups))
 
     def update_connector_output(
@@ -442,10 +475,10 @@ class SchedulerSide:
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         status = str(getattr(request.status, "name", request.status))
-        groups = tuple(tuple(int(b) for b in g) for g in block_ids)
+        num_tokens = int(request.num_computed_tokens)
+        groups = self.window_blocks(block_ids, num_tokens)
         if not any(s in status for s in _NORMAL_FINISH) or not any(groups):
             return False, None  # aborted or empty: free at once, hand out nothing
-        num_tokens = int(request.num_computed_tokens)
         expiry = time.time() + self.lease_s
         lease_id = base_request_id(rid) if self.direction is Direction.PUSH else rid
         self._held[rid] = expiry
