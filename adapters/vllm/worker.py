@@ -94,6 +94,7 @@ def describe_kv_caches(
     layer_groups: Mapping[str, int] | None = None,
     token_major_groups: Collection[int] = (),
     interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
+    tp_rank: int = 0,
 ) -> KVLayout:
     """The :class:`KVLayout` of vLLM's per-layer KV tensors, without copying.
 
@@ -111,9 +112,11 @@ def describe_kv_caches(
     element-major, V token-major with the "vec" attention). Layers of the groups in
     ``token_major_groups`` (blocks that chunk_mode or swa_window_mode cut into token
     ranges) are described so that inside every region a block is token-major: one
-    region per (head, V) and per (head, K) (``Region.head``), or, for an
-    element-major K, one per (head, K, element) (``Region.lane``). Other layers are one
-    region each and move whole blocks (``kv_layout`` ``"HND"`` unless a group is split).
+    region per (head, V) and per (head, K) (``Region.head``, the *global* KV head:
+    ``tp_rank * num_kv_heads + h`` on a tensor-parallel rank holding ``num_kv_heads``),
+    or, for an element-major K, one per (head, K, element) (``Region.lane``). Other
+    layers are one region each and move whole blocks (``kv_layout`` ``"HND"`` unless a
+    group is split).
 
     Raises:
         ConfigError: a group must be cut but the cache's interior is unknown.
@@ -141,7 +144,7 @@ def describe_kv_caches(
                         "this engine's CPU cache is unknown (its attention is not one "
                         "whose cache writes kvxfer probed): leave both modes off",
                     )
-                _split_heads(regions, t, layer, g, block_size, interior)
+                _split_heads(regions, t, layer, g, block_size, interior, tp_rank)
                 continue
             regions.add(t, layer, KVPart.KV, g)
             continue
@@ -193,21 +196,23 @@ def _split_heads(
     group: int,
     block_size: int,
     interior: tuple[Interior, Interior],
+    tp_rank: int,
 ) -> None:
     """One CPU cache tensor as token-major regions (see :func:`describe_kv_caches`)."""
     nb, num_heads, _, two_hs = (int(d) for d in t.shape)
     hs = two_hs // 2
+    first = tp_rank * num_heads  # this rank's first global KV head
     for h in range(num_heads):
         for index, part in ((0, KVPart.K), (1, KVPart.V)):
             if interior[index] is Interior.TOKEN_MAJOR:
                 # [block][head][K | V][token][element]
                 view = t.view(nb, num_heads, 2, block_size, hs)[:, h, index]
-                regions.add(view, layer, part, group, head=h)
+                regions.add(view, layer, part, group, head=first + h)
                 continue
             # [block][head][K | V][element][token]: one region per element
             rows = t.view(nb, num_heads, 2, hs, block_size)[:, h, index]
             for e in range(hs):
-                regions.add(rows[:, e], layer, part, group, head=h, lane=e)
+                regions.add(rows[:, e], layer, part, group, head=first + h, lane=e)
 
 
 def token_major_groups(
@@ -314,6 +319,7 @@ class WorkerSide:
             groups=groups,
             layer_groups=layer_groups,
             interior=interior,
+            tp_rank=tp_rank,
             token_major_groups=token_major_groups(
                 groups if groups is not None else (Group(kind=GroupKind.FULL),),
                 block_size,
