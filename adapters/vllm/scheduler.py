@@ -251,16 +251,17 @@ class SchedulerSide:
 
         ``groups`` are vLLM's per-group lists, index = the request's block index. A
         full-attention group keeps its first ``ceil(num_tokens / block_size)`` blocks;
-        a sliding one only those holding the window of the next token (vLLM's rule:
-        tokens before ``num_tokens - window + 1`` are skipped), which are exactly the
-        blocks a consumer's sliding group allocates for the same tokens.
+        a sliding one only those holding the window of the prompt's last token
+        (tokens from ``num_tokens - window``): what a consumer's sliding group
+        allocates for the prompt (vLLM skips tokens before ``num_tokens - window + 1``)
+        or for all but its last token (:meth:`get_num_new_matched_tokens`).
         """
         bs = self.block_size
         end = -(-num_tokens // bs)
         out = []
         for g, blocks in enumerate(groups):
             window = self.windows[g] if g < len(self.windows) else 0
-            first = max(num_tokens - window + 1, 0) // bs if window else 0
+            first = max(num_tokens - window, 0) // bs if window else 0
             out.append(tuple(int(b) for b in blocks[first:end]))
         return tuple(out)
 
@@ -314,8 +315,23 @@ class SchedulerSide:
                 full if len(groups) == len(self.windows) and full else [len(g) for g in groups]
             )
             available = min(available, min(lengths) * self.block_size)
+        if available == int(request.num_prompt_tokens) and self._drops_last_window(available):
+            # vLLM recomputes the last prompt token after a full-prompt load, but its
+            # sliding groups allocated only the window of the token after it: when
+            # that window starts on a block boundary, the block holding the first
+            # token the recompute attends is a null block. Leaving the last token to
+            # vLLM makes it allocate that block (and the load fills it).
+            available -= 1
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _drops_last_window(self, num_tokens: int) -> bool:
+        """True when some sliding group, loaded for ``num_tokens`` tokens, would skip
+        the block holding token ``num_tokens - window`` (see above)."""
+        return any(
+            w and num_tokens - w + 1 > 0 and (num_tokens - w + 1) % self.block_size == 0
+            for w in self.windows
+        )
 
     def update_state_after_alloc(
         self,

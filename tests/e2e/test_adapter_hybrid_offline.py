@@ -321,14 +321,34 @@ def test_remote_lists_pair_by_block_index() -> None:
         )
 
 
-def test_window_blocks_keep_what_the_next_token_attends() -> None:
+def test_window_blocks_keep_what_the_last_token_attends() -> None:
     s = _side(Role.PRODUCER, Direction.PULL)
-    # 70 tokens: skip max(70 - 16 + 1, 0) = 55 tokens -> the sliding group from block 1.
+    # 70 tokens: the last token attends from 54 on -> the sliding group from block 1.
     assert s.window_blocks(([0, 8, 9], [4, 5, 6]), 70) == ((8, 9), (4, 5, 6))
-    # 64 tokens: skip 49 -> block 1 on; the full group ends at block 2 (2 blocks).
+    # 64 tokens: from 48 -> block 1 on; the full group ends at block 2 (2 blocks).
     assert s.window_blocks(([0, 8], [4, 5]), 64) == ((8,), (4, 5))
+    # 48 tokens: from 32 (block 1); 47 tokens: from 31, still in block 0.
+    assert s.window_blocks(([0, 8], [4, 5]), 48) == ((8,), (4, 5))
+    assert s.window_blocks(([7, 8], [4, 5]), 47) == ((7, 8), (4, 5))
     assert s.window_blocks(([3], [4]), 11) == ((3,), (4,))
     assert s.full_group == 1
+
+
+def test_decode_leaves_the_last_token_when_its_window_starts_on_a_block() -> None:
+    """47 tokens, window 16: vLLM's sliding group allocated for 47 tokens skips block 0
+    (tokens < 32) but recomputing token 46 attends token 31: load 46 tokens instead."""
+    s = _side(Role.CONSUMER, Direction.PULL)
+    for n, claimed in ((47, 46), (48, 48), (70, 70), (79, 78)):
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "p",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "remote_block_ids": [[8, 9, 10][: -(-n // BS)], [4, 5, 6][: -(-n // BS)]],
+            "remote_num_tokens": n,
+        }
+        req = FakeRequest(f"d-{n}", params, num_prompt_tokens=n)
+        assert s.get_num_new_matched_tokens(req, 0) == (claimed, True), n
 
 
 @pytest.mark.e2e
