@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvxfer.adapters.vllm.worker import Interior
+from kvxfer.adapters.vllm.cache_layout import Interior
 
 __all__ = ["probe_interior"]
 
