@@ -14,7 +14,8 @@ This module only translates:
 * ``get_kv_connector_stats`` -> per-interval counters vLLM aggregates across ranks
 
 Nothing here raises into vLLM once the engine runs (an exception from a connector
-hook kills vLLM's engine core): a load that cannot start is a failed load. torch is
+hook kills vLLM's engine core): a load that cannot start is a failed load. The one
+exception is a deferred registration that fails (:meth:`WorkerSide.start_step`). torch is
 never imported: tensors are duck-typed.
 """
 
@@ -37,6 +38,7 @@ from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
 from kvxfer.config import Direction, Role, TransferConfig
 from kvxfer.descriptors import DescriptorTable, PlanOptions
+from kvxfer.errors import RegistrationError
 from kvxfer.layout import Group, GroupKind, KVLayout
 from kvxfer.transfer import Transfer, TransferState
 
@@ -190,14 +192,25 @@ class WorkerSide:
 
     # -- per step ------------------------------------------------------------------------
     def start_step(self, plan: StepPlan) -> None:
-        """Start what the scheduler queued. Never raises."""
+        """Start what the scheduler queued.
+
+        Raises only when a deferred registration fails (the first real step,
+        device-to-device): an instance that cannot register its KV memory can never
+        move KV, and serving on would fail every P/D request, so vLLM's engine core
+        stops with the reason. Every mode the layout cannot support was refused before,
+        in :meth:`from_kv_caches`; what is left here is the backend or device refusing
+        the memory.
+        """
         agent = self.agent
         if self._defer:
             self._defer = False
             try:
                 agent.complete_registration()
-            except Exception:
-                log.exception("kvxfer: deferred KV registration failed")
+            except Exception as exc:
+                log.error("kvxfer: deferred KV registration failed, stopping: %s", exc)
+                raise RegistrationError(
+                    f"deferred KV registration failed: {exc}; this instance cannot move KV"
+                ) from exc
         for hold in plan.holds:
             staged = self._staged.pop(hold.request_id, None) == hold.block_ids
             try:

@@ -372,3 +372,64 @@ def test_the_cpu_cache_order_is_probed_with_vllms_own_write() -> None:
             assert got == CPU_VEC_INTERIOR
         else:  # AMX and others pack K otherwise: recognised or refused, never guessed
             assert got is None or got == CPU_VEC_INTERIOR
+
+
+def test_a_failed_deferred_registration_stops_the_engine() -> None:
+    """Device-to-device registers at the first real step; if the backend refuses the
+    memory then, the step raises (vLLM's engine core stops) instead of serving on
+    unregistered."""
+    from kvxfer.agent import Agent, AgentConfig
+    from kvxfer.backend import BackendOptions
+    from kvxfer.compat import Fingerprint
+    from kvxfer.errors import RegistrationError
+    from kvxfer.testing.fake_backend import FakeBackend
+
+    class Refusing(FakeBackend):
+        def register(self, layout: Any) -> Any:
+            raise RegistrationError("the device refused 4 regions")
+
+    cfg = parse_kv_transfer_config(
+        {
+            "kv_connector": "RblnNixlPullConnector",
+            "kv_role": "kv_consumer",
+            "kv_buffer_device": "rbln",
+        }
+    )
+
+    def factory(layout: Any, tensors: Any) -> Agent:
+        return Agent(
+            AgentConfig(
+                engine_id=f"refusing-{next(_ids)}",
+                fingerprint=Fingerprint(
+                    model="m",
+                    dtype="bfloat16",
+                    kv_cache_dtype="bfloat16",
+                    attention_backend="CPU_ATTN",
+                    direction=cfg.direction,
+                ),
+                role=cfg.role,
+                direction=cfg.direction,
+            ),
+            backend=Refusing(BackendOptions(agent_name="refusing")),
+        )
+
+    worker = WorkerSide.from_kv_caches(
+        cfg,
+        _caches(fill=False),
+        agent_factory=factory,
+        block_size=BS,
+        num_blocks=NUM_BLOCKS,
+        kv_layout="LBHNC",
+        groups=GROUPS,
+        layer_groups=LAYER_GROUPS,
+        defer_registration=True,
+    )
+    try:
+        with pytest.raises(RegistrationError, match="deferred KV registration failed: the dev"):
+            worker.start_step(
+                SchedulerSide(
+                    engine_id="x", role=Role.CONSUMER, direction=Direction.PULL, block_size=BS
+                ).build_step_plan()
+            )
+    finally:
+        worker.close()
