@@ -433,3 +433,28 @@ def test_a_failed_deferred_registration_stops_the_engine() -> None:
             )
     finally:
         worker.close()
+
+
+def test_host_bounce_stages_the_blocks_the_hold_will_name() -> None:
+    """Pull over host bounce stages a prompt after its last forward; with a sliding
+    group the staged lists are the window-cut ones the hold names a step later (so the
+    hold does not copy again), never the null blocks vLLM lists for dropped blocks."""
+    s = SchedulerSide(
+        engine_id="p",
+        role=Role.PRODUCER,
+        direction=Direction.PULL,
+        block_size=BS,
+        stage_early=True,
+        windows=tuple(g.window for g in GROUPS),
+    )
+    req = FakeRequest("p-1", {"do_remote_decode": True}, 70, 64, "RUNNING")
+    s.on_new_request(req)
+    plan = s.build_step_plan({"p-1": 6}, lambda rid: ([0, 8, 9], [4, 5, 6]))
+    (stage,) = plan.stages
+    assert stage.block_ids == ((8, 9), (4, 5, 6))
+    done = FakeRequest("p-1", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED")
+    s.set_endpoint("127.0.0.1", 5600, [1])
+    _, params = s.request_finished(done, ([0, 8, 9], [4, 5, 6]))
+    (hold,) = s.build_step_plan().holds
+    assert hold.block_ids == stage.block_ids
+    assert params is not None and params["remote_block_ids"] == [[8, 9], [4, 5, 6]]
