@@ -122,6 +122,10 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
             whose block interior is head-major are described one region per
             (layer, K/V, head), so that inside a region a block is token-major);
             0 when a region holds every head of its layer.
+        lane: the head-dim element when a region holds one element of every token
+            of one head (caches that store K transposed, element-major, are
+            described one region per (layer, head, element) for token ranges);
+            0 otherwise.
     """
 
     base: int
@@ -135,6 +139,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
     shard: int = 0
     group: int = 0
     head: int = 0
+    lane: int = 0
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -147,6 +152,7 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
             ("shard", 0),
             ("group", 0),
             ("head", 0),
+            ("lane", 0),
         ):
             _check_int("Region", name, getattr(self, name), minimum)
         if self.stride < self.block_len:
@@ -224,7 +230,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             )
         tokens = self.tokens_per_desc
         num_blocks = self.regions[0].num_blocks
-        seen: set[tuple[int, KVPart, int, int]] = set()
+        seen: set[tuple[int, KVPart, int, int, int]] = set()
         used_groups: set[int] = set()
         for i, r in enumerate(self.regions):
             owner = f"KVLayout.regions[{i}]"
@@ -240,9 +246,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                 raise _bad(owner, "shard", r.shard, f"must be < num_shards ({self.num_shards})")
             if r.group >= len(self.groups):
                 raise _bad(owner, "group", r.group, f"must be < len(groups) ({len(self.groups)})")
-            key = (r.layer, r.part, r.shard, r.head)
+            key = (r.layer, r.part, r.shard, r.head, r.lane)
             if key in seen:
-                raise _bad(owner, "layer", r.layer, f"duplicate (layer, part, shard, head) {key}")
+                raise _bad(
+                    owner, "layer", r.layer, f"duplicate (layer, part, shard, head, lane) {key}"
+                )
             seen.add(key)
             used_groups.add(r.group)
         for g in range(len(self.groups)):
@@ -300,7 +308,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             where = f"regions[{i}] (layer {a.layer} {a.part.name})"
             # Identity before size: a block_len difference is only meaningful between
             # regions that hold the same layer's same part.
-            for name in ("layer", "part", "shard", "group", "head", "mem"):
+            for name in ("layer", "part", "shard", "group", "head", "lane", "mem"):
                 mine, theirs = getattr(a, name), getattr(b, name)
                 if mine != theirs:
                     return f"{where}.{name}", mine, theirs
@@ -353,6 +361,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         kv_layout: str = "NHD",
         num_kv_heads: int = 0,
         head_dim: int = 0,
+        heads: Sequence[int] | None = None,
+        lanes: Sequence[int] | None = None,
     ) -> KVLayout:
         """Describe torch tensors in place (no copies) as one region each.
 
@@ -374,6 +384,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             kv_layout: in-block order of the tensors.
             num_kv_heads: KV heads per region, for messages (0: not known).
             head_dim: elements per head, for messages (0: not known).
+            heads: global KV head of each tensor (default: 0, every head).
+            lanes: head-dim element of each tensor (default: 0).
 
         The tensors are described, not owned: they must stay alive and in place for as
         long as the layout is registered with an Agent (a freed or re-allocated tensor
@@ -392,6 +404,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             "parts": parts,
             "shards": shards,
             "region_groups": region_groups,
+            "heads": heads,
+            "lanes": lanes,
         }
         for name, values in per_region.items():
             if values is not None and len(values) != n:
@@ -416,6 +430,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                     part=parts[i] if parts is not None else KVPart.KV,
                     shard=int(shards[i]) if shards is not None else 0,
                     group=int(region_groups[i]) if region_groups is not None else 0,
+                    head=int(heads[i]) if heads is not None else 0,
+                    lane=int(lanes[i]) if lanes is not None else 0,
                 )
             )
         return cls(

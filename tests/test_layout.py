@@ -97,7 +97,7 @@ def test_group_window_iff_sliding() -> None:
         ({"regions": (region(group=1),)}, r"regions\[0\].group=1: must be < len\(groups\)"),
         (
             {"regions": (region(), region(base=1 << 20))},
-            r"regions\[1\].layer=0: duplicate \(layer, part, shard, head\)",
+            r"regions\[1\].layer=0: duplicate \(layer, part, shard, head, lane\)",
         ),
         (
             {"groups": (Group(kind=GroupKind.FULL), Group(kind=GroupKind.SLIDING, window=4))},
@@ -175,6 +175,10 @@ def test_first_difference_ignores_placement() -> None:
             {"regions": (region(layer=0, mem=MemKind.VRAM), region(layer=1, base=1 << 20))},
             ("regions[0] (layer 0 KV).mem", MemKind.DRAM, MemKind.VRAM),
         ),
+        (
+            {"regions": (region(layer=0), region(layer=1, base=1 << 20, head=1))},
+            ("regions[1] (layer 1 KV).head", 0, 1),
+        ),
     ],
 )
 def test_first_difference_names_the_first_differing_field(
@@ -200,6 +204,24 @@ def test_relocated_layouts_have_the_same_shape_and_survive_the_wire(
     a, b = DescriptorTable.build(remote), DescriptorTable.build(wire)
     np.testing.assert_array_equal(a.addr, b.addr)
     np.testing.assert_array_equal(a.length, b.length)
+
+
+def test_one_region_per_head_is_unique_and_head_is_optional_on_the_wire() -> None:
+    heads = KVLayout(
+        block_size=16,
+        regions=tuple(
+            region(base=4096 + h * 64, stride=256, part=part, head=h)
+            for h in range(2)
+            for part in (KVPart.K, KVPart.V)
+        ),
+    )
+    assert [r.head for r in heads.regions] == [0, 0, 1, 1]
+    with pytest.raises(LayoutError, match=r"Region.head=-1: must be >= 0"):
+        KVLayout(block_size=16, regions=(region(), region(head=-1, layer=1)))
+    # A peer without the field (an older kvxfer) sends no "head": it decodes as 0.
+    old = msgspec.json.encode(two_layers()).replace(b',"head":0', b"")
+    assert b'"head":0' not in old
+    assert msgspec.json.decode(old, type=KVLayout) == two_layers()
 
 
 def test_decoding_an_invalid_layout_fails_validation() -> None:

@@ -17,13 +17,11 @@ Connectors: :class:`RblnNixlPullConnector` (the consumer READs),
 :class:`RblnNixlPushConnector` (experimental; the producer WRITEs) and
 :class:`RblnNixlConnector` (the pull connector under its historical name).
 
-Hybrid KV cache manager (sliding-window and SSM models): not supported. The classes
-do not subclass vLLM's ``SupportsHMA``, so vLLM turns its hybrid KV cache manager off
-for them (``--disable-hybrid-kv-cache-manager`` is implied: every layer shares one
-block table, sliding-window layers keep all their blocks, output stays exact); vLLM
-refuses to start when the user forces it on with
-``--no-disable-hybrid-kv-cache-manager``, and so does kvxfer when a cache still has
-several KV groups or ``swa_window_mode`` is asked for.
+Hybrid KV cache manager: the classes subclass vLLM's ``SupportsHMA``, so vLLM keeps
+its hybrid KV cache manager on for them. Full-attention and sliding-window KV cache
+groups move per group (one block list per group in the ticket, upstream's shape);
+a sliding group moves only the blocks its window keeps. Groups of other kinds (SSM
+state, ...) are refused at start-up (:func:`~kvxfer.adapters.vllm.startup.kv_groups`).
 """
 
 from __future__ import annotations
@@ -38,9 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvxfer.adapters.vllm.cpu_cache import probe_interior
 from kvxfer.adapters.vllm.plugin import attach_to_vllm_logging
 from kvxfer.adapters.vllm.scheduler import SchedulerSide
 from kvxfer.adapters.vllm.scheduler import StepPlan as StepPlan
@@ -50,6 +50,7 @@ from kvxfer.adapters.vllm.startup import (
     agent_factory,
     check_model_support,
     data_plane_rails,
+    kv_groups,
     parse_vllm_config,
     positive_seconds,
     push_post,
@@ -100,7 +101,7 @@ def _tp_rank() -> int:
         return 0
 
 
-class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
+class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """The facade shared by the pull and push connectors."""
 
     direction: ClassVar[Direction] = Direction.PULL
@@ -118,9 +119,14 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
                 f"names a {self.cfg.direction.value} connector but vLLM loaded "
                 f"{type(self).__name__} ({self.direction.value})",
             )
-        check_model_support(self.cfg, kv_cache_config)
         self.engine_id: str = str(vllm_config.kv_transfer_config.engine_id)
         self.block_size: int = int(vllm_config.cache_config.block_size)
+        check_model_support(self.cfg, kv_cache_config, self.block_size)
+        self._groups = kv_groups(kv_cache_config)
+        # Checked now (a bad chunk_tokens is refused at start-up on both sides).
+        self._plan_options = self.cfg.plan_options(
+            int(vllm_config.scheduler_config.max_num_batched_tokens)
+        )
         self._lease_s = positive_seconds(self.cfg, LEASE_KEY, 30.0)
         positive_seconds(self.cfg, TIMEOUT_KEY, 30.0)  # refused at start-up on both sides
         push_post(self.cfg)
@@ -139,6 +145,7 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
                 tp_size=self._tp_size,
                 stage_early=not self.cfg.device_to_device,
                 push_stream=self.cfg.push_stream,
+                windows=self._groups.windows,
             )
         else:
             self._tp_rank = _tp_rank()
@@ -168,6 +175,18 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     # Worker side
     # ==================================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        interior = None
+        first = next(iter(kv_caches.values()), None)
+        if first is not None and first.device.type == "cpu" and first.dim() == 4:
+            # Which order vLLM's CPU attention writes a block in (chunk_mode and
+            # swa_window_mode cut its token ranges).
+            interior = probe_interior(
+                num_kv_heads=int(first.shape[1]),
+                block_size=int(first.shape[2]),
+                head_size=int(first.shape[3]) // 2,
+                dtype=first.dtype,
+                kv_cache_dtype=str(self._vllm_config.cache_config.cache_dtype),
+            )
         self._worker = WorkerSide.from_kv_caches(
             self.cfg,
             kv_caches,
@@ -178,6 +197,10 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
             block_size=self.block_size,
             num_blocks=int(self._kv_cache_config.num_blocks),
             kv_layout=str(self._kv_cache_config.kv_cache_layout or "NHD"),
+            groups=self._groups.groups,
+            layer_groups=self._groups.layer_groups,
+            plan_options=self._plan_options,
+            interior=interior,
         )
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
@@ -289,9 +312,10 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._sched is not None
         unhashed = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else []
         # Leading blocks that are local prefix-cache hits carry a hash; the load skips
-        # as many remote blocks.
-        first_group = blocks.blocks[0] if blocks.blocks else ()
-        hits = sum(1 for b in first_group if b.block_hash is not None and not b.is_null)
+        # as many remote blocks. A full-attention group counts them (a sliding one
+        # holds null blocks where its window dropped hits).
+        full = blocks.blocks[self._sched.full_group] if blocks.blocks else ()
+        hits = sum(1 for b in full if b.block_hash is not None and not b.is_null)
         self._sched.update_state_after_alloc(
             request, unhashed, num_external_tokens, hits * self.block_size
         )
@@ -318,6 +342,13 @@ class _RblnNixlBase(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, [block_ids])
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with one block list per KV cache group (SupportsHMA)."""
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()

@@ -212,6 +212,7 @@ def remote_ticket(
     local_blocks: WireGroups,
     skip_blocks: int = 0,
     num_tokens: int = 0,
+    block_size: int = 0,
 ) -> Ticket:
     """The :class:`~kvxfer.agent.Ticket` rank ``tp_rank`` pulls (or expects a push) with.
 
@@ -229,6 +230,11 @@ def remote_ticket(
         local_blocks: The consumer's blocks receiving the KV, one tuple per group.
         skip_blocks: Leading remote blocks that are local prefix-cache hits.
         num_tokens: The token count the local blocks end at.
+        block_size: Tokens per block. With it (and ``num_tokens`` and the producer's
+            ``remote_num_tokens``) each group's lists are paired by the request's
+            block index, both ending at their last token's block: a sliding-window
+            group's lists hold only the window's blocks (R-HYB-1). Without it, the
+            lists pair from the front after ``skip_blocks``.
 
     Raises:
         ConfigError: a key missing or malformed (named with its value and rule).
@@ -243,9 +249,20 @@ def remote_ticket(
                 params.get("remote_block_ids"),
                 f"{len(remote)} KV group(s), this instance has {len(local_blocks)}",
             )
-        blocks = tuple(
-            r[skip_blocks : skip_blocks + len(g)] for r, g in zip(remote, local_blocks, strict=True)
-        )
+        remote_tokens = remote_num_tokens(params)
+        if block_size > 0 and num_tokens > 0 and remote_tokens:
+            blocks = _by_block_index(
+                params,
+                remote,
+                local_blocks,
+                -(-remote_tokens // block_size),
+                -(-num_tokens // block_size),
+            )
+        else:
+            blocks = tuple(
+                r[skip_blocks : skip_blocks + len(g)]
+                for r, g in zip(remote, local_blocks, strict=True)
+            )
     else:
         blocks = tuple(() for _ in local_blocks)
     return Ticket(
@@ -259,6 +276,34 @@ def remote_ticket(
         lease_expiry=_float(params, "lease_expiry"),
         tp_size=_int(params, "tp_size", 1, minimum=1),
     )
+
+
+def _by_block_index(
+    params: Mapping[str, Any],
+    remote: WireGroups,
+    local: WireGroups,
+    remote_end: int,
+    local_end: int,
+) -> WireGroups:
+    """Pair each group's remote and local lists by the request's block index.
+
+    A list ends at its request's last block (``remote_end`` / ``local_end`` blocks in
+    all); a list longer than that (a producer that does not cut) starts at block 0.
+    """
+    out = []
+    for g, (r, mine) in enumerate(zip(remote, local, strict=True)):
+        remote_first = max(remote_end - len(r), 0)
+        local_first = local_end - len(mine)
+        offset = local_first - remote_first
+        if offset < 0 or offset + len(mine) > len(r):
+            raise _bad(
+                "remote_block_ids",
+                params.get("remote_block_ids"),
+                f"group {g} holds the request's blocks [{remote_first}, "
+                f"{remote_first + len(r)}) but this load needs [{local_first}, {local_end})",
+            )
+        out.append(r[offset : offset + len(mine)])
+    return tuple(out)
 
 
 def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str) -> Ticket:

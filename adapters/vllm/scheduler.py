@@ -203,6 +203,10 @@ class SchedulerSide:
             right after the forward that completed it (see the module docstring).
         push_stream: Producer in push mode: write each prompt block to a registered
             consumer in the step that closes it (chunked prefill), not only at the end.
+        windows: Per KV cache group, its sliding window in tokens (0: full
+            attention); empty: one full-attention group. A sliding group's block list
+            holds the null block where the window dropped a block; tickets, holds and
+            stages carry only the blocks the window keeps for the next token.
     """
 
     def __init__(
@@ -216,8 +220,10 @@ class SchedulerSide:
         tp_size: int = 1,
         stage_early: bool = False,
         push_stream: bool = False,
+        windows: Sequence[int] = (),
     ) -> None:
         self.engine_id = engine_id
+        self.windows = tuple(int(w) for w in windows)
         self.role = role
         self.direction = direction
         self.block_size = block_size
@@ -235,6 +241,30 @@ class SchedulerSide:
         self._held: dict[str, float] = {}  # producer: request id -> lease expiry (wall)
 
     # -- configuration ---------------------------------------------------------------
+    @property
+    def full_group(self) -> int:
+        """The first full-attention group (its blocks cover the whole prompt)."""
+        return next((g for g, w in enumerate(self.windows) if not w), 0)
+
+    def window_blocks(self, groups: Sequence[Sequence[int]], num_tokens: int) -> Groups:
+        """Each group's blocks a consumer needs for ``num_tokens`` tokens (R-HYB-1).
+
+        ``groups`` are vLLM's per-group lists, index = the request's block index. A
+        full-attention group keeps its first ``ceil(num_tokens / block_size)`` blocks;
+        a sliding one only those holding the window of the prompt's last token
+        (tokens from ``num_tokens - window``): what a consumer's sliding group
+        allocates for the prompt (vLLM skips tokens before ``num_tokens - window + 1``)
+        or for all but its last token (:meth:`get_num_new_matched_tokens`).
+        """
+        bs = self.block_size
+        end = -(-num_tokens // bs)
+        out = []
+        for g, blocks in enumerate(groups):
+            window = self.windows[g] if g < len(self.windows) else 0
+            first = max(num_tokens - window, 0) // bs if window else 0
+            out.append(tuple(int(b) for b in blocks[first:end]))
+        return tuple(out)
+
     def set_endpoint(self, host: str, port: int, incarnations: Sequence[int]) -> None:
         """Where consumers reach this instance: rank 0's side channel (rank *r*
         listens on ``port + r``) and every rank's incarnation, in rank order."""
@@ -279,9 +309,29 @@ class SchedulerSide:
         if remote_tokens is not None:
             available = min(available, remote_tokens)
         if groups:
-            available = min(available, min(len(g) for g in groups) * self.block_size)
+            # Sliding groups carry only their window's blocks: full ones bound the prompt.
+            full = [len(g) for g, w in zip(groups, self.windows) if not w]
+            lengths = (
+                full if len(groups) == len(self.windows) and full else [len(g) for g in groups]
+            )
+            available = min(available, min(lengths) * self.block_size)
+        if available == int(request.num_prompt_tokens) and self._drops_last_window(available):
+            # vLLM recomputes the last prompt token after a full-prompt load, but its
+            # sliding groups allocated only the window of the token after it: when
+            # that window starts on a block boundary, the block holding the first
+            # token the recompute attends is a null block. Leaving the last token to
+            # vLLM makes it allocate that block (and the load fills it).
+            available -= 1
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _drops_last_window(self, num_tokens: int) -> bool:
+        """True when some sliding group, loaded for ``num_tokens`` tokens, would skip
+        the block holding token ``num_tokens - window`` (see above)."""
+        return any(
+            w and num_tokens - w + 1 > 0 and (num_tokens - w + 1) % self.block_size == 0
+            for w in self.windows
+        )
 
     def update_state_after_alloc(
         self,
@@ -382,8 +432,7 @@ class SchedulerSide:
         if end < prompt:
             return
         del self._producing[rid]  # staged once; hold() restages at the end
-        need = -(-prompt // self.block_size)
-        groups = tuple(tuple(int(b) for b in g[:need]) for g in block_ids_of(rid))
+        groups = self.window_blocks(block_ids_of(rid), prompt)
         self._plan.stages.append(StageSpec(request_id=rid, block_ids=groups))
 
     def update_connector_output(
@@ -442,14 +491,10 @@ class SchedulerSide:
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         status = str(getattr(request.status, "name", request.status))
-        groups = tuple(tuple(int(b) for b in g) for g in block_ids)
+        num_tokens = int(request.num_computed_tokens)
+        groups = self.window_blocks(block_ids, num_tokens)
         if not any(s in status for s in _NORMAL_FINISH) or not any(groups):
             return False, None  # aborted or empty: free at once, hand out nothing
-        num_tokens = int(request.num_computed_tokens)
-        # Agent.hold() takes exactly the blocks num_tokens fills; a block allocated
-        # past them (for a token not computed yet) is the engine's, not the ticket's.
-        filled = -(-num_tokens // self.block_size)
-        groups = tuple(g[:filled] for g in groups)
         expiry = time.time() + self.lease_s
         lease_id = base_request_id(rid) if self.direction is Direction.PUSH else rid
         self._held[rid] = expiry

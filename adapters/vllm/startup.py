@@ -20,13 +20,15 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_transfer_config
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
 from kvxfer.backend import Backend, BackendOptions
 from kvxfer.compat import Fingerprint
 from kvxfer.errors import ConfigError
-from kvxfer.layout import KVLayout, MemKind
+from kvxfer.layout import Group, GroupKind, KVLayout, MemKind
 from kvxfer.types import Direction
 
 __all__ = [
@@ -34,9 +36,11 @@ __all__ = [
     "LEASE_KEY",
     "PUSH_POST_KEY",
     "TIMEOUT_KEY",
+    "KVGroups",
     "agent_factory",
     "check_model_support",
     "data_plane_rails",
+    "kv_groups",
     "parse_vllm_config",
     "positive_seconds",
     "push_post",
@@ -97,29 +101,101 @@ def push_post(cfg: TransferConfig) -> PushPost:
         ) from None
 
 
-def check_model_support(cfg: TransferConfig, kv_cache_config: Any) -> None:
-    """Refuse, at start-up, what the connectors cannot move exactly.
+class KVGroups(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's KV cache groups as kvxfer sees them.
+
+    Attributes:
+        groups: one :class:`~kvxfer.layout.Group` per vLLM KV cache group, in vLLM's
+            order (full attention, or sliding window with its window in tokens).
+        layer_groups: the group of each attention layer, by vLLM's layer name.
+    """
+
+    groups: tuple[Group, ...]
+    layer_groups: dict[str, int]
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each group's sliding window in tokens (0: full attention)."""
+        return tuple(g.window for g in self.groups)
+
+    @property
+    def hybrid(self) -> bool:
+        """True when some group is a sliding-window one."""
+        return any(g.kind is GroupKind.SLIDING for g in self.groups)
+
+
+def _spec_group(spec: Any, index: int) -> Group:
+    """One vLLM KV cache spec as a :class:`Group`, or the start-up refusal."""
+    kind = type(spec).__name__
+    window = getattr(spec, "sliding_window", None)
+    if kind == "SlidingWindowSpec" and isinstance(window, int) and window > 0:
+        return Group(kind=GroupKind.SLIDING, window=window)
+    if kind == "FullAttentionSpec":
+        return Group(kind=GroupKind.FULL)
+    raise ConfigError(
+        f"kv_cache_groups[{index}]",
+        kind,
+        "kvxfer's vLLM connectors move full-attention (FullAttentionSpec) and "
+        "sliding-window (SlidingWindowSpec) KV cache groups only",
+    )
+
+
+def kv_groups(kv_cache_config: Any) -> KVGroups:
+    """Read vLLM's KV cache groups (one full-attention group when there are none).
 
     Raises:
-        ConfigError: the cache has several KV cache groups (vLLM's hybrid manager is
-            on), or ``swa_window_mode`` is set (it needs that manager).
+        ConfigError: a group of a kind kvxfer cannot move (SSM state, chunked local
+            attention, MLA, ...), named with its index and spec.
     """
-    if cfg.swa_window_mode:
+    raw = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not raw:
+        return KVGroups(groups=(Group(kind=GroupKind.FULL),), layer_groups={})
+    groups = tuple(_spec_group(g.kv_cache_spec, i) for i, g in enumerate(raw))
+    layer_groups = {
+        str(name): i for i, g in enumerate(raw) for name in getattr(g, "layer_names", ())
+    }
+    return KVGroups(groups=groups, layer_groups=layer_groups)
+
+
+def check_model_support(cfg: TransferConfig, kv_cache_config: Any, block_size: int = 0) -> None:
+    """Refuse, at start-up, what the connectors cannot move exactly (R-HYB-2).
+
+    Args:
+        cfg: the parsed connector configuration.
+        kv_cache_config: vLLM's ``KVCacheConfig`` (its groups).
+        block_size: tokens per block (0: not checked against the windows).
+
+    Raises:
+        ConfigError: a KV cache group kvxfer cannot move; ``swa_window_mode`` without
+            a sliding-window group, or with a window that does not divide
+            ``block_size`` (R-DESC-4); ``push_stream`` with a sliding-window group.
+    """
+    found = kv_groups(kv_cache_config)
+    key = "kv_connector_extra_config.swa_window_mode"
+    if cfg.swa_window_mode and not found.hybrid:
         raise ConfigError(
-            "kv_connector_extra_config.swa_window_mode",
+            key,
             True,
-            "needs vLLM's hybrid KV cache manager, which kvxfer's vLLM connectors do "
-            "not support (vLLM runs them with --disable-hybrid-kv-cache-manager: "
-            "sliding-window layers keep every block); remove the key",
+            "needs a sliding-window KV cache group, and this model has none (or vLLM "
+            "runs with --disable-hybrid-kv-cache-manager, which puts every layer in one "
+            "full-attention group)",
         )
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) > 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+    for g, group in enumerate(found.groups):
+        if cfg.swa_window_mode and block_size and group.window and block_size % group.window:
+            raise ConfigError(
+                key,
+                True,
+                f"block_size {block_size} is not a multiple of the sliding window "
+                f"{group.window} of KV cache group {g} (window granules must tile a "
+                "block): choose --block-size a multiple of the window, or leave "
+                "swa_window_mode off",
+            )
+    if cfg.push_stream and found.hybrid:
         raise ConfigError(
-            "kv_cache_groups",
-            len(groups),
-            f"kvxfer's vLLM connectors move one KV cache group, got {len(groups)} "
-            f"({kinds}): start vLLM with --disable-hybrid-kv-cache-manager",
+            "kv_connector_extra_config.push_stream",
+            True,
+            "not with sliding-window KV cache groups: which blocks the window keeps is "
+            "known only once the prompt ends, so they go with the hold",
         )
 
 
@@ -272,7 +348,17 @@ def agent_factory(
             push_post=post,
         )
         backend: Backend | None = None
-        if backend_name == "host_bounce" and any(r.mem is not MemKind.DRAM for r in layout.regions):
+        on_device = any(r.mem is not MemKind.DRAM for r in layout.regions)
+        if backend_name == "host_bounce" and on_device and len(tensors) != len(layout.regions):
+            # torch_copy_op copies region i from tensor i.
+            raise ConfigError(
+                "kv_cache_groups",
+                len(layout.groups),
+                "host bounce of device memory copies one tensor per region; a cache "
+                "whose tensors serve several KV cache groups or whose regions split "
+                "heads is not supported there",
+            )
+        if backend_name == "host_bounce" and on_device:
             # KV cache in device memory: stage with torch copies over the same tensors.
             from kvxfer.backends.host_bounce import HostBounceBackend, torch_copy_op
 

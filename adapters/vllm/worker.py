@@ -14,7 +14,8 @@ This module only translates:
 * ``get_kv_connector_stats`` -> per-interval counters vLLM aggregates across ranks
 
 Nothing here raises into vLLM once the engine runs (an exception from a connector
-hook kills vLLM's engine core): a load that cannot start is a failed load. torch is
+hook kills vLLM's engine core): a load that cannot start is a failed load. The one
+exception is a deferred registration that fails (:meth:`WorkerSide.start_step`). torch is
 never imported: tensors are duck-typed.
 """
 
@@ -24,15 +25,31 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvxfer.adapters.vllm.cache_layout import (
+    CPU_VEC_INTERIOR,
+    Interior,
+    describe_kv_caches,
+    token_major_groups,
+)
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
 from kvxfer.adapters.vllm.params import pairing_error, release_ticket, remote_ticket
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
-from kvxfer.layout import KVLayout
+from kvxfer.descriptors import DescriptorTable, PlanOptions
+from kvxfer.errors import RegistrationError
+from kvxfer.layout import Group, GroupKind, KVLayout
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 
-__all__ = ["AgentFactory", "WorkerSide", "describe_kv_caches", "unique_tensors"]
+__all__ = [
+    "CPU_VEC_INTERIOR",
+    "AgentFactory",
+    "Interior",
+    "WorkerSide",
+    "describe_kv_caches",
+    "token_major_groups",
+    "unique_tensors",
+]
 
 #: Builds a worker's Agent once its KV cache is known: ``factory(layout, tensors)``
 #: (the tensors are the distinct KV tensors, for backends that copy by tensor).
@@ -54,31 +71,6 @@ def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
         seen.add(int(t.data_ptr()))
         tensors.append(t)
     return tensors
-
-
-def describe_kv_caches(
-    kv_caches: Mapping[str, Any], *, block_size: int, num_blocks: int, kv_layout: str
-) -> KVLayout:
-    """The :class:`KVLayout` of vLLM's per-layer KV tensors, without copying.
-
-    Tensors shared by several layers (KV sharing) are described once. Three shapes
-    are understood: block-first ``(num_blocks, ...)`` (vLLM 0.32 on CPU gives
-    ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``, one region per layer
-    holding K and V), ``(2, num_blocks, ...)`` and ``(num_blocks, 2, ...)`` (a K and
-    a V region per layer).
-
-    On CPU the block interior is head-major (per head: all K rows, then all V rows), so
-    these regions are token-major only *per head*: whole-block transfers are exact,
-    token-partial ones (chunk_mode) would need one region per (layer, head, K/V).
-    """
-    tensors = unique_tensors(kv_caches)
-    first = tensors[0]
-    if int(first.shape[0]) == num_blocks:
-        return KVLayout.from_tensors(tensors, block_size=block_size, kv_layout=kv_layout)
-    kv_dim = 0 if int(first.shape[0]) == 2 else 1
-    return KVLayout.from_kv_caches(
-        tensors, block_size=block_size, kv_dim=kv_dim, kv_layout=kv_layout
-    )
 
 
 class WorkerSide:
@@ -144,12 +136,37 @@ class WorkerSide:
         tp_rank: int = 0,
         tp_size: int = 1,
         defer_registration: bool = False,
+        groups: Sequence[Group] | None = None,
+        layer_groups: Mapping[str, int] | None = None,
+        plan_options: PlanOptions | None = None,
+        interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
     ) -> WorkerSide:
         """Describe vLLM's KV cache, build the Agent with ``agent_factory`` (in vLLM:
-        :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve."""
+        :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve.
+
+        ``groups``, ``layer_groups`` and ``interior`` are as in
+        :func:`describe_kv_caches`; ``plan_options`` the Agent's. The descriptor table
+        is built here once, so a mode this layout cannot support fails now, at start-up
+        (``ConfigError`` naming key, value and rule), even when device-to-device
+        registration itself waits for the first step.
+        """
+        options = plan_options if plan_options is not None else PlanOptions()
         layout = describe_kv_caches(
-            kv_caches, block_size=block_size, num_blocks=num_blocks, kv_layout=kv_layout
+            kv_caches,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_layout=kv_layout,
+            groups=groups,
+            layer_groups=layer_groups,
+            interior=interior,
+            tp_rank=tp_rank,
+            token_major_groups=token_major_groups(
+                groups if groups is not None else (Group(kind=GroupKind.FULL),),
+                block_size,
+                options,
+            ),
         )
+        DescriptorTable.build(layout, options)
         log.info("kvxfer: KV layout %s", layout.summary())
         tensors = unique_tensors(kv_caches)
         return cls(
@@ -174,14 +191,25 @@ class WorkerSide:
 
     # -- per step ------------------------------------------------------------------------
     def start_step(self, plan: StepPlan) -> None:
-        """Start what the scheduler queued. Never raises."""
+        """Start what the scheduler queued.
+
+        Raises only when a deferred registration fails (the first real step,
+        device-to-device): an instance that cannot register its KV memory can never
+        move KV, and serving on would fail every P/D request, so vLLM's engine core
+        stops with the reason. Every mode the layout cannot support was refused before,
+        in :meth:`from_kv_caches`; what is left here is the backend or device refusing
+        the memory.
+        """
         agent = self.agent
         if self._defer:
             self._defer = False
             try:
                 agent.complete_registration()
-            except Exception:
-                log.exception("kvxfer: deferred KV registration failed")
+            except Exception as exc:
+                log.error("kvxfer: deferred KV registration failed, stopping: %s", exc)
+                raise RegistrationError(
+                    f"deferred KV registration failed: {exc}; this instance cannot move KV"
+                ) from exc
         for hold in plan.holds:
             staged = self._staged.pop(hold.request_id, None) == hold.block_ids
             try:
@@ -242,6 +270,7 @@ class WorkerSide:
                 local_blocks=load.local_blocks,
                 skip_blocks=load.skip_blocks,
                 num_tokens=load.num_tokens,
+                block_size=self.layout.block_size,
             )
             # The ticket's blocks are already cut to the local ones (remote_ticket);
             # cached_blocks says which token positions they hold.

@@ -9,8 +9,8 @@ The result is cached under ``<repo>/.cache/e2e-models/<key>/`` where ``key`` has
 every parameter of the build (and a builder version), so a changed spec rebuilds and
 an unchanged one is reused. Building takes a few seconds; the directory is < 1 MB.
 
-Run ``python -m tests.e2e.model`` from the repository root to build it and print
-the path.
+Run ``python -m tests.e2e.model [hybrid]`` from the repository root to build it (or
+the hybrid Gemma3 model) and print the path.
 """
 
 from __future__ import annotations
@@ -64,15 +64,20 @@ class TinyModelSpec:
     seed: int = 0
     dtype: str = "bfloat16"
     corpus_sentences: int = 2000
+    #: "qwen2", or "gemma3": a hybrid Gemma3 text model whose layers alternate
+    #: sliding-window attention (``sliding_window`` tokens) and full attention.
+    arch: str = "qwen2"
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     def key(self) -> str:
-        blob = json.dumps(
-            {"builder": BUILDER_VERSION, **dataclasses.asdict(self)}, sort_keys=True
-        ).encode()
+        fields = dataclasses.asdict(self)
+        if self.arch == "qwen2":  # keys of the original builder stay valid
+            del fields["arch"], fields["sliding_window"]
+        blob = json.dumps({"builder": BUILDER_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -122,10 +127,37 @@ def _build_tokenizer(spec: TinyModelSpec, out: Path) -> int:
     return int(eos_id)
 
 
-def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
+    if spec.arch == "gemma3":
+        config = Gemma3TextConfig(
+            vocab_size=spec.vocab_size,
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            query_pre_attn_scalar=spec.head_dim,
+            max_position_embeddings=spec.max_position_embeddings,
+            initializer_range=spec.initializer_range,
+            # Tied embeddings with random weights make greedy output repeat the last
+            # prompt token (VLLM_CPU_TESTBED.md): equality would prove nothing.
+            tie_word_embeddings=False,
+            sliding_window=spec.sliding_window,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_hidden_layers)
+            ],
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+            architectures=["Gemma3ForCausalLM"],
+        )
+        return Gemma3ForCausalLM, config
+    if spec.arch != "qwen2":
+        raise ValueError(f"TinyModelSpec.arch={spec.arch!r}: must be 'qwen2' or 'gemma3'")
     config = Qwen2Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -142,15 +174,23 @@ def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
         pad_token_id=eos_id,
         architectures=["Qwen2ForCausalLM"],
     )
+    return Qwen2ForCausalLM, config
+
+
+def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
+    import torch
+
+    model_cls, config = _model_and_config(spec, eos_id)
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     # Re-draw every parameter from one seeded generator so the weights do not depend
     # on transformers' init order or on which modules it chooses to initialise.
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                # Gemma's RMSNorm scales by (1 + weight): zero is its identity.
+                param.fill_(0.0 if spec.arch == "gemma3" else 1.0)
             else:  # projections, embeddings, lm_head and the q/k/v biases
                 param.normal_(0.0, spec.initializer_range, generator=gen)
     model = model.to(getattr(torch, spec.dtype))
@@ -166,7 +206,7 @@ def build_tiny_model(spec: TinyModelSpec | None = None, cache_dir: Path | None =
     """
     spec = spec or TinyModelSpec()
     cache_dir = Path(cache_dir or os.environ.get("KVXFER_E2E_CACHE", DEFAULT_CACHE))
-    target = cache_dir / f"qwen2-tiny-{spec.key()}"
+    target = cache_dir / f"{spec.arch}-tiny-{spec.key()}"
     if (target / ".complete").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -189,6 +229,13 @@ def build_tiny_model(spec: TinyModelSpec | None = None, cache_dir: Path | None =
     return target
 
 
+#: The hybrid model of tests/e2e/test_pd_hybrid.py: 4 layers alternating a 16-token
+#: sliding window and full attention, 2 KV heads of 32. vLLM's hybrid KV cache manager
+#: gives it two KV cache groups; a 32-token block holds two window granules, so
+#: swa_window_mode cuts blocks.
+HYBRID_SPEC = TinyModelSpec(arch="gemma3", num_hidden_layers=4, sliding_window=16)
+
+
 def describe(path: Path) -> dict[str, Any]:
     """Sizes and ids worth logging from a built model directory."""
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
@@ -197,4 +244,7 @@ def describe(path: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(describe(build_tiny_model()), indent=1))
+    import sys
+
+    spec = HYBRID_SPEC if sys.argv[1:] == ["hybrid"] else TinyModelSpec()
+    print(json.dumps(describe(build_tiny_model(spec)), indent=1))

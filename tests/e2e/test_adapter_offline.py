@@ -31,6 +31,7 @@ from kvxfer.adapters.vllm.scheduler import (
 from kvxfer.adapters.vllm.startup import (
     check_model_support,
     data_plane_rails,
+    kv_groups,
     positive_seconds,
     push_post,
 )
@@ -571,22 +572,73 @@ def _no_ip(args: Any) -> str:
     return "[]"
 
 
-def test_model_support_refuses_hybrid_caches() -> None:
-    @dataclasses.dataclass
-    class Spec:
-        pass
+@dataclasses.dataclass
+class FullAttentionSpec:  # named like vLLM's: kv_groups reads the spec's class name
+    pass
 
-    @dataclasses.dataclass
-    class Group:
-        kv_cache_spec: Any
 
-    @dataclasses.dataclass
-    class Cache:
-        kv_cache_groups: list[Group]
+@dataclasses.dataclass
+class SlidingWindowSpec:
+    sliding_window: int
 
-    check_model_support(_cfg(), Cache([Group(Spec())]))
-    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
-        check_model_support(_cfg(), Cache([Group(Spec()), Group(Spec())]))
+
+@dataclasses.dataclass
+class MambaSpec:
+    pass
+
+
+@dataclasses.dataclass
+class _KVGroup:
+    kv_cache_spec: Any
+    layer_names: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _KVCacheConfig:
+    kv_cache_groups: list[_KVGroup]
+
+
+def _hybrid(window: int = 16) -> _KVCacheConfig:
+    return _KVCacheConfig(
+        [
+            _KVGroup(FullAttentionSpec(), ["l.1", "l.3"]),
+            _KVGroup(SlidingWindowSpec(window), ["l.0", "l.2"]),
+        ]
+    )
+
+
+def test_kv_groups_read_full_and_sliding_groups_and_refuse_others() -> None:
+    found = kv_groups(_hybrid())
+    assert found.windows == (0, 16) and found.hybrid
+    assert found.layer_groups == {"l.1": 0, "l.3": 0, "l.0": 1, "l.2": 1}
+    assert not kv_groups(_KVCacheConfig([_KVGroup(FullAttentionSpec())])).hybrid
+    with pytest.raises(ConfigError, match=r"kv_cache_groups\[1\]='MambaSpec'"):
+        kv_groups(_KVCacheConfig([_KVGroup(FullAttentionSpec()), _KVGroup(MambaSpec())]))
+
+
+def _d2d_cfg(connector: str = "RblnNixlPullConnector", **extra: Any) -> Any:
+    return parse_kv_transfer_config(
+        {
+            "kv_connector": connector,
+            "kv_role": "kv_producer",
+            "kv_buffer_device": "rbln",
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+def test_model_support_checks_modes_against_the_groups_at_start_up() -> None:
+    check_model_support(_cfg(), _hybrid(), 32)
+    check_model_support(_d2d_cfg(swa_window_mode=True), _hybrid(16), 32)
+    plain = _KVCacheConfig([_KVGroup(FullAttentionSpec())])
+    with pytest.raises(ConfigError, match=r"swa_window_mode=True: needs a sliding-window"):
+        check_model_support(_d2d_cfg(swa_window_mode=True), plain, 32)
+    with pytest.raises(ConfigError, match=r"swa_window_mode=True: block_size 32 is not a mult"):
+        check_model_support(_d2d_cfg(swa_window_mode=True), _hybrid(64), 32)
+    push = _d2d_cfg("RblnNixlPushConnector", push_stream=True)
+    check_model_support(push, plain, 32)
+    with pytest.raises(ConfigError, match=r"push_stream=True: not with sliding-window"):
+        check_model_support(push, _hybrid(), 32)
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "30", None])

@@ -42,6 +42,15 @@ BAD: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         kv_config("kv_producer", extra={"stripe_width": 2}),
         ("ConfigError: kv_connector_extra_config.stripe_width=2", "other widths are not"),
     ),
+    # R-HYB-2: a mode the model's KV cache groups cannot support (the tiny Qwen2 has
+    # no sliding-window layer), refused before nixl-rbln is even looked for.
+    "swa_window_mode_without_sliding_window": (
+        kv_config("kv_producer", buffer_device="rbln", extra={"swa_window_mode": True}),
+        (
+            "ConfigError: kv_connector_extra_config.swa_window_mode=True",
+            "needs a sliding-window KV cache group",
+        ),
+    ),
     "rbln_without_nixl_rbln": (
         kv_config("kv_producer", buffer_device="rbln"),
         ('nixl-rbln is required for kv_buffer_device "rbln"',),

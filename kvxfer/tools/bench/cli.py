@@ -127,6 +127,13 @@ def parser() -> argparse.ArgumentParser:
         help="GiB both processes may hold (default: 75%% of MemAvailable)",
     )
     p.add_argument("--no-planning", action="store_true", help="skip the planning-cost cases")
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="print what vLLM's hybrid KV cache manager, swa_window_mode and chunk_mode "
+        "save on a gpt-oss-like hybrid model (bytes, descriptors, runs; the algebra "
+        "alone, no transfer) instead of measuring",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per case")
     p.add_argument("--plot", metavar="PNG", help="plot GB/s against block size (matplotlib)")
     p.add_argument(
@@ -330,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvxfer.tools.bench.tables import main as print_tables
 
         return print_tables(args.tables)
+    if args.hybrid:
+        from kvxfer.tools.bench.hybrid import main as print_hybrid
+
+        return print_hybrid([])
     if args.reps is not None and args.reps < 1:
         print("kvxfer bench: --reps must be >= 1", file=sys.stderr)
         return 2

@@ -1,0 +1,191 @@
+"""vLLM's KV cache tensors as a :class:`~kvxfer.layout.KVLayout` (no copies).
+
+:func:`describe_kv_caches` turns the per-layer tensors vLLM hands
+``register_kv_caches`` into regions: one per layer for whole blocks, or token-major
+regions (per head, and per head-dim element where K is stored element-major) for the
+KV cache groups whose blocks chunk_mode or swa_window_mode cut into token ranges
+(:func:`token_major_groups`). No torch or vLLM imports: tensors are duck-typed; the
+CPU cache's in-block order is probed by :mod:`~kvxfer.adapters.vllm.cpu_cache`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from kvxfer.descriptors import PlanOptions, chunk_size
+from kvxfer.errors import ConfigError
+from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, split_kv
+
+__all__ = [
+    "CPU_VEC_INTERIOR",
+    "Interior",
+    "describe_kv_caches",
+    "token_major_groups",
+]
+
+
+class Interior(enum.Enum):
+    """How one head's K (or V) rows sit inside a block of vLLM's CPU cache."""
+
+    #: ``[token][element]``: a token range is one contiguous range.
+    TOKEN_MAJOR = "token-major"
+    #: ``[element][token]`` (K of vLLM's CPU "vec" attention): a token range is one
+    #: range per head-dim element.
+    ELEMENT_MAJOR = "element-major"
+
+
+#: (K, V) interior of vLLM 0.32's CPU cache with its "vec"/"vec16" attention, probed
+#: with vLLM's own cache-write op (:mod:`kvxfer.adapters.vllm.cpu_cache`).
+CPU_VEC_INTERIOR = (Interior.ELEMENT_MAJOR, Interior.TOKEN_MAJOR)
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, Any],
+    *,
+    block_size: int,
+    num_blocks: int,
+    kv_layout: str,
+    groups: Sequence[Group] | None = None,
+    layer_groups: Mapping[str, int] | None = None,
+    token_major_groups: Collection[int] = (),
+    interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
+    tp_rank: int = 0,
+) -> KVLayout:
+    """The :class:`KVLayout` of vLLM's per-layer KV tensors, without copying.
+
+    Layer *i* is the *i*-th entry of ``kv_caches`` (vLLM's layer order); its region
+    belongs to the KV cache group ``layer_groups[name]`` (default 0). A tensor shared
+    by several layers of one group (KV sharing) is described once; vLLM's hybrid KV
+    cache manager also lets layers of *different* groups share one tensor (a block id
+    belongs to one group at a time), and each of them gets its own region over the
+    same bytes. Three shapes are understood: block-first ``(num_blocks, ...)``,
+    ``(2, num_blocks, ...)`` and ``(num_blocks, 2, ...)`` (a K and a V region).
+
+    vLLM 0.32 on CPU gives ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``,
+    head-major: per head, the K part then the V part of ``block_size * head_size``
+    elements each, whose order ``interior`` gives (probed at start-up: K is
+    element-major, V token-major with the "vec" attention). Layers of the groups in
+    ``token_major_groups`` (blocks that chunk_mode or swa_window_mode cut into token
+    ranges) are described so that inside every region a block is token-major: one
+    region per (head, V) and per (head, K) (``Region.head``, the *global* KV head:
+    ``tp_rank * num_kv_heads + h`` on a tensor-parallel rank holding ``num_kv_heads``),
+    or, for an element-major K, one per (head, K, element) (``Region.lane``). Other
+    layers are one region each and move whole blocks (``kv_layout`` ``"HND"`` unless a
+    group is split).
+
+    Raises:
+        ConfigError: a group must be cut but the cache's interior is unknown.
+    """
+    groups = tuple(groups) if groups is not None else (Group(kind=GroupKind.FULL),)
+    group_of = dict(layer_groups or {})
+    split = set(token_major_groups)
+    regions = _Regions()
+    seen: set[tuple[int, int]] = set()
+    head_major = False
+    for layer, (name, t) in enumerate(kv_caches.items()):
+        g = int(group_of.get(name, 0))
+        if (int(t.data_ptr()), g) in seen:
+            continue
+        seen.add((int(t.data_ptr()), g))
+        if int(t.shape[0]) == num_blocks:
+            cpu_shape = t.dim() == 4 and int(t.shape[2]) == block_size
+            head_major = head_major or cpu_shape
+            if cpu_shape and g in split:
+                if interior is None:
+                    raise ConfigError(
+                        "chunk_mode/swa_window_mode",
+                        True,
+                        f"cut the blocks of KV cache group {g}, but the in-block order of "
+                        "this engine's CPU cache is unknown (its attention is not one "
+                        "whose cache writes kvxfer probed): leave both modes off",
+                    )
+                _split_heads(regions, t, layer, g, block_size, interior, tp_rank)
+                continue
+            regions.add(t, layer, KVPart.KV, g)
+            continue
+        k, v = split_kv(t, kv_dim=0 if int(t.shape[0]) == 2 else 1)
+        regions.add(k, layer, KVPart.K, g)
+        regions.add(v, layer, KVPart.V, g)
+    if head_major:
+        # Whole regions of a head-major cache are not token-major; split ones are.
+        kv_layout = "NHD" if split else "HND"
+    return KVLayout.from_tensors(
+        regions.views,
+        block_size=block_size,
+        layers=regions.layers,
+        parts=regions.parts,
+        region_groups=regions.groups,
+        groups=groups,
+        kv_layout=kv_layout,
+        heads=regions.heads,
+        lanes=regions.lanes,
+    )
+
+
+class _Regions:
+    """Per-region columns for :meth:`KVLayout.from_tensors`."""
+
+    def __init__(self) -> None:
+        self.views: list[Any] = []
+        self.layers: list[int] = []
+        self.parts: list[KVPart] = []
+        self.groups: list[int] = []
+        self.heads: list[int] = []
+        self.lanes: list[int] = []
+
+    def add(
+        self, view: Any, layer: int, part: KVPart, group: int, head: int = 0, lane: int = 0
+    ) -> None:
+        self.views.append(view)
+        self.layers.append(layer)
+        self.parts.append(part)
+        self.groups.append(group)
+        self.heads.append(head)
+        self.lanes.append(lane)
+
+
+def _split_heads(
+    regions: _Regions,
+    t: Any,
+    layer: int,
+    group: int,
+    block_size: int,
+    interior: tuple[Interior, Interior],
+    tp_rank: int,
+) -> None:
+    """One CPU cache tensor as token-major regions (see :func:`describe_kv_caches`)."""
+    nb, num_heads, _, two_hs = (int(d) for d in t.shape)
+    hs = two_hs // 2
+    first = tp_rank * num_heads  # this rank's first global KV head
+    for h in range(num_heads):
+        for index, part in ((0, KVPart.K), (1, KVPart.V)):
+            if interior[index] is Interior.TOKEN_MAJOR:
+                # [block][head][K | V][token][element]
+                view = t.view(nb, num_heads, 2, block_size, hs)[:, h, index]
+                regions.add(view, layer, part, group, head=first + h)
+                continue
+            # [block][head][K | V][element][token]: one region per element
+            rows = t.view(nb, num_heads, 2, hs, block_size)[:, h, index]
+            for e in range(hs):
+                regions.add(rows[:, e], layer, part, group, head=first + h, lane=e)
+
+
+def token_major_groups(
+    groups: Sequence[Group], block_size: int, options: PlanOptions
+) -> frozenset[int]:
+    """The groups whose blocks ``options`` cut into token ranges (R-DESC-3/4): every
+    group with chunks smaller than a block, sliding groups with swa_window_mode and a
+    window granule smaller than a block."""
+    bound = options.chunk_bound
+    chunk = chunk_size(block_size, bound) if options.chunk_mode and bound else block_size
+    out = set()
+    for g, group in enumerate(groups):
+        unit = chunk
+        if options.swa_window_mode and group.kind is GroupKind.SLIDING:
+            unit = math.gcd(min(group.window, block_size), chunk)
+        if unit < block_size:
+            out.add(g)
+    return frozenset(out)
