@@ -28,7 +28,7 @@ from kvxfer._peers import Peer, PeerCache
 from kvxfer._receptions import Receptions
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
-from kvxfer.descriptors import build_plan
+from kvxfer.descriptors import Plan, build_plan
 from kvxfer.errors import BackendError, KvxferError, PeerError, TransferError, TransferTimeout
 from kvxfer.transfer import FailureKind, Transfer, TransferState, settle
 from kvxfer.types import Direction, Role
@@ -130,10 +130,15 @@ class Runtime:
         remote: blocks.Groups,
         num_tokens: int,
         notification: bytes | Callable[[int], bytes],
+        *,
+        plan: Plan | None = None,
     ) -> None:
         """Plan and post one transfer. Called without the agent lock: with UCX over CMA
         (and the host bounce's staging copies) a post moves bytes before it returns, and
-        the lock held that long would stall the engine's hold(), pull() and freed()."""
+        the lock held that long would stall the engine's hold(), pull() and freed().
+
+        ``plan`` is a plan made already (one producer rank's part of a request across
+        TP sizes, :mod:`kvxfer._tp`): its ids index the local and ``peer`` tables."""
         table, _ = self._local.require_registered()
         meta = transfer.meta
         # Nothing to poll until the post returns: the progress thread keeps its slower
@@ -141,7 +146,8 @@ class Runtime:
         meta.posting = True
         t0 = time.perf_counter()
         try:
-            plan = build_plan(table, peer.table, local, remote, num_tokens)
+            if plan is None:
+                plan = build_plan(table, peer.table, local, remote, num_tokens)
         except KvxferError as exc:
             self.fail(transfer, FailureKind.POST, exc)
             return

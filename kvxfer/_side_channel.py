@@ -127,6 +127,7 @@ class SideChannel:
             lease_s=config.lease_s,
             role=config.role,
             direction=config.direction,
+            tp=config.tp,
         )
 
     def _on_message(self, msg: Any) -> Any:

@@ -60,6 +60,7 @@ from kvxfer._push import PushWriter, Write
 from kvxfer._receptions import Receptions
 from kvxfer._runtime import Runtime
 from kvxfer._side_channel import SideChannel
+from kvxfer._tp import TPPuller
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions, XferOp
 from kvxfer.blocks import BlockIds
@@ -73,6 +74,7 @@ from kvxfer.errors import (
     PlanError,
     RegistrationError,
 )
+from kvxfer.heads import place_heads
 from kvxfer.layout import GroupKind, KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
@@ -148,6 +150,10 @@ class Agent:
             self._local, backend, self._runtime, self._peers, self._leases, self._lock
         )
         self._side = SideChannel(self._local, backend, self._leases, self._push, client, self._lock)
+        # Pulls of tickets from a producer of another TP size (several producer ranks).
+        self._tp = TPPuller(
+            self._local, self._peers, self._runtime, self._io, self._send_release, self._lock
+        )
         if config.direction is Direction.PUSH:
             # A lease whose consumer registers after its hold() is written by a tick.
             self._runtime.add_tick_hook(self._push.resume)
@@ -237,6 +243,11 @@ class Agent:
                 self._register_now(layout)
 
     def _register_now(self, layout: KVLayout) -> None:
+        tp = self.config.tp
+        if tp is not None:
+            # Peers of other TP sizes match regions by global head: an engine may
+            # describe its tensor's heads rank-locally (0..heads_per_rank-1).
+            layout = place_heads(layout, tp.heads, tp.rank)
         exposed = self.backend.register(layout)
         table = DescriptorTable.build(exposed, self.config.plan)
         self.backend.prepare_local(table)
@@ -389,6 +400,7 @@ class Agent:
             num_tokens=num_tokens,
             incarnation=self.incarnation,
             lease_expiry=expiry,
+            tp_size=self.config.tp.heads.tp_size if self.config.tp is not None else 1,
         )
 
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
@@ -451,13 +463,22 @@ class Agent:
         here, so a transport that copies inside its post (UCX over CMA on one host)
         has moved the bytes when this returns.
 
+        With :attr:`AgentConfig.tp` set and a ticket of another ``tp_size``, the
+        request is read from every producer rank holding this rank's heads (rank *p*
+        at ``ticket.port + p``), one sub-transfer per rank folded into the one
+        returned transfer (:mod:`kvxfer._tp`).
+
         Raises:
             RegistrationError: no memory registered yet.
             PlanError: a local block id that is not an integer, out of range or
                 repeated; a block count that does not fit ``num_tokens`` and
                 ``cached_blocks``; or blocks the ticket does not hold (nothing is
                 posted; the producer is told to release).
+            ConfigError: a ticket ``tp_size`` that cannot split the model's heads.
         """
+        across_tp = self._tp.wants(ticket)
+        if across_tp:
+            self._tp.ranks(ticket)  # a ticket tp_size the heads do not allow: raise now
         try:
             local = self._blocks(local_blocks)
             tokens = ticket.num_tokens if num_tokens is None else num_tokens
@@ -472,8 +493,13 @@ class Agent:
             )
         except PlanError:
             # Nothing will be read: let the producer free its blocks now, not at lease expiry.
-            self.abort(ticket)
+            if across_tp:
+                self._tp.release_all(ticket)
+            else:
+                self.abort(ticket)
             raise
+        if across_tp:
+            return self._tp.pull(ticket, local, remote, tokens)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
         if ticket.lease_expiry:

@@ -20,6 +20,14 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     Maps one-to-one onto upstream vLLM's ``kv_transfer_params`` keys (so existing
     routers forward it untouched) plus kvxfer's own ``remote_incarnation``,
     ``remote_num_tokens`` and ``lease_expiry``.
+
+    Across tensor-parallel sizes (``tp_size`` differs from the consumer's), the ticket
+    names the producer's rank 0: its ``host``, ``port`` and ``incarnation``; producer
+    rank *p* serves its side channel at ``port + p`` (upstream vLLM's convention) and
+    holds the request under the same ``request_id`` and block ids.
+    ``incarnations`` lists every producer rank's incarnation when the producer
+    published them (upstream-shaped params: ``remote_incarnations``); without it only
+    rank 0's is checked.
     """
 
     engine_id: str
@@ -31,6 +39,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int = 0
     lease_expiry: float = 0.0
     tp_size: int = 1
+    incarnations: tuple[int, ...] = ()
 
     @classmethod
     def for_push(
