@@ -25,6 +25,7 @@ from kvxfer import blocks, wire
 from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
+from kvxfer._readers import ReaderCount
 from kvxfer._receptions import Receptions
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
@@ -57,6 +58,8 @@ class Runtime:
         receptions: The consumer's push receptions (completed by notices).
         stats: The agent's counters.
         lock: The agent lock (guards the bookkeeping, never held across a post).
+        readers: Counts the consumer ranks of a request read across TP sizes (the
+            lease is freed at the last one's DONE or ABORT).
     """
 
     def __init__(
@@ -68,7 +71,9 @@ class Runtime:
         receptions: Receptions,
         stats: AgentStats,
         lock: threading.RLock,
+        readers: ReaderCount | None = None,
     ) -> None:
+        self._readers = ReaderCount() if readers is None else readers
         self._local = local
         self._config = local.config
         self._backend = backend
@@ -400,6 +405,10 @@ class Runtime:
             except KvxferError as exc:
                 log.warning("ignored a notification from %s: %s", sender, exc)
                 continue
+            if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT) and not (
+                self._readers.last(notice.request_id, notice.readers, notice.reader)
+            ):
+                continue  # other consumer ranks may still read it (TP sizes differ)
             if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT, wire.NoticeKind.FAILED):
                 self._leases.settled(
                     notice.request_id,

@@ -14,7 +14,9 @@ each of its heads from the one producer rank :func:`kvxfer.heads.source_ranks` n
 * a :class:`~kvxfer.tp_plan.TPPlanner` is built once per set of peers (and
   replica choice), like the descriptor tables it indexes, and cached;
 * one sub-transfer per producer rank is posted with that rank's plan, each with its
-  own DONE notice, which frees that rank's lease; :class:`~kvxfer._fanout.Fanout`
+  own DONE notice naming how many consumer ranks read that producer rank
+  (``Notice.readers``; :mod:`kvxfer._readers`): the rank frees its lease only once
+  all of them sent theirs (or a Release); :class:`~kvxfer._fanout.Fanout`
   folds them into the one Transfer the engine sees.
 
 When any rank's handshake or planning fails nothing is posted to the others; every
@@ -79,7 +81,8 @@ class TPPuller:
         peers: The peer cache every rank's handshake goes through.
         runtime: Posts and settles the sub-transfers.
         io: The agent's worker pool (first contacts, releases).
-        release: Tells one producer rank (its ticket) to release the request.
+        release: Tells one producer rank (its ticket) to release the request, as reader
+            ``reader`` of ``readers`` consumer ranks reading it.
         lock: The agent lock.
     """
 
@@ -89,7 +92,7 @@ class TPPuller:
         peers: PeerCache,
         runtime: Runtime,
         io: Callable[[], ThreadPoolExecutor],
-        release: Callable[[Ticket], None],
+        release: Callable[[Ticket, int, int], None],
         lock: threading.RLock,
     ) -> None:
         self._local = local
@@ -136,8 +139,17 @@ class TPPuller:
         """Tell every needed producer rank (or ``ranks``) to release, from a worker."""
         if self._runtime.closed:
             return
+        producer, _ = self.sources(ticket)
+        me = self._tp().rank
         for rank in self.ranks(ticket) if ranks is None else ranks:
-            self._io().submit(self._release, rank_ticket(ticket, rank))
+            readers = self.readers(ticket, producer, rank)
+            self._io().submit(self._release, rank_ticket(ticket, rank), readers, me)
+
+    def readers(self, ticket: Ticket, producer: HeadLayout, rank: int) -> int:
+        """How many consumer ranks read ``ticket`` from producer rank ``rank`` (at least
+        1: a replica nobody reads is released by one consumer rank)."""
+        salt = zlib.crc32(ticket.request_id.encode())
+        return max(1, len(reader_ranks(producer, rank, self._tp().heads, salt=salt)))
 
     def pull(
         self, ticket: Ticket, local: blocks.Groups, remote: blocks.Groups, tokens: int
@@ -267,15 +279,18 @@ class TPPuller:
             return
         for rp in plans:
             fanout.planned(rp.rank, blocks.to_wire(rp.plan.local_blocks))
-        notice = self._local.encode(
-            wire.Notice(
-                kind=wire.NoticeKind.DONE,
-                request_id=job.ticket.request_id,
-                engine_id=self._local.config.engine_id,
-                incarnation=self._local.incarnation,
-            )
-        )
         for rp in plans:
+            # Each rank's own DONE: it frees the lease once all its readers sent theirs.
+            notice = self._local.encode(
+                wire.Notice(
+                    kind=wire.NoticeKind.DONE,
+                    request_id=job.ticket.request_id,
+                    engine_id=self._local.config.engine_id,
+                    incarnation=self._local.incarnation,
+                    readers=self.readers(job.ticket, job.producer, rp.rank),
+                    reader=self._tp().rank,
+                )
+            )
             self._runtime.post(
                 fanout.subs[rp.rank],
                 XferOp.READ,

@@ -57,6 +57,7 @@ from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
+from kvxfer._readers import ReaderCount
 from kvxfer._receptions import Receptions
 from kvxfer._runtime import Runtime
 from kvxfer._side_channel import SideChannel
@@ -137,6 +138,7 @@ class Agent:
         self._peers = PeerCache(self._local, backend, client, self.stats_counters, self._log_prefix)
         self._leases = LeaseBook(self.stats_counters)
         self._receptions = Receptions(self._local, self._lock)
+        readers = ReaderCount()  # consumer ranks of a request read across TP sizes
         self._runtime = Runtime(
             self._local,
             backend,
@@ -145,11 +147,14 @@ class Agent:
             self._receptions,
             self.stats_counters,
             self._lock,
+            readers,
         )
         self._push = PushWriter(
             self._local, backend, self._runtime, self._peers, self._leases, self._lock
         )
-        self._side = SideChannel(self._local, backend, self._leases, self._push, client, self._lock)
+        self._side = SideChannel(
+            self._local, backend, self._leases, self._push, client, self._lock, readers
+        )
         # Pulls of tickets from a producer of another TP size (several producer ranks).
         self._tp = TPPuller(
             self._local, self._peers, self._runtime, self._io, self._send_release, self._lock
@@ -590,8 +595,12 @@ class Agent:
             return
         self._send_release(ticket)
 
-    def _send_release(self, ticket: Ticket) -> None:
-        msg = wire.Release(request_id=ticket.request_id, reason="consumer aborted")
+    def _send_release(self, ticket: Ticket, readers: int = 1, reader: int = 0) -> None:
+        # readers/reader: this consumer rank among those reading the request from that
+        # producer rank across TP sizes (kvxfer._tp); it frees once all released/read.
+        msg = wire.Release(
+            request_id=ticket.request_id, reason="consumer aborted", readers=readers, reader=reader
+        )
         try:
             self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:

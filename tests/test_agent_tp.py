@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from kvxfer._readers import ReaderCount
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
@@ -233,3 +234,54 @@ def test_a_wrong_incarnation_of_another_rank_fails_the_pull(closing: list[Rank])
     with pytest.raises(TransferError, match="restarted"):
         transfer.wait(10)
     assert transfer.invalid_blocks == (2,)
+
+
+def test_a_producer_rank_read_by_two_decode_ranks_frees_after_both(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
+    (producer,), consumers = _producers(p_heads), _consumers(d_heads)
+    closing += [producer, *consumers]
+    ticket = _hold([producer], "req-two", [2, 3], 8)
+    consumers[0].agent.pull(ticket, [4, 5]).wait(5)
+    time.sleep(0.05)  # its DONE notice has arrived and been handled
+    assert producer.agent.freed() == []
+    assert "req-two" in producer.agent.holding()  # decode rank 1 has not read yet
+    consumers[1].agent.pull(ticket, [6, 7]).wait(5)
+    deadline = time.monotonic() + 5
+    freed: list[str] = []
+    while "req-two" not in freed and time.monotonic() < deadline:
+        freed += producer.agent.freed()
+        time.sleep(0.01)
+    assert freed == ["req-two"]
+    for c, local in zip(consumers, ([4, 5], [6, 7]), strict=True):
+        assert c.cache.mismatches(local, [2, 3], SEED) == []
+
+
+def test_a_release_from_one_reader_and_a_done_from_the_other_free_once(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
+    (producer,), consumers = _producers(p_heads), _consumers(d_heads)
+    closing += [producer, *consumers]
+    ticket = _hold([producer], "req-rel", [2], 4)
+    # Decode rank 0's pull is refused at the call (a wrong block count): it releases.
+    with pytest.raises(KvxferError):
+        consumers[0].agent.pull(ticket, [4, 5])
+    time.sleep(0.2)
+    assert "req-rel" in producer.agent.holding()  # rank 1 may still read
+    consumers[1].agent.pull(ticket, [6]).wait(5)
+    deadline = time.monotonic() + 5
+    while "req-rel" in producer.agent.holding() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "req-rel" not in producer.agent.holding()
+
+
+def test_reader_count_counts_distinct_readers_once() -> None:
+    count = ReaderCount()
+    assert count.last("a", 1, 0)
+    assert not count.last("b", 3, 0)
+    assert not count.last("b", 3, 0)  # a duplicate counts once
+    assert not count.last("b", 3, 2)
+    assert count.last("b", 3, 1)
+    assert not count.last("b", 3, 1)  # a new round for a reused id starts over
