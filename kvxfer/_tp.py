@@ -43,7 +43,13 @@ from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._runtime import Runtime
 from kvxfer.backend import XferOp
-from kvxfer.errors import ConfigError, KvxferError, TransferError
+from kvxfer.errors import (
+    ConfigError,
+    HandshakeRejected,
+    KvxferError,
+    LayoutError,
+    TransferError,
+)
 from kvxfer.heads import HeadLayout, TPRank, reader_ranks, source_ranks
 from kvxfer.ticket import Ticket
 from kvxfer.tp_plan import TPPlanner
@@ -213,7 +219,15 @@ class TPPuller:
     def _released(self, ticket: Ticket, subs: dict[int, Transfer], failed: tuple[int, ...]) -> None:
         """The aggregate failed: ranks whose read did not complete free the request
         now (the others got their DONE notice with their bytes)."""
-        undone = tuple(p for p, s in subs.items() if s.state is not TransferState.DONE)
+        # A rank that did not answer its handshake cannot be told (nor does one that
+        # answered as another incarnation hold the lease); one that refused to pair
+        # (layout, role) can.
+        undone = tuple(
+            p
+            for p, s in subs.items()
+            if s.state is not TransferState.DONE
+            and (s.stats.failure is not FailureKind.HANDSHAKE or _refused_pairing(s.error))
+        )
         log.warning(
             "pull of %s across TP sizes failed on producer rank(s) %s; releasing %s",
             ticket.request_id,
@@ -301,6 +315,14 @@ class TPPuller:
                 notice,
                 plan=rp.plan,
             )
+
+
+def _refused_pairing(error: BaseException | None) -> bool:
+    """True when the producer answered the handshake and refused to pair with us."""
+    cause = error.__cause__ if isinstance(error, TransferError) and error.__cause__ else error
+    if isinstance(cause, LayoutError):
+        return True
+    return isinstance(cause, HandshakeRejected) and cause.code in ("layout", "role")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

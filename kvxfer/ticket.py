@@ -78,6 +78,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             "remote_block_ids": blocks,
             "tp_size": self.tp_size,
             "remote_incarnation": self.incarnation,
+            "remote_incarnations": list(self.incarnations),
             "remote_num_tokens": self.num_tokens,
             "lease_expiry": self.lease_expiry,
         }
@@ -106,4 +107,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             incarnation=int(params.get("remote_incarnation") or 0),
             lease_expiry=float(params.get("lease_expiry") or 0.0),
             tp_size=int(params.get("tp_size") or 1),
+            incarnations=tuple(int(i) for i in params.get("remote_incarnations") or ()),
         )

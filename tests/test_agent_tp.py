@@ -285,3 +285,20 @@ def test_reader_count_counts_distinct_readers_once() -> None:
     assert not count.last("b", 3, 2)
     assert count.last("b", 3, 1)
     assert not count.last("b", 3, 1)  # a new round for a reused id starts over
+
+
+def test_every_ranks_incarnation_survives_kv_transfer_params() -> None:
+    ticket = Ticket(
+        engine_id="prefill",
+        host="h",
+        port=7000,
+        request_id="r",
+        block_ids=((1, 2),),
+        num_tokens=8,
+        incarnation=5,
+        tp_size=2,
+        incarnations=(5, 9),
+    )
+    params = ticket.to_kv_transfer_params()
+    assert params["remote_incarnations"] == [5, 9]
+    assert Ticket.from_kv_transfer_params(params) == ticket
