@@ -115,6 +115,12 @@ class TPPuller:
         tp = self._local.config.tp
         return tp is not None and ticket.tp_size != tp.heads.tp_size
 
+    @property
+    def local_tp_size(self) -> int:
+        """This agent's TP size (1 without a TP identity)."""
+        tp = self._local.config.tp
+        return 1 if tp is None else tp.heads.tp_size
+
     def _tp(self) -> TPRank:
         tp = self._local.config.tp
         if tp is None:  # wants() said so; a caller skipping it is a bug

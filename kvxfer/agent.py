@@ -630,7 +630,18 @@ class Agent:
             PlanError: a local block id that is not an integer, out of range or
                 repeated, or a block count that does not fit ``num_tokens`` and
                 ``cached_blocks`` (nothing is registered).
+            ConfigError: the ticket's ``tp_size`` differs from this agent's
+                (:attr:`AgentConfig.tp`): push across TP sizes is not built yet.
         """
+        if self._tp.wants(ticket):
+            # Fail closed: one producer rank's writes would settle the reception while
+            # the other ranks' heads are missing (see docs/OPERATIONS.md).
+            raise ConfigError(
+                "ticket.tp_size",
+                ticket.tp_size,
+                f"push across TP sizes (this rank's tp_size is "
+                f"{self._tp.local_tp_size}) is not supported yet; pull, or run equal TP sizes",
+            )
         table, _ = self._local.require_registered()
         local = self._blocks(local_blocks)
         tokens = ticket.num_tokens if num_tokens is None else num_tokens

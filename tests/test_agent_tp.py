@@ -302,3 +302,11 @@ def test_every_ranks_incarnation_survives_kv_transfer_params() -> None:
     params = ticket.to_kv_transfer_params()
     assert params["remote_incarnations"] == [5, 9]
     assert Ticket.from_kv_transfer_params(params) == ticket
+
+
+def test_push_across_tp_sizes_is_refused_by_name(closing: list[Rank]) -> None:
+    (consumer,) = _consumers(HeadLayout(num_kv_heads=4, tp_size=1))
+    closing.append(consumer)
+    ticket = msgspec.structs.replace(Ticket.for_push("prefill", "127.0.0.1", 1, "r", 4), tp_size=2)
+    with pytest.raises(ConfigError, match=r"ticket.tp_size=2: push across TP sizes"):
+        consumer.agent.expect_push(ticket, [1])
