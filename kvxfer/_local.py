@@ -64,4 +64,5 @@ class LocalEnd:
             direction=config.direction,
             layout=self.exposed_layout,
             rails=config.rails,
+            tp=config.tp,
         )

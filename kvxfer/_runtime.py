@@ -25,10 +25,11 @@ from kvxfer import blocks, wire
 from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
+from kvxfer._readers import ReaderCount
 from kvxfer._receptions import Receptions
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
-from kvxfer.descriptors import build_plan
+from kvxfer.descriptors import Plan, build_plan
 from kvxfer.errors import BackendError, KvxferError, PeerError, TransferError, TransferTimeout
 from kvxfer.transfer import FailureKind, Transfer, TransferState, settle
 from kvxfer.types import Direction, Role
@@ -57,6 +58,8 @@ class Runtime:
         receptions: The consumer's push receptions (completed by notices).
         stats: The agent's counters.
         lock: The agent lock (guards the bookkeeping, never held across a post).
+        readers: Counts the consumer ranks of a request read across TP sizes (the
+            lease is freed at the last one's DONE or ABORT).
     """
 
     def __init__(
@@ -68,7 +71,9 @@ class Runtime:
         receptions: Receptions,
         stats: AgentStats,
         lock: threading.RLock,
+        readers: ReaderCount | None = None,
     ) -> None:
+        self._readers = ReaderCount() if readers is None else readers
         self._local = local
         self._config = local.config
         self._backend = backend
@@ -130,10 +135,15 @@ class Runtime:
         remote: blocks.Groups,
         num_tokens: int,
         notification: bytes | Callable[[int], bytes],
+        *,
+        plan: Plan | None = None,
     ) -> None:
         """Plan and post one transfer. Called without the agent lock: with UCX over CMA
         (and the host bounce's staging copies) a post moves bytes before it returns, and
-        the lock held that long would stall the engine's hold(), pull() and freed()."""
+        the lock held that long would stall the engine's hold(), pull() and freed().
+
+        ``plan`` is a plan made already (one producer rank's part of a request across
+        TP sizes, :mod:`kvxfer._tp`): its ids index the local and ``peer`` tables."""
         table, _ = self._local.require_registered()
         meta = transfer.meta
         # Nothing to poll until the post returns: the progress thread keeps its slower
@@ -141,7 +151,8 @@ class Runtime:
         meta.posting = True
         t0 = time.perf_counter()
         try:
-            plan = build_plan(table, peer.table, local, remote, num_tokens)
+            if plan is None:
+                plan = build_plan(table, peer.table, local, remote, num_tokens)
         except KvxferError as exc:
             self.fail(transfer, FailureKind.POST, exc)
             return
@@ -394,6 +405,10 @@ class Runtime:
             except KvxferError as exc:
                 log.warning("ignored a notification from %s: %s", sender, exc)
                 continue
+            if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT) and not (
+                self._readers.last(notice.request_id, notice.readers, notice.reader)
+            ):
+                continue  # other consumer ranks may still read it (TP sizes differ)
             if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT, wire.NoticeKind.FAILED):
                 self._leases.settled(
                     notice.request_id,

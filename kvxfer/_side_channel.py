@@ -17,6 +17,7 @@ from kvxfer import wire
 from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._push import PushWriter
+from kvxfer._readers import ReaderCount
 from kvxfer.backend import Backend
 from kvxfer.control import SideChannelClient, SideChannelServer
 from kvxfer.errors import PeerError
@@ -37,6 +38,8 @@ class SideChannel:
         push: Takes a consumer's PushRegister.
         client: Sends this agent's requests (the peer cache's handshakes use it too).
         lock: The agent lock.
+        readers: Counts the consumer ranks of a request read across TP sizes (a
+            Release frees it once every reader released or finished).
     """
 
     def __init__(
@@ -47,7 +50,9 @@ class SideChannel:
         push: PushWriter,
         client: SideChannelClient,
         lock: threading.RLock,
+        readers: ReaderCount | None = None,
     ) -> None:
+        self._readers = ReaderCount() if readers is None else readers
         self._local = local
         self._config = local.config
         self._backend = backend
@@ -127,11 +132,15 @@ class SideChannel:
             lease_s=config.lease_s,
             role=config.role,
             direction=config.direction,
+            tp=config.tp,
         )
 
     def _on_message(self, msg: Any) -> Any:
         """Side-channel messages other than the handshake (runs on the server thread)."""
         if isinstance(msg, wire.Release):
+            if not self._readers.last(msg.request_id, msg.readers, msg.reader):
+                # Other consumer ranks may still read it (TP sizes differ).
+                return wire.Ack(request_id=msg.request_id)
             with self._lock:
                 released = self._leases.abort(msg.request_id)
                 if not released:

@@ -57,9 +57,11 @@ from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
+from kvxfer._readers import ReaderCount
 from kvxfer._receptions import Receptions
 from kvxfer._runtime import Runtime
 from kvxfer._side_channel import SideChannel
+from kvxfer._tp import TPPuller
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions, XferOp
 from kvxfer.blocks import BlockIds
@@ -73,6 +75,7 @@ from kvxfer.errors import (
     PlanError,
     RegistrationError,
 )
+from kvxfer.heads import place_heads
 from kvxfer.layout import GroupKind, KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
@@ -135,6 +138,7 @@ class Agent:
         self._peers = PeerCache(self._local, backend, client, self.stats_counters, self._log_prefix)
         self._leases = LeaseBook(self.stats_counters)
         self._receptions = Receptions(self._local, self._lock)
+        readers = ReaderCount()  # consumer ranks of a request read across TP sizes
         self._runtime = Runtime(
             self._local,
             backend,
@@ -143,11 +147,18 @@ class Agent:
             self._receptions,
             self.stats_counters,
             self._lock,
+            readers,
         )
         self._push = PushWriter(
             self._local, backend, self._runtime, self._peers, self._leases, self._lock
         )
-        self._side = SideChannel(self._local, backend, self._leases, self._push, client, self._lock)
+        self._side = SideChannel(
+            self._local, backend, self._leases, self._push, client, self._lock, readers
+        )
+        # Pulls of tickets from a producer of another TP size (several producer ranks).
+        self._tp = TPPuller(
+            self._local, self._peers, self._runtime, self._io, self._send_release, self._lock
+        )
         if config.direction is Direction.PUSH:
             # A lease whose consumer registers after its hold() is written by a tick.
             self._runtime.add_tick_hook(self._push.resume)
@@ -237,6 +248,11 @@ class Agent:
                 self._register_now(layout)
 
     def _register_now(self, layout: KVLayout) -> None:
+        tp = self.config.tp
+        if tp is not None:
+            # Peers of other TP sizes match regions by global head: an engine may
+            # describe its tensor's heads rank-locally (0..heads_per_rank-1).
+            layout = place_heads(layout, tp.heads, tp.rank)
         exposed = self.backend.register(layout)
         table = DescriptorTable.build(exposed, self.config.plan)
         self.backend.prepare_local(table)
@@ -389,6 +405,7 @@ class Agent:
             num_tokens=num_tokens,
             incarnation=self.incarnation,
             lease_expiry=expiry,
+            tp_size=self.config.tp.heads.tp_size if self.config.tp is not None else 1,
         )
 
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
@@ -451,13 +468,22 @@ class Agent:
         here, so a transport that copies inside its post (UCX over CMA on one host)
         has moved the bytes when this returns.
 
+        With :attr:`AgentConfig.tp` set and a ticket of another ``tp_size``, the
+        request is read from every producer rank holding this rank's heads (rank *p*
+        at ``ticket.port + p``), one sub-transfer per rank folded into the one
+        returned transfer (:mod:`kvxfer._tp`).
+
         Raises:
             RegistrationError: no memory registered yet.
             PlanError: a local block id that is not an integer, out of range or
                 repeated; a block count that does not fit ``num_tokens`` and
                 ``cached_blocks``; or blocks the ticket does not hold (nothing is
                 posted; the producer is told to release).
+            ConfigError: a ticket ``tp_size`` that cannot split the model's heads.
         """
+        across_tp = self._tp.wants(ticket)
+        if across_tp:
+            self._tp.ranks(ticket)  # a ticket tp_size the heads do not allow: raise now
         try:
             local = self._blocks(local_blocks)
             tokens = ticket.num_tokens if num_tokens is None else num_tokens
@@ -472,8 +498,13 @@ class Agent:
             )
         except PlanError:
             # Nothing will be read: let the producer free its blocks now, not at lease expiry.
-            self.abort(ticket)
+            if across_tp:
+                self._tp.release_all(ticket)
+            else:
+                self.abort(ticket)
             raise
+        if across_tp:
+            return self._tp.pull(ticket, local, remote, tokens)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
         if ticket.lease_expiry:
@@ -564,8 +595,12 @@ class Agent:
             return
         self._send_release(ticket)
 
-    def _send_release(self, ticket: Ticket) -> None:
-        msg = wire.Release(request_id=ticket.request_id, reason="consumer aborted")
+    def _send_release(self, ticket: Ticket, readers: int = 1, reader: int = 0) -> None:
+        # readers/reader: this consumer rank among those reading the request from that
+        # producer rank across TP sizes (kvxfer._tp); it frees once all released/read.
+        msg = wire.Release(
+            request_id=ticket.request_id, reason="consumer aborted", readers=readers, reader=reader
+        )
         try:
             self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
@@ -595,7 +630,18 @@ class Agent:
             PlanError: a local block id that is not an integer, out of range or
                 repeated, or a block count that does not fit ``num_tokens`` and
                 ``cached_blocks`` (nothing is registered).
+            ConfigError: the ticket's ``tp_size`` differs from this agent's
+                (:attr:`AgentConfig.tp`): push across TP sizes is not built yet.
         """
+        if self._tp.wants(ticket):
+            # Fail closed: one producer rank's writes would settle the reception while
+            # the other ranks' heads are missing (see docs/OPERATIONS.md).
+            raise ConfigError(
+                "ticket.tp_size",
+                ticket.tp_size,
+                f"push across TP sizes (this rank's tp_size is "
+                f"{self._tp.local_tp_size}) is not supported yet; pull, or run equal TP sizes",
+            )
         table, _ = self._local.require_registered()
         local = self._blocks(local_blocks)
         tokens = ticket.num_tokens if num_tokens is None else num_tokens

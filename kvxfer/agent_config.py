@@ -14,6 +14,7 @@ import msgspec
 from kvxfer.compat import Fingerprint
 from kvxfer.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
+from kvxfer.heads import TPRank
 from kvxfer.types import Direction, Role
 
 __all__ = ["AgentConfig", "AgentStats", "PushPost"]
@@ -65,6 +66,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             producer's lease expiry: clock skew between hosts must stay below it.
         progress_interval_s: Sleep of the progress thread while transfers are in flight.
         push_post: Which thread posts a push producer's writes (see :class:`PushPost`).
+        tp: Where this agent sits in its tensor-parallel group (the model's head layout
+            and this rank), announced in the handshake; None: no TP identity (peers are
+            then paired region by region, rank *r* with rank *r*). With it, a pull whose
+            ticket names another ``tp_size`` reads from every producer rank holding
+            this rank's heads (:mod:`kvxfer._tp`).
     """
 
     engine_id: str
@@ -89,6 +95,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     lease_guard_s: float = 0.5
     backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
     push_post: PushPost = PushPost.AUTO
+    tp: TPRank | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.push_post, PushPost):
@@ -97,6 +104,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 self.push_post,
                 "must be a PushPost: " + ", ".join(repr(p.value) for p in PushPost),
             )
+        if self.tp is not None and not isinstance(self.tp, TPRank):
+            raise ConfigError("tp", self.tp, "must be a kvxfer.heads.TPRank or None")
         if not self.engine_id:
             raise ConfigError("engine_id", self.engine_id, "must be a non-empty string")
         for key in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):

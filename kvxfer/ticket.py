@@ -20,6 +20,14 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     Maps one-to-one onto upstream vLLM's ``kv_transfer_params`` keys (so existing
     routers forward it untouched) plus kvxfer's own ``remote_incarnation``,
     ``remote_num_tokens`` and ``lease_expiry``.
+
+    Across tensor-parallel sizes (``tp_size`` differs from the consumer's), the ticket
+    names the producer's rank 0: its ``host``, ``port`` and ``incarnation``; producer
+    rank *p* serves its side channel at ``port + p`` (upstream vLLM's convention) and
+    holds the request under the same ``request_id`` and block ids.
+    ``incarnations`` lists every producer rank's incarnation when the producer
+    published them (upstream-shaped params: ``remote_incarnations``); without it only
+    rank 0's is checked.
     """
 
     engine_id: str
@@ -31,6 +39,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int = 0
     lease_expiry: float = 0.0
     tp_size: int = 1
+    incarnations: tuple[int, ...] = ()
 
     @classmethod
     def for_push(
@@ -69,6 +78,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             "remote_block_ids": blocks,
             "tp_size": self.tp_size,
             "remote_incarnation": self.incarnation,
+            "remote_incarnations": list(self.incarnations),
             "remote_num_tokens": self.num_tokens,
             "lease_expiry": self.lease_expiry,
         }
@@ -97,4 +107,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             incarnation=int(params.get("remote_incarnation") or 0),
             lease_expiry=float(params.get("lease_expiry") or 0.0),
             tp_size=int(params.get("tp_size") or 1),
+            incarnations=tuple(int(i) for i in params.get("remote_incarnations") or ()),
         )

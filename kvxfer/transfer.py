@@ -121,6 +121,9 @@ class Transfer:
         self._state = TransferState.PENDING
         self._settled = False  # claimed by the one _settle call that wins
         self._error: KvxferError | None = None
+        # The blocks a FAILED transfer reports invalid when not all of local_blocks
+        # (a transfer aggregated over several producer ranks: kvxfer._fanout).
+        self._invalid: tuple[int, ...] | None = None
         # Made by the first wait() (most transfers are polled or settle inside post).
         self._done: threading.Event | None = None
         self._waiters = 0  # threads inside wait(): they drive progress themselves
@@ -148,6 +151,8 @@ class Transfer:
         """Local blocks that did not land (every block of a failed transfer), sorted."""
         if self._state is not TransferState.FAILED:
             return ()
+        if self._invalid is not None:
+            return self._invalid
         return tuple(sorted({b for group in self.local_blocks for b in group}))
 
     def poll(self) -> TransferState:
@@ -220,11 +225,18 @@ class Transfer:
                 f"transfer {self.request_id} failed: {err}", self.invalid_blocks
             ) from err
 
-    def _settle(self, state: TransferState, error: KvxferError | None) -> bool:
+    def _settle(
+        self,
+        state: TransferState,
+        error: KvxferError | None,
+        invalid: tuple[int, ...] | None = None,
+    ) -> bool:
         with _SETTLE_LOCK:
             if self._settled:
                 return False
             self._settled = True
+            if invalid is not None:
+                self._invalid = tuple(sorted(set(invalid)))
         self.stats.transfer_s = time.perf_counter() - self._started
         if state is TransferState.FAILED:
             if error is None:
@@ -233,7 +245,11 @@ class Transfer:
                 wrapped = TransferError(f"transfer {self.request_id} failed: {error}")
                 wrapped.__cause__ = error
                 error = wrapped
-            error.invalid_blocks = tuple(sorted({b for g in self.local_blocks for b in g}))
+            error.invalid_blocks = (
+                self._invalid
+                if self._invalid is not None
+                else tuple(sorted({b for g in self.local_blocks for b in g}))
+            )
             self._error = error
         self._state = state
         if self._done is not None:
@@ -244,12 +260,20 @@ class Transfer:
         return f"<Transfer {self.request_id} {self._state.value} {self.stats.bytes}B>"
 
 
-def settle(transfer: Transfer, state: TransferState, error: KvxferError | None = None) -> bool:
+def settle(
+    transfer: Transfer,
+    state: TransferState,
+    error: KvxferError | None = None,
+    *,
+    invalid: tuple[int, ...] | None = None,
+) -> bool:
     """Move ``transfer`` to DONE or FAILED, once (the agent runtime's side of a transfer).
 
     Engines never call this: a transfer settles when its bytes landed or it failed.
+    ``invalid`` (FAILED only) narrows the invalid blocks to those named, when not
+    every local block was hit (one failed producer rank of several).
 
     Returns:
         False if it was already settled (by another thread that saw it finish).
     """
-    return transfer._settle(state, error)
+    return transfer._settle(state, error, invalid)

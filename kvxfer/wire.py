@@ -255,6 +255,10 @@ class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
     reason: Text = ""
     engine_id: Name = ""
     capability: Capability = ""
+    #: Across TP sizes: how many consumer ranks read this request from the receiver
+    #: (it frees the request once it heard from all), and which one this is.
+    readers: Count = 1
+    reader: Count = 0
 
 
 class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
@@ -323,6 +327,10 @@ class Notice(WireMessage, frozen=True, kw_only=True, tag="notice"):
     #: registration token, echoed. A receiver that requires one ignores a notice
     #: without the right token.
     capability: Capability = ""
+    #: DONE/ABORT across TP sizes: how many consumer ranks read this request from the
+    #: receiver (it frees the lease once it heard from all), and which one this is.
+    readers: Count = 1
+    reader: Count = 0
 
 
 Message: TypeAlias = Hello | Welcome | Reject | PushRegister | Release | Ack | Ping | Pong | Notice

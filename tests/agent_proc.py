@@ -44,6 +44,8 @@ class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
     handshake_timeout_s: float = 2.0
     rbln_emulated: bool = False
     shards: int = 1
+    tp_size: int = 0  # > 0: a TP rank (kvxfer.heads.TPRank), head-major per-head cache
+    tp_rank: int = 0
 
 
 def _serve(conn: Connection, spec: ProcSpec) -> None:
@@ -63,9 +65,27 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
         head_dim=spec.head_dim,
         sliding_window=spec.sliding_window,
     )
-    cache = HostKVCache(
-        shape, spec.block_size, spec.num_blocks, fill_seed=spec.fill_seed, shards=spec.shards
-    )
+    cache: Any
+    tp = None
+    if spec.tp_size:
+        from kvxfer.heads import HeadLayout, TPRank
+        from kvxfer.testing.tp_kvcache import TPHostCache
+
+        heads = HeadLayout(num_kv_heads=spec.kv_heads, tp_size=spec.tp_size)
+        tp = TPRank(heads=heads, rank=spec.tp_rank)
+        cache = TPHostCache(
+            heads,
+            spec.tp_rank,
+            layers=spec.layers,
+            head_bytes=spec.head_dim * 2,
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            fill_seed=spec.fill_seed,
+        )
+    else:
+        cache = HostKVCache(
+            shape, spec.block_size, spec.num_blocks, fill_seed=spec.fill_seed, shards=spec.shards
+        )
     direction = Direction(spec.direction)
     agent = Agent(
         AgentConfig(
@@ -93,6 +113,7 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
                 prefill_step_tokens=spec.prefill_step_tokens,
                 swa_window_mode=spec.swa_window_mode,
             ),
+            tp=tp,
         )
     )
     agent.register(cache.layout())
@@ -149,6 +170,7 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             elif cmd == "check":
                 local, remote, seed = args
                 value = cache.mismatches(local, remote, seed)
+                value = len(value) if isinstance(value, list) else value
             elif cmd == "check_tokens":
                 # mismatched tokens among the request's first `tokens` tokens
                 local, remote, seed, tokens = args
@@ -161,6 +183,9 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
                 value = None
             elif cmd == "stats":
                 value = msgspec.to_builtins(agent.stats())
+            elif cmd == "zero" and spec.tp_size:
+                cache.zero()
+                value = None
             elif cmd == "zero":
                 for r in cache.regions:
                     r.fill(0)

@@ -1,0 +1,345 @@
+"""Pulls across tensor-parallel sizes: one request from several producer ranks.
+
+A consumer agent with a TP identity (:attr:`AgentConfig.tp
+<kvxfer.agent_config.AgentConfig.tp>`) pulling a ticket of another ``tp_size`` reads
+each of its heads from the one producer rank :func:`kvxfer.heads.source_ranks` names:
+
+* the ticket names producer rank 0 (``host``, ``port``, ``incarnation``); rank *p*
+  serves its side channel at ``ticket.port + p`` (upstream vLLM's convention: base
+  port + rank), under the same engine id, and holds the request under the same
+  request id and block ids (vLLM's scheduler allocates one set of block ids for all
+  ranks). ``ticket.incarnations[p]``, when given, is checked against rank *p*'s;
+* each needed rank is handshaken (once, cached by the :class:`~kvxfer._peers.PeerCache`
+  like any peer; its ``Welcome.tp`` is compared by global head layout);
+* a :class:`~kvxfer.tp_plan.TPPlanner` is built once per set of peers (and
+  replica choice), like the descriptor tables it indexes, and cached;
+* one sub-transfer per producer rank is posted with that rank's plan, each with its
+  own DONE notice naming how many consumer ranks read that producer rank
+  (``Notice.readers``; :mod:`kvxfer._readers`): the rank frees its lease only once
+  all of them sent theirs (or a Release); :class:`~kvxfer._fanout.Fanout`
+  folds them into the one Transfer the engine sees.
+
+When any rank's handshake or planning fails nothing is posted to the others; every
+needed rank whose sub-transfer did not complete is told to release the request.
+The replica-spreading salt is the request id's CRC-32, so a consumer rank reading a
+replicated head spreads its requests over the producer ranks holding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from kvxfer import blocks, wire
+from kvxfer._fanout import Fanout
+from kvxfer._local import LocalEnd
+from kvxfer._peers import Peer, PeerCache
+from kvxfer._runtime import Runtime
+from kvxfer.backend import XferOp
+from kvxfer.errors import (
+    ConfigError,
+    HandshakeRejected,
+    KvxferError,
+    LayoutError,
+    TransferError,
+)
+from kvxfer.heads import HeadLayout, TPRank, reader_ranks, source_ranks
+from kvxfer.ticket import Ticket
+from kvxfer.tp_plan import TPPlanner
+from kvxfer.transfer import FailureKind, Transfer, TransferState
+
+__all__ = ["TPPuller", "rank_ticket"]
+
+log = logging.getLogger("kvxfer.agent")
+
+#: Planners kept per agent (one per set of peers and replica choice); the oldest goes.
+_MAX_PLANNERS = 64
+
+
+def rank_ticket(ticket: Ticket, rank: int) -> Ticket:
+    """The ticket of producer rank ``rank`` (its port, its incarnation if known).
+
+    Raises:
+        ConfigError: the rank's port is past 65535.
+    """
+    port = ticket.port + rank
+    if port > 65535:
+        raise ConfigError("port", ticket.port, f"producer rank {rank}'s port {port} > 65535")
+    if rank < len(ticket.incarnations):
+        incarnation = ticket.incarnations[rank]
+    else:
+        incarnation = ticket.incarnation if rank == 0 else 0
+    return msgspec.structs.replace(ticket, port=port, incarnation=incarnation)
+
+
+class TPPuller:
+    """A consumer's pulls from producer groups of another TP size (internal).
+
+    Args:
+        local: Identity (``config.tp``) and registered memory.
+        peers: The peer cache every rank's handshake goes through.
+        runtime: Posts and settles the sub-transfers.
+        io: The agent's worker pool (first contacts, releases).
+        release: Tells one producer rank (its ticket) to release the request, as reader
+            ``reader`` of ``readers`` consumer ranks reading it.
+        lock: The agent lock.
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        peers: PeerCache,
+        runtime: Runtime,
+        io: Callable[[], ThreadPoolExecutor],
+        release: Callable[[Ticket, int, int], None],
+        lock: threading.RLock,
+    ) -> None:
+        self._local = local
+        self._peers = peers
+        self._runtime = runtime
+        self._io = io
+        self._release = release
+        self._lock = lock
+        self._planners: dict[tuple[object, ...], TPPlanner] = {}
+
+    def wants(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` is pulled across TP sizes (this agent has a TP identity
+        and the producer's ``tp_size`` differs from it)."""
+        tp = self._local.config.tp
+        return tp is not None and ticket.tp_size != tp.heads.tp_size
+
+    @property
+    def local_tp_size(self) -> int:
+        """This agent's TP size (1 without a TP identity)."""
+        tp = self._local.config.tp
+        return 1 if tp is None else tp.heads.tp_size
+
+    def _tp(self) -> TPRank:
+        tp = self._local.config.tp
+        if tp is None:  # wants() said so; a caller skipping it is a bug
+            raise ConfigError("tp", None, "a pull across TP sizes needs AgentConfig.tp")
+        return tp
+
+    def sources(self, ticket: Ticket) -> tuple[HeadLayout, dict[int, int]]:
+        """The producer's head layout and, per local head, the producer rank read.
+
+        Raises:
+            ConfigError: the ticket's ``tp_size`` cannot split the model's heads.
+        """
+        tp = self._tp()
+        try:
+            producer = tp.heads.for_tp_size(ticket.tp_size)
+        except ConfigError as exc:
+            raise ConfigError(
+                "ticket.tp_size", ticket.tp_size, f"{exc.rule} (the producer's TP size)"
+            ) from exc
+        salt = zlib.crc32(ticket.request_id.encode())
+        return producer, source_ranks(tp.heads, tp.rank, producer, salt=salt)
+
+    def ranks(self, ticket: Ticket) -> tuple[int, ...]:
+        """The producer ranks this rank reads ``ticket`` from, ascending."""
+        return tuple(sorted(set(self.sources(ticket)[1].values())))
+
+    def release_all(self, ticket: Ticket, ranks: tuple[int, ...] | None = None) -> None:
+        """Tell every needed producer rank (or ``ranks``) to release, from a worker."""
+        if self._runtime.closed:
+            return
+        producer, _ = self.sources(ticket)
+        me = self._tp().rank
+        for rank in self.ranks(ticket) if ranks is None else ranks:
+            readers = self.readers(ticket, producer, rank)
+            self._io().submit(self._release, rank_ticket(ticket, rank), readers, me)
+
+    def readers(self, ticket: Ticket, producer: HeadLayout, rank: int) -> int:
+        """How many consumer ranks read ``ticket`` from producer rank ``rank`` (at least
+        1: a replica nobody reads is released by one consumer rank)."""
+        salt = zlib.crc32(ticket.request_id.encode())
+        return max(1, len(reader_ranks(producer, rank, self._tp().heads, salt=salt)))
+
+    def pull(
+        self, ticket: Ticket, local: blocks.Groups, remote: blocks.Groups, tokens: int
+    ) -> Transfer:
+        """Start the pull of ``ticket`` into ``local``; the blocks are checked already.
+
+        Raises:
+            ConfigError: the ticket's TP size or ports cannot be used (nothing posted).
+        """
+        producer, sources = self.sources(ticket)
+        ranks = tuple(sorted(set(sources.values())))
+        tickets = {p: rank_ticket(ticket, p) for p in ranks}
+        runtime = self._runtime
+        groups = blocks.to_wire(local)
+        config = self._local.config
+        aggregate = Transfer(
+            ticket.request_id,
+            groups,
+            progress=runtime.poll_tick,
+            deadline=time.monotonic() + config.transfer_timeout_s,
+        )
+        subs = {p: runtime.new_transfer(ticket.request_id, groups) for p in ranks}
+        fanout = Fanout(aggregate, subs, lambda failed: self._released(ticket, subs, failed))
+        if ticket.lease_expiry:
+            aggregate.meta.lease_expiry = ticket.lease_expiry
+            for sub in subs.values():
+                sub.meta.lease_expiry = ticket.lease_expiry
+            if runtime.lease_over(ticket.lease_expiry):
+                expired = runtime.expired_error(ticket.request_id)
+                self._fail_all(fanout, FailureKind.LEASE_EXPIRED, expired)
+                return aggregate
+        cached = {
+            p: self._peers.cached(t.host, t.port, t.engine_id, t.incarnation or None)
+            for p, t in tickets.items()
+        }
+        self._release_unread(ticket, producer)
+        job = _Job(ticket, tickets, producer, sources, local, remote, tokens, fanout)
+        if all(peer is not None for peer in cached.values()):
+            self._start(job, {p: peer for p, peer in cached.items() if peer is not None})
+        else:
+            # First contact with some rank: handshakes go to a worker thread (a gone
+            # peer can take the whole handshake timeout), never the engine's step.
+            self._io().submit(self._connect_and_start, job)
+        return aggregate
+
+    def _release_unread(self, ticket: Ticket, producer: HeadLayout) -> None:
+        """Producer ranks no consumer rank reads (replicas of a head the salt did not
+        pick) hold the request too: the first consumer rank holding their head tells
+        them to release it now rather than at lease expiry."""
+        tp = self._tp()
+        salt = zlib.crc32(ticket.request_id.encode())
+        unread = tuple(
+            p
+            for p in range(producer.tp_size)
+            if tp.heads.ranks_of(producer.heads_of(p).start).start == tp.rank
+            and not reader_ranks(producer, p, tp.heads, salt=salt)
+        )
+        if unread:
+            self.release_all(ticket, unread)
+
+    def _released(self, ticket: Ticket, subs: dict[int, Transfer], failed: tuple[int, ...]) -> None:
+        """The aggregate failed: ranks whose read did not complete free the request
+        now (the others got their DONE notice with their bytes)."""
+        # A rank that did not answer its handshake cannot be told (nor does one that
+        # answered as another incarnation hold the lease); one that refused to pair
+        # (layout, role) can.
+        undone = tuple(
+            p
+            for p, s in subs.items()
+            if s.state is not TransferState.DONE
+            and (s.stats.failure is not FailureKind.HANDSHAKE or _refused_pairing(s.error))
+        )
+        log.warning(
+            "pull of %s across TP sizes failed on producer rank(s) %s; releasing %s",
+            ticket.request_id,
+            list(failed),
+            list(undone),
+        )
+        self.release_all(ticket, undone)
+
+    def _fail_all(self, fanout: Fanout, kind: FailureKind, error: KvxferError) -> None:
+        for sub in fanout.subs.values():
+            self._runtime.fail(sub, kind, error)
+
+    def _connect_and_start(self, job: _Job) -> None:
+        peers: dict[int, Peer] = {}
+        for p, t in job.tickets.items():
+            try:
+                peers[p] = self._peers.get(t.host, t.port, t.engine_id, t.incarnation or None)
+            except KvxferError as exc:
+                # The other ranks are not read: the aggregate could not be DONE, and
+                # their blocks did not land either (so they stay exactly invalid).
+                self._runtime.fail(job.fanout.subs[p], FailureKind.HANDSHAKE, exc)
+                others = TransferError(f"producer rank {p} failed its handshake: {exc}")
+                self._fail_all(job.fanout, FailureKind.ABORTED, others)
+                return
+        self._start(job, peers)
+
+    def _planner(self, job: _Job, peers: dict[int, Peer]) -> TPPlanner:
+        key = (
+            job.producer,
+            tuple(sorted(job.sources.items())),
+            tuple((p, id(peers[p]), peers[p].incarnation) for p in sorted(peers)),
+        )
+        with self._lock:
+            planner = self._planners.get(key)
+        if planner is not None:
+            return planner
+        tp = self._tp()
+        table, _ = self._local.require_registered()
+        salt = zlib.crc32(job.ticket.request_id.encode())
+        planner = TPPlanner.build(
+            table,
+            {p: peer.table for p, peer in peers.items()},
+            local_heads=tp.heads,
+            remote_heads=job.producer,
+            local_rank=tp.rank,
+            salt=salt,
+        )
+        with self._lock:
+            if len(self._planners) >= _MAX_PLANNERS:
+                self._planners.pop(next(iter(self._planners)))
+            self._planners[key] = planner
+        return planner
+
+    def _start(self, job: _Job, peers: dict[int, Peer]) -> None:
+        fanout = job.fanout
+        if any(sub.done for sub in fanout.subs.values()):  # the agent closed meanwhile
+            self._fail_all(fanout, FailureKind.ABORTED, TransferError("agent closed"))
+            return
+        try:
+            plans = self._planner(job, peers).plan(job.local, job.remote, job.tokens)
+        except KvxferError as exc:
+            self._fail_all(fanout, FailureKind.POST, exc)
+            return
+        for rp in plans:
+            fanout.planned(rp.rank, blocks.to_wire(rp.plan.local_blocks))
+        for rp in plans:
+            # Each rank's own DONE: it frees the lease once all its readers sent theirs.
+            notice = self._local.encode(
+                wire.Notice(
+                    kind=wire.NoticeKind.DONE,
+                    request_id=job.ticket.request_id,
+                    engine_id=self._local.config.engine_id,
+                    incarnation=self._local.incarnation,
+                    readers=self.readers(job.ticket, job.producer, rp.rank),
+                    reader=self._tp().rank,
+                )
+            )
+            self._runtime.post(
+                fanout.subs[rp.rank],
+                XferOp.READ,
+                peers[rp.rank],
+                job.local,
+                job.remote,
+                job.tokens,
+                notice,
+                plan=rp.plan,
+            )
+
+
+def _refused_pairing(error: BaseException | None) -> bool:
+    """True when the producer answered the handshake and refused to pair with us."""
+    cause = error.__cause__ if isinstance(error, TransferError) and error.__cause__ else error
+    if isinstance(cause, LayoutError):
+        return True
+    return isinstance(cause, HandshakeRejected) and cause.code in ("layout", "role")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Job:
+    """One pull across TP sizes between the call and its posts."""
+
+    ticket: Ticket
+    tickets: dict[int, Ticket]
+    producer: HeadLayout
+    sources: dict[int, int]
+    local: blocks.Groups
+    remote: blocks.Groups
+    tokens: int
+    fanout: Fanout

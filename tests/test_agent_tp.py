@@ -1,0 +1,312 @@
+"""Pulls across tensor-parallel sizes between in-process Agents on the fake backend
+(issue 18): several producer ranks, consumer ranks of another TP size, every
+(layer, K/V, head, token) checked byte for byte; one producer rank failing gives one
+FAILED transfer with exactly the invalid blocks, and nothing hangs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import zlib
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvxfer._readers import ReaderCount
+from kvxfer.agent import Agent, AgentConfig, Ticket
+from kvxfer.backend import BackendOptions
+from kvxfer.compat import Fingerprint
+from kvxfer.errors import ConfigError, KvxferError, TransferError
+from kvxfer.heads import HeadLayout, TPRank, needed_ranks
+from kvxfer.testing.fake_backend import FakeBackend, Faults
+from kvxfer.testing.tp_kvcache import TPHostCache
+from kvxfer.transfer import TransferState
+from kvxfer.types import Direction, Role
+
+FP = Fingerprint(
+    model="m",
+    dtype="bfloat16",
+    kv_cache_dtype="bfloat16",
+    attention_backend="t",
+    direction=Direction.PULL,
+)
+SEED = 21
+NUM_BLOCKS = 12
+_names = itertools.count()
+
+
+class Rank:
+    def __init__(self, agent: Agent, backend: FakeBackend, cache: TPHostCache) -> None:
+        self.agent, self.backend, self.cache = agent, backend, cache
+
+
+def _rank(
+    engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int, seed: int | None
+) -> Rank:
+    cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
+    backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}"))
+    agent = Agent(
+        AgentConfig(
+            engine_id=engine_id,
+            fingerprint=FP,
+            role=role,
+            side_channel_port=port,
+            tp=TPRank(heads=heads, rank=rank),
+            transfer_timeout_s=2.0,
+            lease_s=30.0,
+        ),
+        backend=backend,
+    )
+    # Rank-local head indices: the agent places them (heads.place_heads).
+    agent.register(cache.layout(global_heads=False), keep=cache)
+    return Rank(agent, backend, cache)
+
+
+def _producers(heads: HeadLayout) -> list[Rank]:
+    """Producer ranks serving at base + rank (retrying another base if one is taken)."""
+    for _ in range(20):
+        base = random.randrange(20000, 60000)
+        ranks = [
+            _rank("prefill", Role.PRODUCER, heads, r, base + r, SEED) for r in range(heads.tp_size)
+        ]
+        try:
+            for r in ranks:
+                r.agent.serve()
+            return ranks
+        except KvxferError:
+            for r in ranks:
+                r.agent.close()
+    raise RuntimeError("no free consecutive ports")
+
+
+def _consumers(heads: HeadLayout) -> list[Rank]:
+    return [_rank("decode", Role.CONSUMER, heads, r, 0, None) for r in range(heads.tp_size)]
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Rank]]:
+    ranks: list[Rank] = []
+    yield ranks
+    for r in ranks:
+        r.agent.close()
+
+
+def _hold(producers: list[Rank], rid: str, block_ids: list[int], tokens: int) -> Ticket:
+    """Every producer rank holds the request; the router gets rank 0's ticket with
+    every rank's incarnation."""
+    tickets = [p.agent.hold(rid, block_ids, tokens) for p in producers]
+    return msgspec.structs.replace(tickets[0], incarnations=tuple(t.incarnation for t in tickets))
+
+
+PAIRS = [(4, 1, 2), (4, 2, 1), (4, 4, 2), (4, 2, 4), (2, 1, 4), (2, 4, 1), (1, 2, 1)]
+
+
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"), PAIRS)
+def test_pull_across_tp_sizes_moves_every_head_exactly(
+    closing: list[Rank], kv_heads: int, p_tp: int, d_tp: int
+) -> None:
+    p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
+    d_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=d_tp)
+    producers, consumers = _producers(p_heads), _consumers(d_heads)
+    closing += producers + consumers
+    remote, local, tokens = [3, 7, 1, 9], [10, 2, 5, 4], 3 * 4 + 2
+    ticket = _hold(producers, "req-a", remote, tokens)
+    assert ticket.tp_size == p_tp
+    transfers = [c.agent.pull(ticket, local) for c in consumers]
+    for t in transfers:
+        t.wait(5)
+        assert t.state is TransferState.DONE
+    for c in consumers:
+        assert c.cache.mismatches(local, remote, SEED) == []
+        # untouched blocks stay empty
+        assert not any(buf[[0, 6, 11]].any() for buf in c.cache.buffers.values())
+    salt = zlib.crc32(b"req-a")
+    for c in consumers:
+        rank = c.agent.config.tp.rank  # type: ignore[union-attr]
+        assert c.agent.stats().handshakes == len(needed_ranks(d_heads, rank, p_heads, salt=salt))
+    # Every producer rank frees the request: those read on their DONE notice, replicas
+    # nobody reads on a release from the consumer at once (not at lease expiry).
+    deadline = time.monotonic() + 5
+    freed: dict[int, list[str]] = {p: [] for p in range(p_tp)}
+    while time.monotonic() < deadline:
+        for p in range(p_tp):
+            freed[p] += producers[p].agent.freed()
+        if all("req-a" in f for f in freed.values()):
+            break
+        time.sleep(0.01)
+    assert all("req-a" in f for f in freed.values()), freed
+
+
+def test_a_second_request_reuses_handshakes_and_planner(closing: list[Rank]) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    for i in range(3):
+        rid = f"again-{i}"
+        remote, local = [i, i + 4], [i + 6, i + 2]
+        ticket = _hold(producers, rid, remote, 8)
+        consumer.agent.pull(ticket, local).wait(5)
+        assert consumer.cache.mismatches(local, remote, SEED) == []
+    assert consumer.agent.stats().handshakes == 2
+    stats = consumer.agent.stats()
+    assert stats.transfers_done == 6  # one sub-transfer per producer rank per request
+
+
+def test_one_producer_rank_failing_fails_the_pull_with_exact_blocks(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    # Handshake first, so the failure is in the data plane (mid-request).
+    warm = _hold(producers, "warm", [0], 4)
+    consumer.agent.pull(warm, [0]).wait(5)
+    producers[1].backend.faults = Faults(gone=True)  # rank 1's process died
+    remote, local = [3, 4, 5], [7, 8, 9]
+    ticket = _hold(producers, "req-f", remote, 12)
+    t0 = time.monotonic()
+    transfer = consumer.agent.pull(ticket, local)
+    with pytest.raises(TransferError) as info:
+        transfer.wait(10)
+    assert time.monotonic() - t0 < 5  # nothing hangs
+    assert transfer.state is TransferState.FAILED
+    assert transfer.invalid_blocks == (7, 8, 9)
+    assert info.value.invalid_blocks == (7, 8, 9)
+    assert "producer rank(s) [1] of [0, 1]" in str(info.value)
+    # Rank 0's heads landed, byte for byte; rank 1's did not.
+    bad = consumer.cache.mismatches(local, remote, SEED)
+    assert bad and {head for _, _, head, _, _ in bad} == {2, 3}
+    # Rank 0 got its DONE (its read completed) and frees the request.
+    deadline = time.monotonic() + 5
+    freed: list[str] = []
+    while "req-f" not in freed and time.monotonic() < deadline:
+        freed += producers[0].agent.freed()
+        time.sleep(0.01)
+    assert "req-f" in freed
+
+
+def test_a_rank_that_does_not_answer_fails_the_pull_and_releases_the_others(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    ticket = _hold(producers, "req-h", [1, 2], 8)
+    producers[1].agent.close()  # rank 1 is gone before the first contact
+    transfer = consumer.agent.pull(ticket, [3, 4])
+    with pytest.raises(TransferError):
+        transfer.wait(30)
+    assert transfer.invalid_blocks == (3, 4)
+    # Rank 0 was not read and is told to release at once.
+    deadline = time.monotonic() + 10
+    while "req-h" in producers[0].agent.holding() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "req-h" not in producers[0].agent.holding()
+
+
+def test_a_ticket_tp_size_the_heads_do_not_allow_is_refused_by_name(
+    closing: list[Rank],
+) -> None:
+    (consumer,) = _consumers(HeadLayout(num_kv_heads=4, tp_size=1))
+    closing.append(consumer)
+    ticket = Ticket(
+        engine_id="prefill",
+        host="127.0.0.1",
+        port=1,
+        request_id="r",
+        block_ids=((1,),),
+        num_tokens=4,
+        tp_size=3,
+    )
+    with pytest.raises(ConfigError, match=r"ticket.tp_size=3"):
+        consumer.agent.pull(ticket, [2])
+
+
+def test_a_wrong_incarnation_of_another_rank_fails_the_pull(closing: list[Rank]) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    ticket = _hold(producers, "req-i", [1], 4)
+    stale = msgspec.structs.replace(ticket, incarnations=(ticket.incarnations[0], 12345))
+    transfer = consumer.agent.pull(stale, [2])
+    with pytest.raises(TransferError, match="restarted"):
+        transfer.wait(10)
+    assert transfer.invalid_blocks == (2,)
+
+
+def test_a_producer_rank_read_by_two_decode_ranks_frees_after_both(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
+    (producer,), consumers = _producers(p_heads), _consumers(d_heads)
+    closing += [producer, *consumers]
+    ticket = _hold([producer], "req-two", [2, 3], 8)
+    consumers[0].agent.pull(ticket, [4, 5]).wait(5)
+    time.sleep(0.05)  # its DONE notice has arrived and been handled
+    assert producer.agent.freed() == []
+    assert "req-two" in producer.agent.holding()  # decode rank 1 has not read yet
+    consumers[1].agent.pull(ticket, [6, 7]).wait(5)
+    deadline = time.monotonic() + 5
+    freed: list[str] = []
+    while "req-two" not in freed and time.monotonic() < deadline:
+        freed += producer.agent.freed()
+        time.sleep(0.01)
+    assert freed == ["req-two"]
+    for c, local in zip(consumers, ([4, 5], [6, 7]), strict=True):
+        assert c.cache.mismatches(local, [2, 3], SEED) == []
+
+
+def test_a_release_from_one_reader_and_a_done_from_the_other_free_once(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
+    (producer,), consumers = _producers(p_heads), _consumers(d_heads)
+    closing += [producer, *consumers]
+    ticket = _hold([producer], "req-rel", [2], 4)
+    # Decode rank 0's pull is refused at the call (a wrong block count): it releases.
+    with pytest.raises(KvxferError):
+        consumers[0].agent.pull(ticket, [4, 5])
+    time.sleep(0.2)
+    assert "req-rel" in producer.agent.holding()  # rank 1 may still read
+    consumers[1].agent.pull(ticket, [6]).wait(5)
+    deadline = time.monotonic() + 5
+    while "req-rel" in producer.agent.holding() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "req-rel" not in producer.agent.holding()
+
+
+def test_reader_count_counts_distinct_readers_once() -> None:
+    count = ReaderCount()
+    assert count.last("a", 1, 0)
+    assert not count.last("b", 3, 0)
+    assert not count.last("b", 3, 0)  # a duplicate counts once
+    assert not count.last("b", 3, 2)
+    assert count.last("b", 3, 1)
+    assert not count.last("b", 3, 1)  # a new round for a reused id starts over
+
+
+def test_every_ranks_incarnation_survives_kv_transfer_params() -> None:
+    ticket = Ticket(
+        engine_id="prefill",
+        host="h",
+        port=7000,
+        request_id="r",
+        block_ids=((1, 2),),
+        num_tokens=8,
+        incarnation=5,
+        tp_size=2,
+        incarnations=(5, 9),
+    )
+    params = ticket.to_kv_transfer_params()
+    assert params["remote_incarnations"] == [5, 9]
+    assert Ticket.from_kv_transfer_params(params) == ticket
+
+
+def test_push_across_tp_sizes_is_refused_by_name(closing: list[Rank]) -> None:
+    (consumer,) = _consumers(HeadLayout(num_kv_heads=4, tp_size=1))
+    closing.append(consumer)
+    ticket = msgspec.structs.replace(Ticket.for_push("prefill", "127.0.0.1", 1, "r", 4), tp_size=2)
+    with pytest.raises(ConfigError, match=r"ticket.tp_size=2: push across TP sizes"):
+        consumer.agent.expect_push(ticket, [1])
