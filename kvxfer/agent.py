@@ -44,12 +44,14 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
 from kvxfer import blocks, wire
-from kvxfer._leases import LeaseBook
+from kvxfer._guard import FreeReason, GuardBook
+from kvxfer._io import IoPool
+from kvxfer._leases import Lease, LeaseBook
+from kvxfer._liveness import Liveness
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
@@ -65,7 +67,7 @@ from kvxfer.errors import ConfigError, KvxferError, PlanError, RegistrationError
 from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState
 from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
@@ -137,10 +139,17 @@ class Agent:
             self._local, backend, self._runtime, self._peers, self._leases, self._lock
         )
         self._side = SideChannel(self._local, backend, self._leases, self._push, client, self._lock)
+        self._leases.on_free = self._push.on_free
         if config.direction is Direction.PUSH:
             # A lease whose consumer registers after its hold() is written by a tick.
             self._runtime.add_tick_hook(self._push.resume)
-        self._io_pool: ThreadPoolExecutor | None = None
+        self._io_pool = IoPool(8, "kvxfer-io")
+        self._runtime.liveness = Liveness(
+            self._side.ping, self._io_pool.submit, self._runtime, self._count_probe
+        )
+
+    def _count_probe(self) -> None:
+        self.stats_counters.liveness_probes += 1
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -183,6 +192,10 @@ class Agent:
 
     def _register_now(self, layout: KVLayout) -> None:
         exposed = self.backend.register(layout)
+        if self.backend.capabilities.guard:
+            # Before any peer sees our metadata (NIXL's covers the table).
+            words = self.backend.register_guard(GuardBook.slots_for(exposed.num_blocks))
+            self._leases.guard = GuardBook(words)
         table = DescriptorTable.build(exposed, self.config.plan)
         self.backend.prepare_local(table)
         local = self._local
@@ -282,12 +295,15 @@ class Agent:
             self.backend.stage_out(list(local))
         inline: list[Write] = []
         with self._lock:
-            if self._leases.take_early(request_id):
-                # The consumer finished (or gave up) before the engine got here.
-                return self._ticket(request_id, groups, num_tokens, expiry, host, port)
             lease = self._leases.lease(request_id, groups, num_tokens, expiry)
             lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
-            lease.ready = True
+            self._leases.arm(lease)  # its capability and guard word
+            ticket = self._ticket(lease, host, port)
+            if self._leases.take_early(request_id):
+                # The consumer finished (or gave up) before the engine got here: freed
+                # at once, its guard word overwritten (a pull of it fails closed).
+                self._leases.free(request_id, FreeReason.RELEASED)
+                return ticket
             if self.config.direction is Direction.PUSH and lease.target is not None:
                 self._push.start(lease, inline)
         self._push.post_inline(inline)  # outside the lock: a post may copy every byte
@@ -295,26 +311,22 @@ class Agent:
             # The lease wants the progress thread's faster pace (see Runtime._run); a
             # push has nothing to poll until its writer posted, which wakes the thread.
             self._runtime.nudge()
-        return self._ticket(request_id, groups, num_tokens, expiry, host, port)
+        return ticket
 
-    def _ticket(
-        self,
-        request_id: str,
-        groups: tuple[tuple[int, ...], ...],
-        num_tokens: int,
-        expiry: float,
-        host: str,
-        port: int,
-    ) -> Ticket:
+    def _ticket(self, lease: Lease, host: str, port: int) -> Ticket:
+        slot, generation = lease.guard if lease.guard is not None else (-1, 0)
         return Ticket(
             engine_id=self.config.engine_id,
             host=host,
             port=port,
-            request_id=request_id,
-            block_ids=groups,
-            num_tokens=num_tokens,
+            request_id=lease.request_id,
+            block_ids=lease.blocks,
+            num_tokens=lease.num_tokens,
             incarnation=self.incarnation,
-            lease_expiry=expiry,
+            lease_expiry=lease.expiry,
+            capability=lease.capability,
+            guard_slot=slot,
+            generation=generation,
         )
 
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
@@ -342,7 +354,7 @@ class Agent:
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""
         with self._lock:
-            return self._leases.abort(request_id)
+            return self._leases.free(request_id, FreeReason.RELEASED)
 
     def freed(self) -> list[str]:
         """Request ids whose held blocks the engine may reuse now (drained on read)."""
@@ -380,6 +392,7 @@ class Agent:
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
+        transfer.meta.capability = ticket.capability
         if ticket.lease_expiry:
             transfer.meta.lease_expiry = ticket.lease_expiry
             if runtime.lease_over(ticket.lease_expiry):
@@ -406,9 +419,18 @@ class Agent:
                 ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
             )
         except KvxferError as exc:
+            self._release_after(ticket, transfer)
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         self._start_pull(transfer, peer, ticket, local, tokens)
+
+    def _release_after(self, ticket: Ticket, transfer: Transfer) -> None:
+        """A pull that fails from now on tells its producer to release at once."""
+
+        def release(reason: str) -> None:
+            self._io().submit(self._send_release, ticket, f"pull failed: {reason}")
+
+        transfer.meta.release = release
 
     def _start_pull(
         self, transfer: Transfer, peer: Peer, ticket: Ticket, local: blocks.Groups, tokens: int
@@ -419,36 +441,45 @@ class Agent:
                 request_id=ticket.request_id,
                 engine_id=self.config.engine_id,
                 incarnation=self.incarnation,
+                capability=ticket.capability,
             )
         )
         if transfer.done:  # the agent closed meanwhile
             return
+        self._release_after(ticket, transfer)
+        if not self._runtime.arm_guard(transfer, peer, ticket.guard_slot, ticket.generation, notice):
+            return
         remote = blocks.from_wire(ticket.block_ids)
-        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, notice)
-        if transfer.state is TransferState.FAILED:
-            # Nothing was read: let the producer free its blocks now, not at lease expiry.
-            self.abort(ticket)
+        on_data = b"" if transfer.meta.guard is not None else notice
+        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, on_data)
 
-    def _io(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._io_pool is None:
-                self._io_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvxfer-io")
-            return self._io_pool
+    def _io(self) -> IoPool:
+        return self._io_pool
 
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
-        """Tell the producer to release a request we will not pull (R-XFER-4).
+        """Give up a request: this agent's own transfers of it fail at once (FAILED,
+        every block invalid, never DONE later: R-SAFE-2), and the producer is told to
+        release it (R-XFER-4).
 
         Non-blocking by default (the message goes from a worker thread); ``wait=True``
         returns only once the producer answered or the side channel gave up.
         """
+        capability = ticket.capability or self._runtime.capability_of(ticket.request_id)
+        self._runtime.abort_request(ticket.request_id)
+        ticket = msgspec.structs.replace(ticket, capability=capability)
         if not wait:
             if not self._runtime.closed:
                 self._io().submit(self._send_release, ticket)
             return
         self._send_release(ticket)
 
-    def _send_release(self, ticket: Ticket) -> None:
-        msg = wire.Release(request_id=ticket.request_id, reason="consumer aborted")
+    def _send_release(self, ticket: Ticket, reason: str = "consumer aborted") -> None:
+        msg = wire.Release(
+            request_id=ticket.request_id,
+            reason=reason[:200],
+            engine_id=self.config.engine_id,
+            capability=ticket.capability,
+        )
         try:
             self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
@@ -471,6 +502,9 @@ class Agent:
         groups = blocks.to_wire(local)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, groups)
+        # Binds the registration to us: notices must echo it, and a later registration
+        # of this request id by anyone else is refused (R-SAFE-3).
+        transfer.meta.capability = wire.new_capability()
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         # The bytes the producer will write are the bytes our own plan of these blocks
         # covers (both sides share the layout shape); computed here for the stats.
@@ -491,6 +525,7 @@ class Agent:
             agent_name=self.backend.agent_name,
             host=host,
             port=port,
+            capability=transfer.meta.capability,
         )
         # The registration is a side-channel round trip (a timeout when the producer is
         # gone): it goes from a worker thread, and a failure lands on the transfer.
@@ -507,10 +542,13 @@ class Agent:
             reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             self._receptions.unexpect(ticket.request_id)
-            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION)
             return
         if isinstance(reply, wire.Ack) and reply.notice:
             self._receptions.learn_final_notice(transfer, reply.notice)
+        # Registered: from now on a quiet reception asks this producer how it stands.
+        transfer.meta.last_progress = time.monotonic()
+        transfer.meta.push_from = (ticket.host, ticket.port)
 
     # -- progress -------------------------------------------------------------------
     def progress(self) -> None:
@@ -520,8 +558,9 @@ class Agent:
     def stats(self) -> AgentStats:
         """A copy of the agent's counters."""
         with self._lock:
+            c = self.stats_counters
             return msgspec.structs.replace(
-                self.stats_counters, failures=dict(self.stats_counters.failures)
+                c, failures=dict(c.failures), failures_by_stage=dict(c.failures_by_stage)
             )
 
     def close(self) -> None:
@@ -529,9 +568,8 @@ class Agent:
         if not self._runtime.close():  # fails what is in flight, stops the progress thread
             return
         self._push.shutdown()
-        if self._io_pool is not None:
-            self._io_pool.shutdown(wait=False, cancel_futures=True)
-        self._side.close()
+        self._side.close()  # cancels requests in flight (handshakes, probes) first
+        self._io_pool.shutdown()
         self._peers.close()
         self.backend.close()
 

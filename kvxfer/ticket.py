@@ -31,6 +31,9 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int = 0
     lease_expiry: float = 0.0
     tp_size: int = 1
+    capability: str = ""
+    guard_slot: int = -1
+    generation: int = 0
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """The upstream ``kv_transfer_params`` dict (decode side of a pull)."""
@@ -51,6 +54,9 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             "remote_incarnation": self.incarnation,
             "remote_num_tokens": self.num_tokens,
             "lease_expiry": self.lease_expiry,
+            "kvxfer_capability": self.capability,
+            "kvxfer_guard_slot": self.guard_slot,
+            "kvxfer_generation": self.generation,
         }
 
     @classmethod
@@ -77,4 +83,12 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             incarnation=int(params.get("remote_incarnation") or 0),
             lease_expiry=float(params.get("lease_expiry") or 0.0),
             tp_size=int(params.get("tp_size") or 1),
+            capability=str(params.get("kvxfer_capability") or ""),
+            guard_slot=int(_or(params.get("kvxfer_guard_slot"), -1)),
+            generation=int(params.get("kvxfer_generation") or 0),
         )
+
+
+def _or(value: Any, default: int) -> Any:
+    """``value`` unless it is missing (None); 0 is a valid guard slot."""
+    return default if value is None else value

@@ -43,7 +43,7 @@ def fingerprint(direction: Direction) -> Fingerprint:
     return Fingerprint(
         model="faults/model",
         dtype="bfloat16",
-        kv_cache_dtype="auto",
+        kv_cache_dtype="bfloat16",
         attention_backend="test",
         direction=direction,
     )
