@@ -23,7 +23,7 @@ SHAPE = ModelShape(name="sm", layers=1, kv_heads=1, head_dim=8)
 FP = Fingerprint(
     model="m",
     dtype="bfloat16",
-    kv_cache_dtype="auto",
+    kv_cache_dtype="bfloat16",
     attention_backend="t",
     direction=Direction.PULL,
 )
