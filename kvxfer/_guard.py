@@ -78,6 +78,7 @@ class GuardBook:
         # FIFO: a freed slot is taken again last, so its word keeps saying why for as
         # long as possible (a late pull then reads "aborted", not "reused").
         self._free = deque(range(len(table)))
+        self._busy: set[int] = set()
 
     @staticmethod
     def slots_for(num_blocks: int) -> int:
@@ -88,14 +89,26 @@ class GuardBook:
         """A free slot with a fresh generation written in: ``(slot, generation)``, or
         None when every slot is taken (the hold is then unguarded and its pulls are
         refused by consumers that see the producer has a table)."""
-        if not self._free:
+        while self._free:
+            slot = self._free.popleft()
+            if slot not in self._busy:  # a slot armed_at() by its caller stays queued
+                return self.arm_at(slot, secrets.randbits(56) or 1)
+        return None
+
+    def arm_at(self, slot: int, generation: int) -> tuple[int, int] | None:
+        """Arm the slot a caller chose (the vLLM scheduler mints the ticket before the
+        worker's hold): ``(slot, generation)``, or None when that slot is out of range
+        or busy, in which case the word there is not ``generation`` and a pull of the
+        ticket fails closed."""
+        if not 0 <= slot < len(self._table) or slot in self._busy or not generation:
             return None
-        slot = self._free.popleft()
-        generation = secrets.randbits(56) or 1
+        generation &= GEN_MASK
+        self._busy.add(slot)
         self._table[slot] = generation
         return slot, generation
 
     def retire(self, slot: int, generation: int, reason: FreeReason) -> None:
         """Overwrite the slot's word (before the blocks go back) and free the slot."""
         self._table[slot] = (reason.value << 56) | (generation & GEN_MASK)
+        self._busy.discard(slot)
         self._free.append(slot)

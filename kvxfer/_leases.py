@@ -99,15 +99,29 @@ class LeaseBook:
             self.held[request_id] = lease
         return lease
 
-    def arm(self, lease: Lease) -> None:
-        """The engine's hold(): the lease is ready; mint its capability and arm its
-        guard word (a re-hold keeps both)."""
+    def arm(self, lease: Lease, capability: str = "", guard: tuple[int, int] | None = None) -> None:
+        """The engine's hold(): the lease is ready; its capability and guard word are
+        minted here, or given by the caller (a re-hold keeps both).
+
+        A given guard slot that is out of range or armed already is logged, not
+        armed: the word there is not the ticket's generation, so its pulls fail closed.
+        """
         lease.ready = True
         self._pending.discard(lease.request_id)
         if not lease.capability:
-            lease.capability = wire.new_capability()
+            lease.capability = capability or wire.new_capability()
         if lease.guard is None and self.guard is not None:
-            lease.guard = self.guard.arm()
+            if guard is None:
+                lease.guard = self.guard.arm()
+            else:
+                lease.guard = self.guard.arm_at(*guard)
+                if lease.guard is None:
+                    log.error(
+                        "hold of %s: guard slot %d is out of range or taken; its pulls "
+                        "will fail closed",
+                        lease.request_id,
+                        guard[0],
+                    )
 
     def registration_room(self, request_id: str) -> bool:
         """Whether a push registration of ``request_id`` may make a lease (capped)."""

@@ -129,8 +129,10 @@ class Liveness:
         if reply is None:
             return
         peer = t.meta.peer
-        if isinstance(reply, wire.Pong) and peer is not None and (
-            reply.incarnation != peer.incarnation
+        if (
+            isinstance(reply, wire.Pong)
+            and peer is not None
+            and (reply.incarnation != peer.incarnation)
         ):
             self._settler.fail(
                 t,

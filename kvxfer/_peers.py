@@ -16,7 +16,7 @@ import threading
 from kvxfer._local import LocalEnd
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, PeerHandle
-from kvxfer.control import SideChannelClient
+from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo
@@ -159,7 +159,7 @@ class PeerCache:
         except OSError as exc:
             raise PeerError(
                 f"side channel {host}:{port} does not accept connections ({exc}): "
-                "the peer is not running or not reachable"
+                f"the peer is not running or not reachable; {SIDE_CHANNEL_HINT}"
             ) from exc
         reply = self._client.request(host, port, initiator.hello())
         info = initiator.receive(reply)

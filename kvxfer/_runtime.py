@@ -114,7 +114,10 @@ class Runtime:
         """A pending transfer of ``groups`` (local block ids), tracked until it settles."""
         now = time.monotonic()
         t = Transfer(
-            request_id, groups, progress=self.poll_tick, deadline=now + self._config.transfer_timeout_s
+            request_id,
+            groups,
+            progress=self.poll_tick,
+            deadline=now + self._config.transfer_timeout_s,
         )
         t.meta.last_progress = now
         with self._lock:
@@ -395,7 +398,9 @@ class Runtime:
                 return False
             self.closed = True
             for t in list(self._transfers.values()):
-                self.fail(t, FailureKind.ABORTED, TransferError("agent closed"), FailureStage.TRANSFER)
+                self.fail(
+                    t, FailureKind.ABORTED, TransferError("agent closed"), FailureStage.TRANSFER
+                )
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -590,7 +595,9 @@ class Runtime:
             return True
         self._stats.capability_rejects += 1
         self._stats.notices_failed += 1
-        log.warning("ignored a %s notice for %s: wrong capability", notice.kind.value, notice.request_id)
+        log.warning(
+            "ignored a %s notice for %s: wrong capability", notice.kind.value, notice.request_id
+        )
         return False
 
     def _hold_notice(self, notice: wire.Notice) -> None:

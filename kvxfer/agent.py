@@ -67,7 +67,7 @@ from kvxfer.errors import ConfigError, KvxferError, PlanError, RegistrationError
 from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState
+from kvxfer.transfer import FailureKind, FailureStage, Transfer
 from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
@@ -267,6 +267,8 @@ class Agent:
         *,
         lease_s: float | None = None,
         staged: bool = False,
+        capability: str = "",
+        guard: tuple[int, int] | None = None,
     ) -> Ticket:
         """Hold a finished prompt's blocks for its consumer and return the ticket.
 
@@ -280,6 +282,10 @@ class Agent:
         ``staged``: the engine already copied exactly these blocks out with
         :meth:`stage_out` after their last forward (host bounce), so a pull's hold
         does not copy them again.
+
+        ``capability`` and ``guard`` (slot, generation): the hold's token and guard
+        word when the caller minted the ticket itself before this hold (the vLLM
+        scheduler does); by default the agent mints them (docs/RELIABILITY.md).
 
         Raises:
             RegistrationError: no memory registered yet.
@@ -297,7 +303,7 @@ class Agent:
         with self._lock:
             lease = self._leases.lease(request_id, groups, num_tokens, expiry)
             lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
-            self._leases.arm(lease)  # its capability and guard word
+            self._leases.arm(lease, capability, guard)  # its capability and guard word
             ticket = self._ticket(lease, host, port)
             if self._leases.take_early(request_id):
                 # The consumer finished (or gave up) before the engine got here: freed
@@ -447,7 +453,9 @@ class Agent:
         if transfer.done:  # the agent closed meanwhile
             return
         self._release_after(ticket, transfer)
-        if not self._runtime.arm_guard(transfer, peer, ticket.guard_slot, ticket.generation, notice):
+        if not self._runtime.arm_guard(
+            transfer, peer, ticket.guard_slot, ticket.generation, notice
+        ):
             return
         remote = blocks.from_wire(ticket.block_ids)
         on_data = b"" if transfer.meta.guard is not None else notice

@@ -26,7 +26,12 @@ if TYPE_CHECKING:
 __all__ = [
     "FailureKind",
     "FailureStage",
-    "Transfer", "TransferMeta", "TransferState", "TransferStats", "settle"]
+    "Transfer",
+    "TransferMeta",
+    "TransferState",
+    "TransferStats",
+    "settle",
+]
 
 _NAP_S = 0.0002  # wait() polls this often
 # Settling is rare and brief; one lock for all transfers keeps two threads that both

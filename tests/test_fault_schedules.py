@@ -24,7 +24,6 @@ import time
 from typing import Any, NamedTuple
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
