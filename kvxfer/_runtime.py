@@ -15,6 +15,7 @@ a stage-in): with UCX over CMA a post copies every byte before it returns.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,10 @@ from kvxfer.types import Direction, Role
 __all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "WAITED_TICK_S", "Runtime"]
 
 log = logging.getLogger("kvxfer.agent")
+
+# Measurement switch (docs/RELIABILITY.md): send a guarded pull's DONE as a backend
+# notification instead of over the side channel.
+_DONE_BY_NOTIFY = os.environ.get("KVXFER_DONE_BY_NOTIFY") == "1"
 
 # Progress interval while leases are held and nothing is in flight (see _run).
 LEASE_TICK_S = 0.001
@@ -368,13 +373,10 @@ class Runtime:
             if handle is not None:
                 self._backend.release(handle)
             if meta.done_notice and meta.peer is not None:
-                # A guarded pull's DONE goes only now, after its guard word was read:
-                # the producer frees on it, which changes the word.
-                try:
-                    self._backend.notify(meta.peer.handle, meta.done_notice)
-                except KvxferError as exc:
-                    self._stats.notices_failed += 1
-                    log.info("could not send the DONE notice of %s: %s", transfer.request_id, exc)
+                # A guarded pull's DONE goes only now, after its guard word was read (the
+                # producer frees on it, which changes the word), and off the data
+                # endpoint: see _send_done.
+                self._send_done(transfer)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
                 self._receptions.forget(transfer)  # settled by another notice
@@ -386,6 +388,24 @@ class Runtime:
                 c.post_s_total += transfer.stats.post_s
                 if meta.on_settled is not None:
                     meta.on_settled(transfer, True)
+
+    def _send_done(self, t: Transfer) -> None:
+        """Tell a guarded pull's producer it is done. Over the side channel, from an io
+        worker (``meta.release`` with ``done=True``): a backend notification would,
+        on UCX, make this endpoint's next read complete only after the producer's
+        worker progressed (~1 ms, docs/EMBEDDING.md), and the data path of a pull
+        never waits for the producer."""
+        meta = t.meta
+        if _DONE_BY_NOTIFY or meta.release is None:
+            assert meta.peer is not None
+            try:
+                self._backend.notify(meta.peer.handle, meta.done_notice)
+            except KvxferError as exc:
+                self._stats.notices_failed += 1
+                log.info("could not send the DONE notice of %s: %s", t.request_id, exc)
+            return
+        release, meta.release = meta.release, None
+        release("")  # "" : done
 
     def close(self) -> bool:
         """Fail every transfer in flight and stop the progress thread.

@@ -172,7 +172,8 @@ class SideChannel:
                         reason=f"no hold of {msg.request_id} for this capability",
                     )
                 else:
-                    leases.free(msg.request_id, FreeReason.ABORTED)
+                    why = FreeReason.DONE if msg.done else FreeReason.ABORTED
+                    leases.free(msg.request_id, why)
             log.debug("peer asked to release %s (%s)", msg.request_id, msg.reason)
             return wire.Ack(request_id=msg.request_id)
         if isinstance(msg, wire.PushRegister):

@@ -304,7 +304,7 @@ class Agent:
             lease = self._leases.lease(request_id, groups, num_tokens, expiry)
             lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
             self._leases.arm(lease, capability, guard)  # its capability and guard word
-            ticket = self._ticket(lease, host, port)
+            ticket = self._ticket(lease, host, port, guard)
             if self._leases.take_early(request_id):
                 # The consumer finished (or gave up) before the engine got here: freed
                 # at once, its guard word overwritten (a pull of it fails closed).
@@ -319,8 +319,12 @@ class Agent:
             self._runtime.nudge()
         return ticket
 
-    def _ticket(self, lease: Lease, host: str, port: int) -> Ticket:
-        slot, generation = lease.guard if lease.guard is not None else (-1, 0)
+    def _ticket(
+        self, lease: Lease, host: str, port: int, asked: tuple[int, int] | None = None
+    ) -> Ticket:
+        # A caller's guard that could not be armed stays in its ticket (the vLLM
+        # scheduler's did already): the word there differs, so its pulls fail closed.
+        slot, generation = lease.guard or asked or (-1, 0)
         return Ticket(
             engine_id=self.config.engine_id,
             host=host,
@@ -434,7 +438,9 @@ class Agent:
         """A pull that fails from now on tells its producer to release at once."""
 
         def release(reason: str) -> None:
-            self._io().submit(self._send_release, ticket, f"pull failed: {reason}")
+            # "": the pull is DONE (its guard word checked); else why it failed.
+            why = f"pull failed: {reason}" if reason else ""
+            self._io().submit(self._send_release, ticket, why, not reason)
 
         transfer.meta.release = release
 
@@ -481,12 +487,15 @@ class Agent:
             return
         self._send_release(ticket)
 
-    def _send_release(self, ticket: Ticket, reason: str = "consumer aborted") -> None:
+    def _send_release(
+        self, ticket: Ticket, reason: str = "consumer aborted", done: bool = False
+    ) -> None:
         msg = wire.Release(
             request_id=ticket.request_id,
             reason=reason[:200],
             engine_id=self.config.engine_id,
             capability=ticket.capability,
+            done=done,
         )
         try:
             self._side.request(ticket.host, ticket.port, msg)

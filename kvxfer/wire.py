@@ -242,13 +242,18 @@ class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
     """Consumer → producer: free request ``request_id``'s blocks now.
 
     ``capability``: the hold's token from the ticket; a producer frees a live hold only
-    when it matches (a stranger's Release frees nothing).
+    when it matches (a stranger's Release frees nothing). ``done``: the consumer pulled
+    the blocks and checked their guard word (the DONE of a fail-closed pull, sent here
+    rather than as a backend notification, which on UCX would make the consumer's next
+    read on that endpoint wait for the producer's progress); an earlier build reads
+    it as a plain Release.
     """
 
     request_id: RequestId
     reason: Text = ""
     engine_id: Name = ""
     capability: Capability = ""
+    done: bool = False
 
 
 class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):

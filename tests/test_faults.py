@@ -166,6 +166,24 @@ _BAD_IDS: dict[str, tuple[Any, str]] = {
 }
 
 
+def test_a_caller_minted_guard_whose_slot_is_taken_fails_closed(
+    pull: tuple[Side, Engine, Side],
+) -> None:
+    """The vLLM scheduler mints a ticket's capability and guard word before the
+    worker's hold: a slot that is taken leaves the word someone else's."""
+    producer, engine, consumer = pull
+    first = engine.hold("a", [1], capability="aa" * 16, guard=(3, 5))
+    second = engine.hold("b", [2], capability="bb" * 16, guard=(3, 6))  # slot 3 is taken
+    assert (first.capability, first.guard_slot, first.generation) == ("aa" * 16, 3, 5)
+    assert (second.guard_slot, second.generation) == (3, 6)
+    ok = consumer.agent.pull(first, [5])
+    settle(ok, 5, engine)
+    assert ok.state is TransferState.DONE and landed_intact(consumer, [5], [1])
+    bad = consumer.agent.pull(second, [6])
+    settle(bad, 5, engine)
+    assert_fails_closed(bad, [6])
+
+
 @pytest.mark.parametrize("case", list(_BAD_IDS))
 def test_bad_local_ids_of_a_pull_are_refused(pull: tuple[Side, Engine, Side], case: str) -> None:
     _, engine, consumer = pull
