@@ -123,6 +123,7 @@ class AgentBackend(Backend):
         self._landing_free: deque[int] = deque()
         self._peer_guards: dict[PeerHandle, object] = {}
         self._guard_reads: dict[XferHandle, int] = {}  # handle -> landing word
+        self._failed: dict[XferHandle, str] = {}  # what NIXL said of a failed transfer
         # atexit holds only a weak reference: a backend dropped early is closed by GC.
         ref = weakref.ref(self)
 
@@ -358,15 +359,27 @@ class AgentBackend(Backend):
             if entry is None or self._agent is None:
                 return XferStatus.FAILED
             try:
-                return self._agent.state(entry[0])
+                state = self._agent.state(entry[0])
             except Exception as exc:  # a poll answers FAILED (the contract), never raises
                 log.warning("transfer %d to %s: %r", handle, entry[1], exc)
+                # NIXL names the cause (a remote disconnect, or a local memory or
+                # protection error): kept for failure_detail, so that bad local memory
+                # is not reported as a dead peer.
+                self._failed[handle] = f"{self._description} to {entry[1]}: {exc}"
                 return XferStatus.FAILED
+            if state is XferStatus.FAILED:
+                self._failed.setdefault(handle, f"{self._description} to {entry[1]}: error")
+            return state
         finally:
             self._lock.release()
 
+    def failure_detail(self, handle: XferHandle) -> str:
+        with self._lock:
+            return self._failed.get(handle, "")
+
     def _release_locked(self, handle: XferHandle, xfer: object) -> None:
         self._xfers.pop(handle, None)
+        self._failed.pop(handle, None)
         word = self._guard_reads.pop(handle, None)
         if word is not None:
             self._landing_free.append(word)

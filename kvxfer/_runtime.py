@@ -15,7 +15,6 @@ a stage-in): with UCX over CMA a post copies every byte before it returns.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,10 +38,6 @@ from kvxfer.types import Direction, Role
 __all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "WAITED_TICK_S", "Runtime"]
 
 log = logging.getLogger("kvxfer.agent")
-
-# Measurement switch (docs/RELIABILITY.md): send a guarded pull's DONE as a backend
-# notification instead of over the side channel.
-_DONE_BY_NOTIFY = os.environ.get("KVXFER_DONE_BY_NOTIFY") == "1"
 
 # Progress interval while leases are held and nothing is in flight (see _run).
 LEASE_TICK_S = 0.001
@@ -394,9 +389,12 @@ class Runtime:
         worker (``meta.release`` with ``done=True``): a backend notification would,
         on UCX, make this endpoint's next read complete only after the producer's
         worker progressed (~1 ms, docs/EMBEDDING.md), and the data path of a pull
-        never waits for the producer."""
+        never waits for the producer. Measured (``python -m kvxfer.tools.latency``, 1-16
+        blocks): 195-432 µs pull->done this way, 600-1584 µs with the notice sent as a
+        notification after the guard read. Without a release callback (never for an
+        Agent's pull) the notice goes as a notification."""
         meta = t.meta
-        if _DONE_BY_NOTIFY or meta.release is None:
+        if meta.release is None:
             assert meta.peer is not None
             try:
                 self._backend.notify(meta.peer.handle, meta.done_notice)
