@@ -25,14 +25,17 @@ from kvxfer import wire
 from kvxfer.errors import KvxferError, PeerError, TransferError
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["PROBE_TIMEOUT_S", "QUIET_S", "Liveness"]
+__all__ = ["PING_TIMEOUT_S", "PROBE_TIMEOUT_S", "QUIET_S", "Liveness"]
 
 log = logging.getLogger("kvxfer.agent")
 
 #: A transfer without progress this long gets a probe.
 QUIET_S = 0.4
-#: How long a probe waits for its answer (one try).
+#: How long a probe's TCP connect may take (refused at once when nobody listens).
 PROBE_TIMEOUT_S = 0.5
+#: How long the Ping waits for its answer once the port accepted (the process lives,
+#: but its side-channel thread may be slow on a loaded host).
+PING_TIMEOUT_S = 1.0
 
 
 class _Settler(Protocol):
@@ -107,7 +110,7 @@ class Liveness:
         try:
             if refused is not None:
                 raise PeerError(f"{host}:{port} refused the connection ({refused})")
-            return self._ping(host, port, request_id, t.meta.capability, PROBE_TIMEOUT_S)
+            return self._ping(host, port, request_id, t.meta.capability, PING_TIMEOUT_S)
         except KvxferError as exc:
             self._settler.fail(
                 t,

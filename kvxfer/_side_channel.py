@@ -94,8 +94,17 @@ class SideChannel:
             raise PeerError("the agent is not serving; call serve() first")
         return self._config.side_channel_host, self._server.port
 
-    def request(self, host: str, port: int, msg: wire.Message) -> wire.Message:
-        """Send a control message; return the (authenticated) reply or raise the rejection."""
+    def request(
+        self,
+        host: str,
+        port: int,
+        msg: wire.Message,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> wire.Message:
+        """Send a control message; return the (authenticated) reply or raise the rejection.
+        ``timeout_s``/``retries``: this request's budget (default: the handshake's)."""
         config = self._config
         initiator = Initiator(
             hello=self._local.hello(None),
@@ -105,7 +114,9 @@ class SideChannel:
             address=f"{host}:{port}",
             max_bytes=config.max_message_bytes * 4,
         )
-        return initiator.reply(self._client.request(host, port, initiator.request(msg)))
+        frame = initiator.request(msg)
+        reply = self._client.request(host, port, frame, timeout_s=timeout_s, retries=retries)
+        return initiator.reply(reply)
 
     def ping(
         self, host: str, port: int, request_id: str, capability: str, timeout_s: float

@@ -429,7 +429,6 @@ class Agent:
                 ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
             )
         except KvxferError as exc:
-            self._release_after(ticket, transfer)
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
             return
         self._start_pull(transfer, peer, ticket, local, tokens)
@@ -440,7 +439,7 @@ class Agent:
         def release(reason: str) -> None:
             # "": the pull is DONE (its guard word checked); else why it failed.
             why = f"pull failed: {reason}" if reason else ""
-            self._io().submit(self._send_release, ticket, why, not reason)
+            self._io().submit(self._send_release, ticket, why, not reason, True)
 
         transfer.meta.release = release
 
@@ -488,8 +487,15 @@ class Agent:
         self._send_release(ticket)
 
     def _send_release(
-        self, ticket: Ticket, reason: str = "consumer aborted", done: bool = False
+        self,
+        ticket: Ticket,
+        reason: str = "consumer aborted",
+        done: bool = False,
+        brief: bool = False,
     ) -> None:
+        """``brief``: one short try (a pull's own DONE or failure notice): an io worker
+        never spends a dead producer's handshake budget on it; if it is lost, the
+        lease ends at its expiry instead."""
         msg = wire.Release(
             request_id=ticket.request_id,
             reason=reason[:200],
@@ -498,7 +504,10 @@ class Agent:
             done=done,
         )
         try:
-            self._side.request(ticket.host, ticket.port, msg)
+            if brief:
+                self._side.request(ticket.host, ticket.port, msg, timeout_s=1.0, retries=1)
+            else:
+                self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             log.warning(
                 "could not tell %s to release %s: %s", ticket.engine_id, ticket.request_id, exc

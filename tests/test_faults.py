@@ -171,7 +171,7 @@ def test_a_caller_minted_guard_whose_slot_is_taken_fails_closed(
 ) -> None:
     """The vLLM scheduler mints a ticket's capability and guard word before the
     worker's hold: a slot that is taken leaves the word someone else's."""
-    producer, engine, consumer = pull
+    _, engine, consumer = pull
     first = engine.hold("a", [1], capability="aa" * 16, guard=(3, 5))
     second = engine.hold("b", [2], capability="bb" * 16, guard=(3, 6))  # slot 3 is taken
     assert (first.capability, first.guard_slot, first.generation) == ("aa" * 16, 3, 5)
