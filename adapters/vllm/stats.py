@@ -109,6 +109,12 @@ SERIES: tuple[Series, ...] = (
         "num_guard_failures",
     ),
     Series(
+        "vllm:kvxfer_guard_reads",
+        _C,
+        "Pulls whose producer's guard word was read back after their data.",
+        "num_guard_reads",
+    ),
+    Series(
         "vllm:kvxfer_unguarded_pulls",
         _C,
         "Pulls from a producer without a guard table (lease_expiry check only).",
@@ -173,6 +179,7 @@ class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
                 "num_failed_notifications",
                 "num_capability_rejects",
                 "num_guard_failures",
+                "num_guard_reads",
                 "num_unguarded_pulls",
                 "num_liveness_probes",
             ):

@@ -328,6 +328,7 @@ _PRODUCER_COUNTERS = {
     "notices_failed": "num_failed_notifications",
     "capability_rejects": "num_capability_rejects",
     "guard_failures": "num_guard_failures",
+    "guard_reads": "num_guard_reads",
     "unguarded_pulls": "num_unguarded_pulls",
     "liveness_probes": "num_liveness_probes",
 }
