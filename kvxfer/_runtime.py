@@ -21,11 +21,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvxfer import blocks, wire
-from kvxfer._guard import FreeReason, verdict
+from kvxfer import blocks
+from kvxfer._guard import verdict
 from kvxfer._leases import LeaseBook
 from kvxfer._liveness import Liveness
 from kvxfer._local import LocalEnd
+from kvxfer._notices import Notices
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._receptions import Receptions
 from kvxfer.agent_config import AgentStats
@@ -33,7 +34,7 @@ from kvxfer.backend import Backend, XferOp, XferStatus
 from kvxfer.descriptors import build_plan
 from kvxfer.errors import BackendError, KvxferError, PeerError, TransferError, TransferTimeout
 from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState, settle
-from kvxfer.types import Direction, Role
+from kvxfer.types import Direction
 
 __all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "WAITED_TICK_S", "Runtime"]
 
@@ -89,6 +90,7 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
         self.liveness: Liveness | None = None  # probes quiet transfers (set by the agent)
+        self._notices = Notices(local, leases, receptions, stats, self.fail)
 
     def add_tick_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` at the end of every tick that finds leases (the push writer's
@@ -503,7 +505,7 @@ class Runtime:
         self._last_tick = time.monotonic()
         notes = self._backend.drain_notifications()
         with self._lock:
-            complete = self._handle_notifications(notes) if notes else []
+            complete = self._notices.handle(notes) if notes else []
             polled = [(t, t.meta.handle) for t in self._transfers.values()]
         for t in complete:
             self.succeed(t)
@@ -553,90 +555,3 @@ class Runtime:
                 self._leases.expire(now)
                 for hook in self._tick_hooks:
                     hook()
-
-    # -- notices ------------------------------------------------------------------------
-    def _handle_notifications(self, notes: list[tuple[str, bytes]]) -> list[Transfer]:
-        """Act on drained notices (under the lock); returns the push receptions that are
-        now complete, for the caller to settle outside the lock (stage-in copies)."""
-        complete: list[Transfer] = []
-        receptions = self._receptions
-        for sender, payload in notes:
-            # A final PUSHED notice its producer announced (already checked when the
-            # registration's reply brought it): known by its exact bytes while fresh.
-            known = receptions.announced(payload)
-            if known is not None:
-                t = receptions.pushed(known)
-                if t is not None:
-                    complete.append(t)
-                continue
-            try:
-                # With a shared secret a notice must be signed by it: a DONE frees held
-                # blocks and a PUSHED settles a transfer, so neither may be forged.
-                notice = wire.decode_notice(
-                    payload,
-                    max_bytes=self._config.max_message_bytes,
-                    auth_key=self._local.auth_key,
-                )
-            except KvxferError as exc:
-                self._stats.notices_failed += 1
-                log.warning("ignored a notification from %s: %s", sender, exc)
-                continue
-            if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT):
-                self._hold_notice(notice)
-            elif notice.kind is wire.NoticeKind.FAILED:
-                expected = receptions.expected.get(notice.request_id)
-                if expected is None:
-                    continue
-                if not self._token_ok(expected, notice):
-                    continue
-                receptions.expected.pop(notice.request_id, None)
-                reason = f": {notice.reason}" if notice.reason else ""
-                self.fail(
-                    expected,
-                    FailureKind.PEER_GONE,
-                    TransferError(f"producer {notice.engine_id} reported a failed write{reason}"),
-                )
-            elif notice.kind is wire.NoticeKind.PUSHED:
-                expected = receptions.expected.get(notice.request_id)
-                if expected is not None and not self._token_ok(expected, notice):
-                    continue
-                t = receptions.pushed(notice)
-                if t is not None:
-                    complete.append(t)
-        return complete
-
-    def _token_ok(self, reception: Transfer, notice: wire.Notice) -> bool:
-        """Whether a PUSHED/FAILED notice echoes the reception's registration token
-        (a forged one would settle it); counted when not."""
-        token = reception.meta.capability
-        if not token or wire.capability_matches(token, notice.capability):
-            return True
-        self._stats.capability_rejects += 1
-        self._stats.notices_failed += 1
-        log.warning(
-            "ignored a %s notice for %s: wrong capability", notice.kind.value, notice.request_id
-        )
-        return False
-
-    def _hold_notice(self, notice: wire.Notice) -> None:
-        """A consumer's DONE/ABORT notice: frees the hold only with its capability."""
-        leases = self._leases
-        lease = leases.held.get(notice.request_id)
-        if lease is None:
-            # Not held (yet): remembered (capped) so its hold frees at once; a stranger
-            # can cause a recompute that way, never a wrong DONE (the guard word).
-            if self._config.role is not Role.CONSUMER:
-                leases.remember_early(notice.request_id)
-            return
-        if not leases.authorized(lease, notice.capability):
-            self._stats.capability_rejects += 1
-            self._stats.notices_failed += 1
-            log.warning(
-                "ignored a %s notice for %s from %s: wrong capability",
-                notice.kind.value,
-                notice.request_id,
-                notice.engine_id,
-            )
-            return
-        done = notice.kind is wire.NoticeKind.DONE
-        leases.free(notice.request_id, FreeReason.DONE if done else FreeReason.ABORTED)
