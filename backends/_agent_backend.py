@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -30,14 +31,19 @@ from kvxfer.backend import Backend, BackendOptions, PeerHandle, XferHandle, Xfer
 from kvxfer.backends._nixl import NixlCall, NixlEndpoint, map_nixl_errors, nixl_error
 from kvxfer.errors import BackendError, KvxferError, PeerError, RegistrationError
 from kvxfer.layout import MemKind
+from kvxfer.wire import GuardTable
 
 if TYPE_CHECKING:
     from kvxfer.descriptors import DescriptorTable
     from kvxfer.layout import KVLayout
 
-__all__ = ["AgentBackend", "merged_intervals"]
+__all__ = ["LANDING_WORDS", "AgentBackend", "merged_intervals"]
 
 log = logging.getLogger("kvxfer.backends")
+
+#: Guard-word reads that can be in flight at once (each lands in its own word).
+LANDING_WORDS = 1024
+_WORD = 8
 
 
 def merged_intervals(
@@ -109,6 +115,15 @@ class AgentBackend(Backend):
         self._ids = itertools.count(1)
         self._registered: KVLayout | None = None
         self._closed = False
+        # Fail-closed pulls: our guard table and the landing words of our guard reads
+        # (one registered host array), peers' prepared guard tables, reads in flight.
+        self._words: npt.NDArray[np.uint64] | None = None
+        self._guard_slots = 0
+        self._landing: object | None = None
+        self._landing_free: deque[int] = deque()
+        self._peer_guards: dict[PeerHandle, object] = {}
+        self._guard_reads: dict[XferHandle, int] = {}  # handle -> landing word
+        self._failed: dict[XferHandle, str] = {}  # what NIXL said of a failed transfer
         # atexit holds only a weak reference: a backend dropped early is closed by GC.
         ref = weakref.ref(self)
 
@@ -171,6 +186,91 @@ class AgentBackend(Backend):
                     self._local = None
                 self._local = agent.prep_descs(None, _mem_kind_of(table), _descs(table))
 
+    # -- guard table (fail-closed pulls; docs/RELIABILITY.md) -------------------------
+    def register_guard(self, slots: int) -> npt.NDArray[np.uint64]:
+        with self._lock:
+            agent = self._live()
+            if self._words is not None:
+                raise RegistrationError("this backend already registered a guard table")
+            if slots < 1:
+                raise RegistrationError(f"a guard table needs at least one slot, not {slots}")
+            # One host array: the table peers read, then our own landing words.
+            words = np.zeros(slots + LANDING_WORDS, dtype=np.uint64)
+            base = int(words.ctypes.data)
+            what = f"{self._description} refused the guard table ({words.nbytes} B of DRAM)"
+            with map_nixl_errors(NixlCall.REGISTER, what):
+                reg = agent.register(MemKind.DRAM, 0, [(base, words.nbytes)])
+            self._registrations.append(reg)
+            landing = base + slots * _WORD
+            descs = np.array(
+                [(landing + i * _WORD, _WORD, 0) for i in range(LANDING_WORDS)], dtype=np.uint64
+            )
+            with map_nixl_errors(NixlCall.REGISTER, "preparing the guard landing words"):
+                self._landing = agent.prep_descs(None, MemKind.DRAM, descs)
+            self._words, self._guard_slots = words, slots
+            self._landing_free = deque(range(LANDING_WORDS))
+            return words[:slots]
+
+    def guard_table(self) -> GuardTable | None:
+        with self._lock:
+            if self._words is None:
+                return None
+            return GuardTable(base=int(self._words.ctypes.data), slots=self._guard_slots)
+
+    def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
+        with self._lock:
+            agent = self._live()
+            if peer not in self._peers:
+                raise PeerError(f"unknown or removed peer {peer!r}")
+            addr = guard.base + np.arange(guard.slots, dtype=np.uint64) * np.uint64(
+                guard.slot_bytes
+            )
+            descs = np.stack([addr, np.full_like(addr, _WORD), np.zeros_like(addr)], axis=1).astype(
+                np.uint64
+            )
+            with map_nixl_errors(NixlCall.PEER, f"preparing the guard table of peer {peer}"):
+                old = self._peer_guards.pop(peer, None)
+                if old is not None:
+                    agent.release_descs(old)
+                self._peer_guards[peer] = agent.prep_descs(peer, MemKind.DRAM, descs)
+
+    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+        with self._lock:
+            agent = self._live()
+            remote = self._peer_guards.get(peer)
+            if remote is None or self._landing is None or self._words is None:
+                raise PeerError(f"no guard table of peer {peer!r}")
+            if not self._landing_free:
+                raise BackendError(f"{LANDING_WORDS} guard reads in flight already")
+            word = self._landing_free.popleft()
+            self._words[self._guard_slots + word] = 0
+            try:
+                xfer = agent.post(
+                    XferOp.READ,
+                    self._landing,
+                    np.array([word], dtype=np.int64),
+                    remote,
+                    np.array([slot], dtype=np.int64),
+                    notification,
+                )
+            except KvxferError:
+                self._landing_free.append(word)
+                raise
+            except Exception as exc:
+                self._landing_free.append(word)
+                raise nixl_error(exc, NixlCall.POST, f"guard read of {peer}") from exc
+            handle = XferHandle(next(self._ids))
+            self._xfers[handle] = (xfer, peer)
+            self._guard_reads[handle] = word
+            return handle
+
+    def guard_word(self, handle: XferHandle) -> int:
+        with self._lock:
+            word = self._guard_reads.get(handle)
+            if word is None or self._words is None:
+                raise BackendError(f"guard read {handle!r} is unknown or released")
+            return int(self._words[self._guard_slots + word])
+
     # -- peers ----------------------------------------------------------------------
     def add_peer(self, metadata: bytes, table: DescriptorTable) -> PeerHandle:
         with self._lock:
@@ -206,6 +306,14 @@ class AgentBackend(Backend):
             for handle, (xfer, owner) in list(self._xfers.items()):
                 if owner == peer:
                     self._release_locked(handle, xfer)
+            guard = self._peer_guards.pop(peer, None)
+            if guard is not None:
+                self._quietly(
+                    NixlCall.RELEASE,
+                    f"releasing the guard table of peer {peer}",
+                    partial(agent.release_descs, guard),
+                    logging.WARNING,
+                )
             self._quietly(
                 NixlCall.RELEASE,
                 f"releasing the descriptors of peer {peer}",
@@ -251,15 +359,30 @@ class AgentBackend(Backend):
             if entry is None or self._agent is None:
                 return XferStatus.FAILED
             try:
-                return self._agent.state(entry[0])
+                state = self._agent.state(entry[0])
             except Exception as exc:  # a poll answers FAILED (the contract), never raises
                 log.warning("transfer %d to %s: %r", handle, entry[1], exc)
+                # NIXL names the cause (a remote disconnect, or a local memory or
+                # protection error): kept for failure_detail, so that bad local memory
+                # is not reported as a dead peer.
+                self._failed[handle] = f"{self._description} to {entry[1]}: {exc}"
                 return XferStatus.FAILED
+            if state is XferStatus.FAILED:
+                self._failed.setdefault(handle, f"{self._description} to {entry[1]}: error")
+            return state
         finally:
             self._lock.release()
 
+    def failure_detail(self, handle: XferHandle) -> str:
+        with self._lock:
+            return self._failed.get(handle, "")
+
     def _release_locked(self, handle: XferHandle, xfer: object) -> None:
         self._xfers.pop(handle, None)
+        self._failed.pop(handle, None)
+        word = self._guard_reads.pop(handle, None)
+        if word is not None:
+            self._landing_free.append(word)
         if self._agent is None:
             return
         try:
@@ -317,6 +440,14 @@ class AgentBackend(Backend):
                 self._release_locked(handle, xfer)
             for peer in list(self._peers):
                 self.remove_peer(peer)
+            landing, self._landing = self._landing, None
+            if landing is not None:
+                self._quietly(
+                    NixlCall.RELEASE,
+                    "releasing the guard landing words",
+                    partial(agent.release_descs, landing),
+                    logging.WARNING,
+                )
             local, self._local = self._local, None
             if local is not None:
                 self._quietly(

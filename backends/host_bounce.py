@@ -67,6 +67,7 @@ from kvxfer.registry import get_backend
 if TYPE_CHECKING:
     from kvxfer.descriptors import DescriptorTable
     from kvxfer.layout import KVLayout, Region
+    from kvxfer.wire import GuardTable
 
 __all__ = [
     "NOT_AVAILABLE",
@@ -236,6 +237,7 @@ class HostBounceBackend(Backend):
             device_to_device=False,
             stages_through_host=True,
             merges_contiguous=self._transport.capabilities.merges_contiguous,
+            guard=self._transport.capabilities.guard,
         )
 
     @property
@@ -432,6 +434,27 @@ class HostBounceBackend(Backend):
 
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         self._transport.notify(peer, payload)
+
+    # The guard table lives in the transport's host memory, read like the staging
+    # buffers: a producer overwrites a hold's word before its engine (and any later
+    # stage_out) may touch the blocks again.
+    def register_guard(self, slots: int) -> npt.NDArray[np.uint64]:
+        return self._transport.register_guard(slots)
+
+    def guard_table(self) -> GuardTable | None:
+        return self._transport.guard_table()
+
+    def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
+        self._transport.add_peer_guard(peer, guard)
+
+    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+        return self._transport.post_guard_read(peer, slot, notification)
+
+    def guard_word(self, handle: XferHandle) -> int:
+        return self._transport.guard_word(handle)
+
+    def failure_detail(self, handle: XferHandle) -> str:
+        return self._transport.failure_detail(handle)
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         return self._transport.drain_notifications()

@@ -144,4 +144,5 @@ class NixlRblnBackend(AgentBackend):
             mem_kinds=frozenset({MemKind.VRAM, MemKind.DRAM}),
             device_to_device=True,
             merges_contiguous=True,
+            guard=True,
         )

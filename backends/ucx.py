@@ -55,4 +55,5 @@ class UcxBackend(AgentBackend):
             mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}),
             device_to_device=False,
             merges_contiguous=True,
+            guard=True,
         )

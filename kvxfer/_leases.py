@@ -6,6 +6,12 @@ A :class:`Lease` keeps a request's blocks untouched until its consumer says it i
 hands back. A settlement can arrive before the engine's ``hold()`` of that request:
 it is remembered for a while, so that the hold frees at once.
 
+:meth:`LeaseBook.free` is the one way a request reaches ``freed()``: it overwrites the
+hold's guard word first (:mod:`kvxfer._guard`), so a consumer's pull that read blocks
+the engine may already reuse fails closed. Whatever frees or asks about a hold from the
+network must show its capability (:meth:`LeaseBook.authorized`); every table the network
+can grow here is capped (R-SAFE-3).
+
 Every method runs under the agent lock (its callers hold it).
 """
 
@@ -13,19 +19,27 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from kvxfer import wire
+from kvxfer._guard import FreeReason, GuardBook
 from kvxfer.agent_config import AgentStats
 from kvxfer.transfer import Transfer, TransferState
 
-__all__ = ["EARLY_KEEP_S", "Lease", "LeaseBook"]
+__all__ = ["EARLY_KEEP_S", "MAX_EARLY", "MAX_OUTCOMES", "MAX_PENDING", "Lease", "LeaseBook"]
 
 log = logging.getLogger("kvxfer.agent")
 
-# How long a settlement that arrived before its hold() is remembered.
-EARLY_KEEP_S = 120.0
+# How long a settlement that arrived before its hold() is remembered, and how many
+# (oldest evicted first): anyone on the side channel can send them.
+EARLY_KEEP_S = 10.0
+MAX_EARLY = 1024
+# Push registrations waiting for their hold() (more are refused NOT_READY).
+MAX_PENDING = 512
+# Ended holds whose outcome a probing consumer may still ask about (oldest evicted).
+MAX_OUTCOMES = 1024
 
 
 class Lease(msgspec.Struct, kw_only=True):
@@ -43,6 +57,8 @@ class Lease(msgspec.Struct, kw_only=True):
     final_posted: bool = False
     writes: list[Transfer] = msgspec.field(default_factory=list)
     final_notice: tuple[float, bytes] | None = None  # push: encoded at registration
+    capability: str = ""  # the hold's token (in its ticket)
+    guard: tuple[int, int] | None = None  # guard slot and generation (pull)
 
 
 class LeaseBook:
@@ -51,13 +67,21 @@ class LeaseBook:
 
     Attributes:
         held: Leases by request id.
+        guard: The guard table (None until registered, or when the backend has none).
+        on_free: Called with a lease and its reason as it is freed, before its id
+            reaches ``freed()`` (the push writer cancels its writes there).
     """
 
     def __init__(self, stats: AgentStats) -> None:
         self.held: dict[str, Lease] = {}
+        self.guard: GuardBook | None = None
+        self.on_free: Callable[[Lease, FreeReason], None] | None = None
         self._stats = stats
         self._freed: list[str] = []
         self._early: dict[str, float] = {}  # request id -> monotonic arrival
+        self._pending: set[str] = set()  # push registrations without their hold yet
+        # request id -> (state, reason, capabilities that may ask)
+        self._outcomes: dict[str, tuple[wire.HoldState, str, tuple[str, ...]]] = {}
 
     def __bool__(self) -> bool:
         """True while anything is held or remembered (a tick has work)."""
@@ -75,44 +99,118 @@ class LeaseBook:
             self.held[request_id] = lease
         return lease
 
-    def free(self, request_id: str) -> None:
-        """Drop the lease and hand its blocks back to the engine (a push write failed)."""
-        del self.held[request_id]
-        self._freed.append(request_id)
+    def arm(self, lease: Lease, capability: str = "", guard: tuple[int, int] | None = None) -> None:
+        """The engine's hold(): the lease is ready; its capability and guard word are
+        minted here, or given by the caller (a re-hold keeps both).
 
-    def released(self, request_id: str) -> None:
-        """The lease served its consumer: free it, counted as released."""
-        self.free(request_id)
-        self._stats.leases_released += 1
+        A given guard slot that is out of range or armed already is logged, not
+        armed: the word there is not the ticket's generation, so its pulls fail closed.
+        """
+        lease.ready = True
+        self._pending.discard(lease.request_id)
+        if not lease.capability:
+            lease.capability = capability or wire.new_capability()
+        if lease.guard is None and self.guard is not None:
+            if guard is None:
+                lease.guard = self.guard.arm()
+            else:
+                lease.guard = self.guard.arm_at(*guard)
+                if lease.guard is None:
+                    log.error(
+                        "hold of %s: guard slot %d is out of range or taken; its pulls "
+                        "will fail closed",
+                        lease.request_id,
+                        guard[0],
+                    )
 
-    def abort(self, request_id: str) -> bool:
-        """Free a request's lease at once (the engine or its consumer gave up)."""
-        if self.held.pop(request_id, None) is None:
+    def registration_room(self, request_id: str) -> bool:
+        """Whether a push registration of ``request_id`` may make a lease (capped)."""
+        return request_id in self.held or len(self._pending) < MAX_PENDING
+
+    def registered(self, request_id: str) -> None:
+        """A push registration made a lease that waits for its hold()."""
+        if not self.held[request_id].ready:
+            self._pending.add(request_id)
+
+    def reject(self) -> None:
+        """Count a message refused for a wrong capability."""
+        self._stats.capability_rejects += 1
+
+    @staticmethod
+    def authorized(lease: Lease, capability: str) -> bool:
+        """Whether ``capability`` is the hold's token or its consumer's registration."""
+        if wire.capability_matches(lease.capability, capability):
+            return True
+        target = lease.target
+        return target is not None and wire.capability_matches(target.capability, capability)
+
+    def free(
+        self,
+        request_id: str,
+        reason: FreeReason,
+        outcome: wire.HoldState = wire.HoldState.RELEASED,
+    ) -> bool:
+        """THE way a hold ends: overwrite its guard word, then hand its blocks back.
+
+        Returns:
+            False when nothing of that id was held.
+        """
+        lease = self.held.pop(request_id, None)
+        if lease is None:
             return False
-        self._stats.leases_aborted += 1
+        self._pending.discard(request_id)
+        if lease.guard is not None and self.guard is not None:
+            self.guard.retire(*lease.guard, reason)
+        if self.on_free is not None:
+            self.on_free(lease, reason)
+        tokens = (lease.capability,) + ((lease.target.capability,) if lease.target else ())
+        self._outcomes[request_id] = (outcome, reason.text, tokens)
+        if len(self._outcomes) > MAX_OUTCOMES:
+            del self._outcomes[next(iter(self._outcomes))]
+        stats = self._stats
+        if reason is FreeReason.EXPIRED:
+            stats.leases_expired += 1
+        elif reason is FreeReason.ABORTED:
+            stats.leases_aborted += 1
+        else:
+            stats.leases_released += 1
         self._freed.append(request_id)
         return True
 
+    def hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState, str]:
+        """How the hold of ``request_id`` stands, for a peer that shows its capability
+        (UNKNOWN otherwise)."""
+        lease = self.held.get(request_id)
+        if lease is not None:
+            if not self.authorized(lease, capability):
+                return wire.HoldState.UNKNOWN, "no hold of that request for this capability"
+            if any(w.state is TransferState.PENDING for w in lease.writes):
+                return wire.HoldState.WRITING, ""
+            return wire.HoldState.HELD, ""
+        ended = self._outcomes.get(request_id)
+        if ended is not None and any(wire.capability_matches(t, capability) for t in ended[2]):
+            return ended[0], ended[1]
+        return wire.HoldState.UNKNOWN, "no hold of that request"
+
     def settled(self, request_id: str, *, remember: bool) -> None:
-        """Its consumer settled the request (DONE, ABORT or FAILED notice): free the
-        lease; with none held yet, ``remember`` keeps the settlement for its hold."""
-        if self.held.pop(request_id, None) is not None:
-            self._stats.leases_released += 1
-            self._freed.append(request_id)
-        elif remember:
+        """Its consumer settled the request (a DONE notice whose capability was
+        checked): free the lease; with none held yet, ``remember`` keeps the
+        settlement for its hold."""
+        if not self.free(request_id, FreeReason.DONE) and remember:
             self.remember_early(request_id)
 
     def remember_early(self, request_id: str) -> None:
-        """A settlement for a request not held yet (its hold() frees at once)."""
+        """A settlement for a request not held yet (its hold() frees at once). Capped:
+        the oldest is forgotten first (its hold then serves a pull that fails closed
+        or a lease that expires; never a wrong DONE)."""
+        self._early.pop(request_id, None)
         self._early[request_id] = time.monotonic()
+        while len(self._early) > MAX_EARLY:
+            del self._early[next(iter(self._early))]
 
     def take_early(self, request_id: str) -> bool:
-        """Whether the request was settled before its hold; if so it is freed now."""
-        if self._early.pop(request_id, None) is None:
-            return False
-        self._stats.leases_released += 1
-        self._freed.append(request_id)
-        return True
+        """Whether the request was settled before its hold (the caller frees it)."""
+        return self._early.pop(request_id, None) is not None
 
     def drain_freed(self) -> list[str]:
         """The request ids freed since the last call."""
@@ -130,7 +228,5 @@ class LeaseBook:
         for rid, lease in list(self.held.items()):
             writing = any(w.state is TransferState.PENDING for w in lease.writes)
             if lease.expiry < now_wall and not writing:
-                del self.held[rid]
-                self._stats.leases_expired += 1
-                self._freed.append(rid)
+                self.free(rid, FreeReason.EXPIRED)
                 log.warning("lease of request %s expired; blocks released", rid)

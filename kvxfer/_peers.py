@@ -10,19 +10,25 @@ producer is never served from a stale cache.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 from kvxfer._local import LocalEnd
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, PeerHandle
-from kvxfer.control import SideChannelClient
+from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo
 from kvxfer.layout import KVLayout
 from kvxfer.rails import rails_for_transfer, shared_rails
 
-__all__ = ["Peer", "PeerCache"]
+__all__ = ["CONNECT_PROBE_S", "Peer", "PeerCache"]
+
+#: A first contact first checks that the side-channel port accepts connections: one
+#: that refuses (nobody listens: the peer is dead) fails at once, not after every
+#: handshake try (R-SAFE-4).
+CONNECT_PROBE_S = 0.5
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -147,11 +153,25 @@ class PeerCache:
             address=f"{host}:{port}",
             max_bytes=config.max_message_bytes * 4,
         )
+        try:
+            with socket.create_connection((host, port), timeout=CONNECT_PROBE_S):
+                pass
+        except OSError as exc:
+            raise PeerError(
+                f"side channel {host}:{port} does not accept connections ({exc}): "
+                f"the peer is not running or not reachable; {SIDE_CHANNEL_HINT}"
+            ) from exc
         reply = self._client.request(host, port, initiator.hello())
         info = initiator.receive(reply)
         rails = self._rails(info, f"{host}:{port}")
         table = DescriptorTable.build(info.layout, config.plan)
         handle = self._backend.add_peer(info.agent_metadata, table)
+        if info.guard is not None and self._backend.capabilities.guard:
+            try:
+                self._backend.add_peer_guard(handle, info.guard)
+            except KvxferError:
+                self._backend.remove_peer(handle)
+                raise
         self._stats.handshakes += 1
         if info.engine_id not in self._announced:
             self._announced.add(info.engine_id)

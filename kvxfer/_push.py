@@ -24,6 +24,7 @@ import time
 import msgspec
 
 from kvxfer import blocks, wire
+from kvxfer._guard import FreeReason
 from kvxfer._leases import Lease, LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
@@ -32,8 +33,8 @@ from kvxfer._runtime import Runtime
 from kvxfer._serial import SerialWorker
 from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp
-from kvxfer.errors import KvxferError
-from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.errors import KvxferError, TransferError
+from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState
 from kvxfer.types import Direction
 
 __all__ = ["PushWriter", "Write"]
@@ -114,17 +115,40 @@ class PushWriter:
             return wire.Reject(
                 code=wire.RejectCode.UNKNOWN_REQUEST, reason="this instance does not push"
             )
+        leases = self._leases
         with self._lock:
-            lease = self._leases.lease(
+            held = leases.held.get(msg.request_id)
+            bound = held.target if held is not None else None
+            if bound is not None and not (
+                wire.capability_matches(bound.capability, msg.capability)
+                or not (bound.capability or msg.capability)
+            ):
+                # Bound to the consumer that registered first: a stranger who re-sends
+                # a registration for this id cannot redirect its KV (R-SAFE-3).
+                leases.reject()
+                return wire.Reject(
+                    code=wire.RejectCode.INVALID,
+                    reason=f"request {msg.request_id} is registered by another consumer",
+                )
+            if not leases.registration_room(msg.request_id):
+                return wire.Reject(
+                    code=wire.RejectCode.NOT_READY,
+                    reason="too many push registrations waiting for their prefill; retry",
+                )
+            lease = leases.lease(
                 msg.request_id, (), msg.num_tokens, time.time() + self._config.lease_s
             )
+            if bound is not None and lease.parts_posted:
+                return wire.Ack(request_id=msg.request_id)  # a retry: writes under way
             lease.target = msg
+            leases.registered(msg.request_id)
         final = wire.Notice(
             kind=wire.NoticeKind.PUSHED,
             request_id=msg.request_id,
             engine_id=self._config.engine_id,
             incarnation=self._local.incarnation,
             block_ids=msg.block_ids,
+            capability=msg.capability,
         )
         encoded = (time.monotonic(), self._local.encode(final))
         with self._lock:
@@ -255,6 +279,7 @@ class PushWriter:
                 incarnation=self._local.incarnation,
                 block_ids=remote,
                 final=final,
+                capability=target.capability,
             )
         )
 
@@ -266,19 +291,42 @@ class PushWriter:
         if rid is None or lease is None:
             return
         if not ok:
-            peer = transfer.meta.push_peer
-            if peer is not None and lease.target is not None:
-                failed = wire.Notice(
-                    kind=wire.NoticeKind.FAILED,
-                    request_id=lease.target.request_id,
-                    engine_id=self._config.engine_id,
-                    incarnation=self._local.incarnation,
-                )
-                try:
-                    self._backend.notify(peer.handle, self._local.encode(failed))
-                except KvxferError as exc:
-                    log.debug("could not tell the consumer about the failed push: %s", exc)
-            self._leases.free(rid)
+            self._tell_failed(lease, transfer.meta.push_peer, "a write failed")
+            self._leases.free(rid, FreeReason.RELEASED, wire.HoldState.FAILED)
             return
         if lease.final_posted and all(w.state is TransferState.DONE for w in lease.writes):
-            self._leases.released(rid)
+            self._leases.free(rid, FreeReason.DONE, wire.HoldState.PUSHED)
+
+    def _tell_failed(self, lease: Lease, peer: Peer | None, reason: str) -> None:
+        """Under the lock: send the consumer a FAILED notice (it stops waiting)."""
+        if peer is None or lease.target is None:
+            return
+        failed = wire.Notice(
+            kind=wire.NoticeKind.FAILED,
+            request_id=lease.target.request_id,
+            engine_id=self._config.engine_id,
+            incarnation=self._local.incarnation,
+            reason=reason,
+            capability=lease.target.capability,
+        )
+        try:
+            self._backend.notify(peer.handle, self._local.encode(failed))
+        except KvxferError as exc:
+            log.debug("could not tell the consumer about the failed push: %s", exc)
+
+    def on_free(self, lease: Lease, reason: FreeReason) -> None:
+        """Under the lock, as a lease is freed (before the engine gets its blocks):
+        a write still in flight is cancelled (its handle released, so a transport that
+        can cancel moves no byte of blocks the engine reuses) and the consumer told."""
+        pending = [w for w in lease.writes if w.state is TransferState.PENDING]
+        if reason is FreeReason.DONE or not pending:
+            return
+        peer = next((w.meta.push_peer for w in pending if w.meta.push_peer is not None), None)
+        for w in pending:
+            self._runtime.fail(
+                w,
+                FailureKind.ABORTED,
+                TransferError(f"the hold of {lease.request_id} was {reason.text} mid-write"),
+                FailureStage.TRANSFER,
+            )
+        self._tell_failed(lease, peer, reason.text)

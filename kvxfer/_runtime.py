@@ -21,9 +21,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvxfer import blocks, wire
+from kvxfer import blocks
+from kvxfer._guard import verdict
 from kvxfer._leases import LeaseBook
+from kvxfer._liveness import Liveness
 from kvxfer._local import LocalEnd
+from kvxfer._notices import Notices
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._readers import ReaderCount
 from kvxfer._receptions import Receptions
@@ -31,8 +34,8 @@ from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
 from kvxfer.descriptors import Plan, build_plan
 from kvxfer.errors import BackendError, KvxferError, PeerError, TransferError, TransferTimeout
-from kvxfer.transfer import FailureKind, Transfer, TransferState, settle
-from kvxfer.types import Direction, Role
+from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState, settle
+from kvxfer.types import Direction
 
 __all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "WAITED_TICK_S", "Runtime"]
 
@@ -91,6 +94,8 @@ class Runtime:
         self._nap_s = IDLE_NAP_S  # the progress thread's current sleep between rounds
         self._thread: threading.Thread | None = None
         self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
+        self.liveness: Liveness | None = None  # probes quiet transfers (set by the agent)
+        self._notices = Notices(local, leases, receptions, stats, self.fail, self._readers)
 
     def add_tick_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` at the end of every tick that finds leases (the push writer's
@@ -114,12 +119,14 @@ class Runtime:
 
     def new_transfer(self, request_id: str, groups: tuple[tuple[int, ...], ...]) -> Transfer:
         """A pending transfer of ``groups`` (local block ids), tracked until it settles."""
+        now = time.monotonic()
         t = Transfer(
             request_id,
             groups,
             progress=self.poll_tick,
-            deadline=time.monotonic() + self._config.transfer_timeout_s,
+            deadline=now + self._config.transfer_timeout_s,
         )
+        t.meta.last_progress = now
         with self._lock:
             self._transfers[id(t)] = t
         if self._thread is None:
@@ -168,7 +175,7 @@ class Runtime:
         except KvxferError as exc:
             self._peers.mark_suspect(peer)
             kind = FailureKind.PEER_GONE if isinstance(exc, PeerError) else FailureKind.POST
-            self.fail(transfer, kind, exc)
+            self.fail(transfer, kind, exc, FailureStage.POST)
             return
         transfer.stats.post_s = time.perf_counter() - t1
         with self._lock:
@@ -178,6 +185,7 @@ class Runtime:
             meta.peer = peer
             meta.handle = handle
             meta.posting = False
+            meta.last_progress = time.monotonic()
         if self._backend.status(handle) is XferStatus.DONE:
             # Moved inside post (UCX over CMA copies synchronously): settle now rather
             # than hand the completion to the progress thread (a GIL hand-off per pull).
@@ -186,9 +194,21 @@ class Runtime:
         if self._nap_s > self._config.progress_interval_s:
             self._wake.set()  # in flight now, and the progress thread naps longer
 
-    def fail(self, transfer: Transfer, kind: FailureKind, error: BaseException) -> None:
-        """Settle ``transfer`` as FAILED (once), release its handle, count it."""
+    def fail(
+        self,
+        transfer: Transfer,
+        kind: FailureKind,
+        error: BaseException,
+        stage: FailureStage | None = None,
+    ) -> None:
+        """Settle ``transfer`` as FAILED (once), release its handle, count it, and tell
+        a pull's producer to release its blocks now (R-SAFE-4).
+
+        ``stage``: where it failed (default: the stage ``kind`` belongs to)."""
+        if transfer.done:
+            return
         transfer.stats.failure = kind
+        transfer.stats.stage = stage = FailureStage.of(kind) if stage is None else stage
         err = error if isinstance(error, KvxferError) else BackendError(str(error))
         if kind is FailureKind.TIMEOUT and not isinstance(err, TransferTimeout):
             err = TransferTimeout(str(err))
@@ -202,25 +222,154 @@ class Runtime:
                 self._receptions.forget(transfer)
                 self._stats.transfers_failed += 1
                 self._stats.failures[kind.value] = self._stats.failures.get(kind.value, 0) + 1
+                by_stage = self._stats.failures_by_stage
+                by_stage[stage.value] = by_stage.get(stage.value, 0) + 1
                 if meta.on_settled is not None:
                     meta.on_settled(transfer, False)
+            if meta.release is not None and not self.closed:
+                meta.release(f"{stage.value}: {err}")
             log.warning(
-                "transfer %s failed (%s): %s; %s",
+                "transfer %s failed at %s (%s): %s; %s",
                 transfer.request_id,
+                stage.value,
                 kind.value,
                 err,
                 blocks.describe(transfer.invalid_blocks),
             )
 
     def landed(self, t: Transfer) -> None:
-        """The backend reports every byte of ``t`` moved: settle it."""
-        expiry = t.meta.lease_expiry
+        """The backend reports every byte of ``t`` moved: check, then settle it."""
+        meta = t.meta
+        expiry = meta.lease_expiry
         if expiry is not None and self.lease_over(expiry):
             # Landed after the producer was free to reuse the blocks:
             # the bytes may be another request's, so they are not valid.
             self.fail(t, FailureKind.LEASE_EXPIRED, self.expired_error(t.request_id))
+        elif meta.guard is not None:
+            self._read_guard(t)
         else:
             self.succeed(t)
+
+    def _read_guard(self, t: Transfer) -> None:
+        """The data landed: read the hold's guard word back (R-SAFE-1), after it."""
+        meta = t.meta
+        assert meta.guard is not None and meta.peer is not None
+        with self._lock:
+            if t.done or meta.guarding:
+                return  # another thread saw the data land first
+            meta.guarding = True
+            data, meta.handle = meta.handle, None
+        if data is not None:
+            self._backend.release(data)
+        t0 = time.perf_counter()
+        try:
+            handle = self._backend.post_guard_read(meta.peer.handle, meta.guard[0])
+        except KvxferError as exc:
+            self.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
+            return
+        with self._lock:
+            if t.done:
+                self._backend.release(handle)
+                return
+            meta.handle = handle
+            self._stats.guard_reads += 1
+        state = self._backend.status(handle)
+        self._stats.guard_s_total += time.perf_counter() - t0
+        if state is XferStatus.DONE:
+            self._guard_read(t, handle)
+
+    def _guard_read(self, t: Transfer, handle: object) -> None:
+        """The guard word arrived: DONE if it still is the ticket's generation."""
+        meta = t.meta
+        assert meta.guard is not None
+        try:
+            word = self._backend.guard_word(handle)  # type: ignore[arg-type]
+        except KvxferError as exc:
+            if not t.done:
+                self.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
+            return
+        why = verdict(word, meta.guard[1])
+        if why is None:
+            self.succeed(t)
+            return
+        with self._lock:
+            self._stats.guard_failures += 1
+        self.fail(
+            t,
+            FailureKind.LEASE_EXPIRED,
+            TransferError(
+                f"the producer no longer held the blocks of {t.request_id} when they were "
+                f"read ({why}): they may be another request's; recompute"
+            ),
+            FailureStage.LEASE,
+        )
+
+    def arm_guard(
+        self, t: Transfer, peer: Peer, slot: int, generation: int, done_notice: bytes
+    ) -> bool:
+        """Before a pull's post: make it fail-closed when both ends can (its DONE
+        notice then waits for the guard word). A ticket without a generation from a
+        producer that guards its holds is refused (a router dropped the kvxfer keys,
+        or someone forged the ticket); a producer or backend without a guard table is
+        pulled unguarded and counted. Returns False when ``t`` failed."""
+        guard = peer.info.guard
+        if guard is None or not self._backend.capabilities.guard:
+            with self._lock:
+                self._stats.unguarded_pulls += 1
+            return True
+        if not generation or not 0 <= slot < guard.slots:
+            self.fail(
+                t,
+                FailureKind.LEASE_EXPIRED,
+                TransferError(
+                    f"ticket of {t.request_id} carries no guard word (kvxfer_generation, "
+                    f"kvxfer_guard_slot={slot}) although producer {peer.engine_id} guards its "
+                    "holds: refused, the blocks' validity could not be checked"
+                ),
+                FailureStage.LEASE,
+            )
+            return False
+        t.meta.guard = (slot, generation)
+        t.meta.done_notice = done_notice
+        return True
+
+    def capability_of(self, request_id: str) -> str:
+        """The capability one of our transfers of ``request_id`` carries ("" if none)."""
+        with self._lock:
+            for t in self._transfers.values():
+                if t.request_id == request_id and t.meta.capability:
+                    return t.meta.capability
+        return ""
+
+    def pushed(self, t: Transfer) -> None:
+        """A push reception's producer confirmed every write landed (its notice was
+        lost): settle it as the notice would have."""
+        with self._lock:
+            if self._receptions.unexpect(t.request_id) is not t or t.done:
+                return
+            t.meta.stage_in = True
+        self.succeed(t)
+
+    def abort_request(self, request_id: str) -> None:
+        """The engine aborted ``request_id``: its own pulls and push receptions of it
+        fail now, all blocks invalid, and never become DONE (R-SAFE-2); their handles
+        are released, so a transport that can cancel moves no further byte."""
+        with self._lock:
+            mine = [
+                t
+                for t in self._transfers.values()
+                if t.request_id == request_id and t.meta.lease is None
+            ]
+            for t in mine:
+                self._receptions.unexpect(request_id)
+                t.meta.release = None  # the abort itself tells the producer
+        for t in mine:
+            self.fail(
+                t,
+                FailureKind.ABORTED,
+                TransferError(f"request {request_id} aborted by its engine"),
+                FailureStage.TRANSFER,
+            )
 
     def succeed(self, transfer: Transfer) -> None:
         """Settle ``transfer`` as DONE (once; a push reception copies in first)."""
@@ -231,6 +380,11 @@ class Runtime:
             handle, meta.handle = meta.handle, None
             if handle is not None:
                 self._backend.release(handle)
+            if meta.done_notice and meta.peer is not None:
+                # A guarded pull's DONE goes only now, after its guard word was read (the
+                # producer frees on it, which changes the word), and off the data
+                # endpoint: see _send_done.
+                self._send_done(transfer)
             with self._lock:
                 self._transfers.pop(id(transfer), None)
                 self._receptions.forget(transfer)  # settled by another notice
@@ -243,6 +397,27 @@ class Runtime:
                 if meta.on_settled is not None:
                     meta.on_settled(transfer, True)
 
+    def _send_done(self, t: Transfer) -> None:
+        """Tell a guarded pull's producer it is done. Over the side channel, from an io
+        worker (``meta.release`` with ``done=True``): a backend notification would,
+        on UCX, make this endpoint's next read complete only after the producer's
+        worker progressed (~1 ms, docs/EMBEDDING.md), and the data path of a pull
+        never waits for the producer. Measured (``python -m kvxfer.tools.latency``, 1-16
+        blocks): 195-432 µs pull->done this way, 600-1584 µs with the notice sent as a
+        notification after the guard read. Without a release callback (never for an
+        Agent's pull) the notice goes as a notification."""
+        meta = t.meta
+        if meta.release is None:
+            assert meta.peer is not None
+            try:
+                self._backend.notify(meta.peer.handle, meta.done_notice)
+            except KvxferError as exc:
+                self._stats.notices_failed += 1
+                log.info("could not send the DONE notice of %s: %s", t.request_id, exc)
+            return
+        release, meta.release = meta.release, None
+        release("")  # "" : done
+
     def close(self) -> bool:
         """Fail every transfer in flight and stop the progress thread.
 
@@ -254,7 +429,9 @@ class Runtime:
                 return False
             self.closed = True
             for t in list(self._transfers.values()):
-                self.fail(t, FailureKind.ABORTED, TransferError("agent closed"))
+                self.fail(
+                    t, FailureKind.ABORTED, TransferError("agent closed"), FailureStage.TRANSFER
+                )
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -339,7 +516,7 @@ class Runtime:
         self._last_tick = time.monotonic()
         notes = self._backend.drain_notifications()
         with self._lock:
-            complete = self._handle_notifications(notes) if notes else []
+            complete = self._notices.handle(notes) if notes else []
             polled = [(t, t.meta.handle) for t in self._transfers.values()]
         for t in complete:
             self.succeed(t)
@@ -349,19 +526,28 @@ class Runtime:
                 continue
             if handle is not None:
                 state = self._backend.status(handle)
-                if t.done:
+                if t.done or t.meta.handle != handle:
                     # Settled meanwhile by another thread (a waiter, the poster), which
                     # released the handle: a FAILED for that handle says nothing.
                     continue
                 if state is XferStatus.DONE:
-                    self.landed(t)
+                    if t.meta.guarding:
+                        self._guard_read(t, handle)
+                    else:
+                        self.landed(t)
                     continue
                 if state is XferStatus.FAILED:
                     peer = t.meta.peer
                     if peer is not None:
                         self._peers.mark_suspect(peer)
+                    what = "the guard word's read" if t.meta.guarding else "the transfer"
                     self.fail(
-                        t, FailureKind.TRANSPORT, TransferError("the transport reported an error")
+                        t,
+                        FailureKind.TRANSPORT,
+                        TransferError(
+                            f"the transport reported an error in {what}: "
+                            f"{self._backend.failure_detail(handle)}"
+                        ),
                     )
                     continue
             if now > t.deadline:
@@ -373,57 +559,10 @@ class Runtime:
                         f"{self._config.transfer_timeout_s:g}s"
                     ),
                 )
+        if self.liveness is not None and polled:
+            self.liveness.check(now, [t for t, _ in polled])
         if self._leases:
             with self._lock:
                 self._leases.expire(now)
                 for hook in self._tick_hooks:
                     hook()
-
-    # -- notices ------------------------------------------------------------------------
-    def _handle_notifications(self, notes: list[tuple[str, bytes]]) -> list[Transfer]:
-        """Act on drained notices (under the lock); returns the push receptions that are
-        now complete, for the caller to settle outside the lock (stage-in copies)."""
-        complete: list[Transfer] = []
-        receptions = self._receptions
-        for sender, payload in notes:
-            # A final PUSHED notice its producer announced (already checked when the
-            # registration's reply brought it): known by its exact bytes while fresh.
-            known = receptions.announced(payload)
-            if known is not None:
-                t = receptions.pushed(known)
-                if t is not None:
-                    complete.append(t)
-                continue
-            try:
-                # With a shared secret a notice must be signed by it: a DONE frees held
-                # blocks and a PUSHED settles a transfer, so neither may be forged.
-                notice = wire.decode_notice(
-                    payload,
-                    max_bytes=self._config.max_message_bytes,
-                    auth_key=self._local.auth_key,
-                )
-            except KvxferError as exc:
-                log.warning("ignored a notification from %s: %s", sender, exc)
-                continue
-            if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT) and not (
-                self._readers.last(notice.request_id, notice.readers, notice.reader)
-            ):
-                continue  # other consumer ranks may still read it (TP sizes differ)
-            if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT, wire.NoticeKind.FAILED):
-                self._leases.settled(
-                    notice.request_id,
-                    remember=notice.kind is not wire.NoticeKind.FAILED
-                    and self._config.role is not Role.CONSUMER,
-                )
-                expected = receptions.expected.pop(notice.request_id, None)
-                if expected is not None and notice.kind is wire.NoticeKind.FAILED:
-                    self.fail(
-                        expected,
-                        FailureKind.PEER_GONE,
-                        TransferError(f"producer {notice.engine_id} reported a failed write"),
-                    )
-            elif notice.kind is wire.NoticeKind.PUSHED:
-                t = receptions.pushed(notice)
-                if t is not None:
-                    complete.append(t)
-        return complete

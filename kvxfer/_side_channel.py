@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from kvxfer import wire
+from kvxfer._guard import FreeReason
 from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._push import PushWriter
@@ -80,6 +81,7 @@ class SideChannel:
                 on_message=self._on_message,
                 auth_secret=config.auth_secret,
                 max_bytes=config.max_message_bytes,
+                hold_state=self._hold_state,
             )
             self._server = SideChannelServer(
                 config.side_channel_host,
@@ -97,8 +99,17 @@ class SideChannel:
             raise PeerError("the agent is not serving; call serve() first")
         return self._config.side_channel_host, self._server.port
 
-    def request(self, host: str, port: int, msg: wire.Message) -> wire.Message:
-        """Send a control message; return the (authenticated) reply or raise the rejection."""
+    def request(
+        self,
+        host: str,
+        port: int,
+        msg: wire.Message,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> wire.Message:
+        """Send a control message; return the (authenticated) reply or raise the rejection.
+        ``timeout_s``/``retries``: this request's budget (default: the handshake's)."""
         config = self._config
         initiator = Initiator(
             hello=self._local.hello(None),
@@ -108,12 +119,38 @@ class SideChannel:
             address=f"{host}:{port}",
             max_bytes=config.max_message_bytes * 4,
         )
-        return initiator.reply(self._client.request(host, port, initiator.request(msg)))
+        frame = initiator.request(msg)
+        reply = self._client.request(host, port, frame, timeout_s=timeout_s, retries=retries)
+        return initiator.reply(reply)
+
+    def ping(
+        self, host: str, port: int, request_id: str, capability: str, timeout_s: float
+    ) -> wire.Message:
+        """One liveness probe (one try of ``timeout_s``); with ``request_id``, the
+        reply's :attr:`~kvxfer.wire.Pong.hold` says how the peer's hold stands."""
+        config = self._config
+        initiator = Initiator(
+            hello=self._local.hello(None),
+            compat_hash=self._local.compat_hash,
+            enforce_compat=config.enforce_handshake_compat,
+            auth_secret=config.auth_secret,
+            address=f"{host}:{port}",
+            max_bytes=config.max_message_bytes * 4,
+        )
+        frame = initiator.ping(request_id, capability)
+        reply = self._client.request(host, port, frame, timeout_s=timeout_s, retries=0)
+        return initiator.reply(reply)
 
     def close(self) -> None:
-        """Stop the server (the client keeps no connection open)."""
+        """Stop the server and cancel this agent's requests in flight (a handshake
+        towards a peer that never answers ends within ~50 ms)."""
+        self._client.close()
         if self._server is not None:
             self._server.close()
+
+    def _hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState, str]:
+        with self._lock:
+            return self._leases.hold_state(request_id, capability)
 
     def _welcome(self) -> wire.Welcome | None:
         """What this agent tells a peer in the handshake (None until registered)."""
@@ -133,19 +170,31 @@ class SideChannel:
             role=config.role,
             direction=config.direction,
             tp=config.tp,
+            guard=self._backend.guard_table(),
         )
 
     def _on_message(self, msg: Any) -> Any:
         """Side-channel messages other than the handshake (runs on the server thread)."""
         if isinstance(msg, wire.Release):
-            if not self._readers.last(msg.request_id, msg.readers, msg.reader):
-                # Other consumer ranks may still read it (TP sizes differ).
-                return wire.Ack(request_id=msg.request_id)
+            leases = self._leases
             with self._lock:
-                released = self._leases.abort(msg.request_id)
-                if not released:
-                    self._leases.remember_early(msg.request_id)
-            log.info("peer asked to release %s (%s): %s", msg.request_id, msg.reason, released)
+                lease = leases.held.get(msg.request_id)
+                if lease is not None and not leases.authorized(lease, msg.capability):
+                    leases.reject()
+                    log.warning("refused a Release of %s: wrong capability", msg.request_id)
+                    return wire.Reject(
+                        code=wire.RejectCode.INVALID,
+                        reason=f"no hold of {msg.request_id} for this capability",
+                    )
+                if not self._readers.last(msg.request_id, msg.readers, msg.reader):
+                    # Other consumer ranks may still read it (TP sizes differ).
+                    return wire.Ack(request_id=msg.request_id)
+                if lease is None:
+                    leases.remember_early(msg.request_id)  # capped; see LeaseBook
+                else:
+                    why = FreeReason.DONE if msg.done else FreeReason.ABORTED
+                    leases.free(msg.request_id, why)
+            log.debug("peer asked to release %s (%s)", msg.request_id, msg.reason)
             return wire.Ack(request_id=msg.request_id)
         if isinstance(msg, wire.PushRegister):
             return self._push.on_register(msg)

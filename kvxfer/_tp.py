@@ -33,12 +33,12 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
 from kvxfer import blocks, wire
 from kvxfer._fanout import Fanout
+from kvxfer._io import IoPool
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._runtime import Runtime
@@ -97,7 +97,7 @@ class TPPuller:
         local: LocalEnd,
         peers: PeerCache,
         runtime: Runtime,
-        io: Callable[[], ThreadPoolExecutor],
+        io: Callable[[], IoPool],
         release: Callable[[Ticket, int, int], None],
         lock: threading.RLock,
     ) -> None:
@@ -309,6 +309,9 @@ class TPPuller:
                     incarnation=self._local.incarnation,
                     readers=self.readers(job.ticket, job.producer, rp.rank),
                     reader=self._tp().rank,
+                    # Every producer rank holds the request under the capability the
+                    # ticket carries (minted once, e.g. by vLLM's scheduler).
+                    capability=job.ticket.capability,
                 )
             )
             self._runtime.post(

@@ -47,13 +47,15 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
 from kvxfer import blocks, wire
-from kvxfer._leases import LeaseBook
+from kvxfer._guard import FreeReason, GuardBook
+from kvxfer._io import IoPool
+from kvxfer._leases import Lease, LeaseBook
+from kvxfer._liveness import Liveness
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
@@ -79,7 +81,7 @@ from kvxfer.heads import place_heads
 from kvxfer.layout import GroupKind, KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.transfer import FailureKind, FailureStage, Transfer
 from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
@@ -155,16 +157,28 @@ class Agent:
         self._side = SideChannel(
             self._local, backend, self._leases, self._push, client, self._lock, readers
         )
-        # Pulls of tickets from a producer of another TP size (several producer ranks).
-        self._tp = TPPuller(
-            self._local, self._peers, self._runtime, self._io, self._send_release, self._lock
-        )
+        self._leases.on_free = self._push.on_free
         if config.direction is Direction.PUSH:
             # A lease whose consumer registers after its hold() is written by a tick.
             self._runtime.add_tick_hook(self._push.resume)
-        self._io_pool: ThreadPoolExecutor | None = None
+        self._io_pool = IoPool(8, "kvxfer-io")
+        self._runtime.liveness = Liveness(
+            self._side.ping, self._io_pool.submit, self._runtime, self._count_probe
+        )
+        # Pulls of tickets from a producer of another TP size (several producer ranks).
+        self._tp = TPPuller(
+            self._local,
+            self._peers,
+            self._runtime,
+            self._io,
+            lambda t, n, r: self._send_release(t, readers=n, reader=r),
+            self._lock,
+        )
         # What register(keep=...) / register_tensors() keep alive while registered.
         self._kept: object = None
+
+    def _count_probe(self) -> None:
+        self.stats_counters.liveness_probes += 1
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -254,6 +268,10 @@ class Agent:
             # describe its tensor's heads rank-locally (0..heads_per_rank-1).
             layout = place_heads(layout, tp.heads, tp.rank)
         exposed = self.backend.register(layout)
+        if self.backend.capabilities.guard:
+            # Before any peer sees our metadata (NIXL's covers the table).
+            words = self.backend.register_guard(GuardBook.slots_for(exposed.num_blocks))
+            self._leases.guard = GuardBook(words)
         table = DescriptorTable.build(exposed, self.config.plan)
         self.backend.prepare_local(table)
         local = self._local
@@ -336,6 +354,8 @@ class Agent:
         *,
         lease_s: float | None = None,
         staged: bool = False,
+        capability: str = "",
+        guard: tuple[int, int] | None = None,
     ) -> Ticket:
         """Hold a finished prompt's blocks for its consumer and return the ticket.
 
@@ -356,6 +376,10 @@ class Agent:
         :meth:`stage_out` after their last forward (host bounce), so a pull's hold
         does not copy them again.
 
+        ``capability`` and ``guard`` (slot, generation): the hold's token and guard
+        word when the caller minted the ticket itself before this hold (the vLLM
+        scheduler does); by default the agent mints them (docs/RELIABILITY.md).
+
         Raises:
             RegistrationError: no memory registered yet.
             PlanError: a block id that is not an integer, out of range or repeated, or
@@ -372,12 +396,15 @@ class Agent:
             self.backend.stage_out(list(local))
         inline: list[Write] = []
         with self._lock:
-            if self._leases.take_early(request_id):
-                # The consumer finished (or gave up) before the engine got here.
-                return self._ticket(request_id, groups, num_tokens, expiry, host, port)
             lease = self._leases.lease(request_id, groups, num_tokens, expiry)
             lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
-            lease.ready = True
+            self._leases.arm(lease, capability, guard)  # its capability and guard word
+            ticket = self._ticket(lease, host, port, guard)
+            if self._leases.take_early(request_id):
+                # The consumer finished (or gave up) before the engine got here: freed
+                # at once, its guard word overwritten (a pull of it fails closed).
+                self._leases.free(request_id, FreeReason.RELEASED)
+                return ticket
             if self.config.direction is Direction.PUSH and lease.target is not None:
                 self._push.start(lease, inline)
         self._push.post_inline(inline)  # outside the lock: a post may copy every byte
@@ -385,27 +412,27 @@ class Agent:
             # The lease wants the progress thread's faster pace (see Runtime._run); a
             # push has nothing to poll until its writer posted, which wakes the thread.
             self._runtime.nudge()
-        return self._ticket(request_id, groups, num_tokens, expiry, host, port)
+        return ticket
 
     def _ticket(
-        self,
-        request_id: str,
-        groups: tuple[tuple[int, ...], ...],
-        num_tokens: int,
-        expiry: float,
-        host: str,
-        port: int,
+        self, lease: Lease, host: str, port: int, asked: tuple[int, int] | None = None
     ) -> Ticket:
+        # A caller's guard that could not be armed stays in its ticket (the vLLM
+        # scheduler's did already): the word there differs, so its pulls fail closed.
+        slot, generation = lease.guard or asked or (-1, 0)
         return Ticket(
             engine_id=self.config.engine_id,
             host=host,
             port=port,
-            request_id=request_id,
-            block_ids=groups,
-            num_tokens=num_tokens,
+            request_id=lease.request_id,
+            block_ids=lease.blocks,
+            num_tokens=lease.num_tokens,
             incarnation=self.incarnation,
-            lease_expiry=expiry,
+            lease_expiry=lease.expiry,
             tp_size=self.config.tp.heads.tp_size if self.config.tp is not None else 1,
+            capability=lease.capability,
+            guard_slot=slot,
+            generation=generation,
         )
 
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
@@ -433,7 +460,7 @@ class Agent:
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""
         with self._lock:
-            return self._leases.abort(request_id)
+            return self._leases.free(request_id, FreeReason.RELEASED)
 
     def freed(self) -> list[str]:
         """Request ids whose held blocks the engine may reuse now (drained on read)."""
@@ -507,6 +534,7 @@ class Agent:
             return self._tp.pull(ticket, local, remote, tokens)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
+        transfer.meta.capability = ticket.capability
         if ticket.lease_expiry:
             transfer.meta.lease_expiry = ticket.lease_expiry
             if runtime.lease_over(ticket.lease_expiry):
@@ -553,6 +581,16 @@ class Agent:
             return
         self._start_pull(transfer, peer, ticket, local, remote, tokens)
 
+    def _release_after(self, ticket: Ticket, transfer: Transfer) -> None:
+        """A pull that fails from now on tells its producer to release at once."""
+
+        def release(reason: str) -> None:
+            # "": the pull is DONE (its guard word checked); else why it failed.
+            why = f"pull failed: {reason}" if reason else ""
+            self._io().submit(self._send_release, ticket, why, not reason, True)
+
+        transfer.meta.release = release
+
     def _start_pull(
         self,
         transfer: Transfer,
@@ -568,41 +606,68 @@ class Agent:
                 request_id=ticket.request_id,
                 engine_id=self.config.engine_id,
                 incarnation=self.incarnation,
+                capability=ticket.capability,
             )
         )
         if transfer.done:  # the agent closed meanwhile
             return
-        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, notice)
-        if transfer.state is TransferState.FAILED:
-            # Nothing was read: let the producer free its blocks now, not at lease expiry.
-            self.abort(ticket)
+        self._release_after(ticket, transfer)
+        if not self._runtime.arm_guard(
+            transfer, peer, ticket.guard_slot, ticket.generation, notice
+        ):
+            return
+        on_data = b"" if transfer.meta.guard is not None else notice
+        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, on_data)
 
-    def _io(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._io_pool is None:
-                self._io_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvxfer-io")
-            return self._io_pool
+    def _io(self) -> IoPool:
+        return self._io_pool
 
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
-        """Tell the producer to release a request we will not pull (R-XFER-4).
+        """Give up a request: this agent's own transfers of it fail at once (FAILED,
+        every block invalid, never DONE later: R-SAFE-2), and the producer is told to
+        release it (R-XFER-4).
 
         Non-blocking by default (the message goes from a worker thread); ``wait=True``
         returns only once the producer answered or the side channel gave up.
         """
+        capability = ticket.capability or self._runtime.capability_of(ticket.request_id)
+        self._runtime.abort_request(ticket.request_id)
+        ticket = msgspec.structs.replace(ticket, capability=capability)
         if not wait:
             if not self._runtime.closed:
                 self._io().submit(self._send_release, ticket)
             return
         self._send_release(ticket)
 
-    def _send_release(self, ticket: Ticket, readers: int = 1, reader: int = 0) -> None:
-        # readers/reader: this consumer rank among those reading the request from that
-        # producer rank across TP sizes (kvxfer._tp); it frees once all released/read.
+    def _send_release(
+        self,
+        ticket: Ticket,
+        reason: str = "consumer aborted",
+        done: bool = False,
+        brief: bool = False,
+        *,
+        readers: int = 1,
+        reader: int = 0,
+    ) -> None:
+        """``brief``: one short try (a pull's own DONE or failure notice): an io worker
+        never spends a dead producer's handshake budget on it; if it is lost, the
+        lease ends at its expiry instead. ``readers``/``reader``: this consumer rank
+        among those reading the request from that producer rank across TP sizes
+        (kvxfer._tp); the producer frees once every reader released or read."""
         msg = wire.Release(
-            request_id=ticket.request_id, reason="consumer aborted", readers=readers, reader=reader
+            request_id=ticket.request_id,
+            reason=reason[:200],
+            engine_id=self.config.engine_id,
+            capability=ticket.capability,
+            done=done,
+            readers=readers,
+            reader=reader,
         )
         try:
-            self._side.request(ticket.host, ticket.port, msg)
+            if brief:
+                self._side.request(ticket.host, ticket.port, msg, timeout_s=1.0, retries=1)
+            else:
+                self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             log.warning(
                 "could not tell %s to release %s: %s", ticket.engine_id, ticket.request_id, exc
@@ -651,6 +716,9 @@ class Agent:
         groups = blocks.to_wire(local)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, groups)
+        # Binds the registration to us: notices must echo it, and a later registration
+        # of this request id by anyone else is refused (R-SAFE-3).
+        transfer.meta.capability = wire.new_capability()
         # The bytes the producer will write are the bytes our own plan of these blocks
         # covers (both sides share the layout shape); computed here for the stats.
         try:
@@ -670,6 +738,7 @@ class Agent:
             agent_name=self.backend.agent_name,
             host=host,
             port=port,
+            capability=transfer.meta.capability,
         )
         # The registration is a side-channel round trip (a timeout when the producer is
         # gone): it goes from a worker thread, and a failure lands on the transfer.
@@ -686,10 +755,13 @@ class Agent:
             reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
             self._receptions.unexpect(ticket.request_id)
-            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION)
             return
         if isinstance(reply, wire.Ack) and reply.notice:
             self._receptions.learn_final_notice(transfer, reply.notice)
+        # Registered: from now on a quiet reception asks this producer how it stands.
+        transfer.meta.last_progress = time.monotonic()
+        transfer.meta.push_from = (ticket.host, ticket.port)
 
     # -- progress -------------------------------------------------------------------
     def progress(self) -> None:
@@ -699,8 +771,9 @@ class Agent:
     def stats(self) -> AgentStats:
         """A copy of the agent's counters."""
         with self._lock:
+            c = self.stats_counters
             return msgspec.structs.replace(
-                self.stats_counters, failures=dict(self.stats_counters.failures)
+                c, failures=dict(c.failures), failures_by_stage=dict(c.failures_by_stage)
             )
 
     def close(self) -> None:
@@ -708,9 +781,8 @@ class Agent:
         if not self._runtime.close():  # fails what is in flight, stops the progress thread
             return
         self._push.shutdown()
-        if self._io_pool is not None:
-            self._io_pool.shutdown(wait=False, cancel_futures=True)
-        self._side.close()
+        self._side.close()  # cancels requests in flight (handshakes, probes) first
+        self._io_pool.shutdown()
         self._peers.close()
         self.backend.close()
         self._kept = None  # deregistered: the engine's tensors are its own again

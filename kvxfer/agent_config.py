@@ -142,3 +142,35 @@ class AgentStats(msgspec.Struct, kw_only=True):
     leases_expired: int = 0
     leases_aborted: int = 0
     failures: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Failed transfers by :class:`~kvxfer.transfer.FailureStage` value (R-SAFE-4).
+    failures_by_stage: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Notifications ignored: undecodable, forged or without the right capability.
+    notices_failed: int = 0
+    #: Release, notices, registrations and probes refused for a wrong capability.
+    capability_rejects: int = 0
+    #: Pulls whose guard word said the producer no longer held the blocks.
+    guard_failures: int = 0
+    #: Pulls of a producer without a guard table (only the lease_expiry check).
+    unguarded_pulls: int = 0
+    #: Liveness probes of quiet transfers (side-channel pings).
+    liveness_probes: int = 0
+    #: Guard-word reads posted and their total time (the fail-closed check's cost).
+    guard_reads: int = 0
+    guard_s_total: float = 0.0
+
+    def failure_accounting(self) -> dict[str, object]:
+        """The failure counters (issue 16) as one JSON-able dict (``demo/bench --json``)."""
+        return {
+            "transfers_failed": self.transfers_failed,
+            "failures_by_stage": dict(self.failures_by_stage),
+            "notices_failed": self.notices_failed,
+            "leases_expired": self.leases_expired,
+            "capability_rejects": self.capability_rejects,
+            "guard_failures": self.guard_failures,
+            "unguarded_pulls": self.unguarded_pulls,
+            "liveness_probes": self.liveness_probes,
+            "guard_reads": self.guard_reads,
+            "guard_us_per_read": (
+                round(1e6 * self.guard_s_total / self.guard_reads, 2) if self.guard_reads else None
+            ),
+        }

@@ -17,6 +17,18 @@ Lifecycle, as the agent drives it::
     be.drain_notifications()             # (peer name, payload) pairs
     be.remove_peer(peer); be.close()     # teardown in reverse order
 
+Fail-closed pulls (issue 16, docs/RELIABILITY.md), when ``capabilities.guard``::
+
+    words = be.register_guard(slots)     # producer, right after register()
+    be.guard_table()                     # what the handshake tells consumers
+    be.add_peer_guard(peer, guard)       # consumer, once per peer
+    h = be.post_guard_read(peer, slot)   # after a pull's data READ completed
+    be.status(h); be.guard_word(h); be.release(h)
+
+A backend without them (``guard=False``, the default of a third-party backend) still
+works: its pulls are *unguarded*, counted in ``AgentStats.unguarded_pulls`` and
+checked against the ticket's ``lease_expiry`` only.
+
 Implementations: ``ucx`` (NIXL over UCX), ``host_bounce`` (staging buffers, then
 ``ucx``), ``nixl_rbln`` (NPU memory through nixl-rbln), and the fault-injecting ``fake``
 in :mod:`kvxfer.testing`. Every one passes :mod:`kvxfer.testing.conformance`.
@@ -31,12 +43,15 @@ from typing import TYPE_CHECKING, ClassVar, NewType
 
 import msgspec
 
+from kvxfer.errors import BackendError
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
     from kvxfer.descriptors import DescriptorTable
     from kvxfer.layout import KVLayout, MemKind
+    from kvxfer.wire import GuardTable
 
 __all__ = [
     "BACKEND_API_VERSION",
@@ -86,6 +101,8 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Copies device blocks into host staging buffers around each transfer."""
     merges_contiguous: bool = True
     """Posting merges descriptors contiguous on both sides into one transfer unit."""
+    guard: bool = False
+    """Registers a guard table and reads peers' guard words (fail-closed pulls)."""
 
 
 class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -198,6 +215,36 @@ class Backend(ABC):
 
         A poll: it never waits for another thread's call into the transport (an empty
         list then; the notifications stay queued for the next poll)."""
+
+    def failure_detail(self, handle: XferHandle) -> str:
+        """What the transport said about a FAILED transfer (a local memory error is
+        named as such, not as a dead peer); "" when it said nothing."""
+        return ""
+
+    # -- guard table (optional: Capabilities.guard) ---------------------------------
+    def register_guard(self, slots: int) -> npt.NDArray[np.uint64]:
+        """Register a host table of ``slots`` zeroed 64-bit words and return it,
+        writable (the agent writes its holds' generations there). Called right after
+        :meth:`register`, before :meth:`metadata` is sent to any peer."""
+        raise BackendError(f"backend {type(self).__name__} has no guard table")
+
+    def guard_table(self) -> GuardTable | None:
+        """Where peers read the guard table (sent in the handshake); None: none."""
+        return None
+
+    def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
+        """Prepare reads of a connected peer's guard table (from its handshake)."""
+        raise BackendError(f"backend {type(self).__name__} cannot read guard words")
+
+    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+        """Post one 8-byte READ of ``slot`` of the peer's guard table; :meth:`status`
+        and :meth:`release` take its handle like any transfer's. ``notification``
+        reaches the peer only after the word was read."""
+        raise BackendError(f"backend {type(self).__name__} cannot read guard words")
+
+    def guard_word(self, handle: XferHandle) -> int:
+        """The word a guard read read, once its :meth:`status` is DONE."""
+        raise BackendError(f"backend {type(self).__name__} cannot read guard words")
 
     def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
         """Make device blocks readable by peers before they READ them (host staging

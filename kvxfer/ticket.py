@@ -40,6 +40,9 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     lease_expiry: float = 0.0
     tp_size: int = 1
     incarnations: tuple[int, ...] = ()
+    capability: str = ""
+    guard_slot: int = -1
+    generation: int = 0
 
     @classmethod
     def for_push(
@@ -81,6 +84,9 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             "remote_incarnations": list(self.incarnations),
             "remote_num_tokens": self.num_tokens,
             "lease_expiry": self.lease_expiry,
+            "kvxfer_capability": self.capability,
+            "kvxfer_guard_slot": self.guard_slot,
+            "kvxfer_generation": self.generation,
         }
 
     @classmethod
@@ -108,4 +114,12 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             lease_expiry=float(params.get("lease_expiry") or 0.0),
             tp_size=int(params.get("tp_size") or 1),
             incarnations=tuple(int(i) for i in params.get("remote_incarnations") or ()),
+            capability=str(params.get("kvxfer_capability") or ""),
+            guard_slot=int(_or(params.get("kvxfer_guard_slot"), -1)),
+            generation=int(params.get("kvxfer_generation") or 0),
         )
+
+
+def _or(value: Any, default: int) -> Any:
+    """``value`` unless it is missing (None); 0 is a valid guard slot."""
+    return default if value is None else value

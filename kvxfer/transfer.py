@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     from kvxfer._peers import Peer
     from kvxfer.backend import XferHandle
 
-__all__ = ["FailureKind", "Transfer", "TransferMeta", "TransferState", "TransferStats", "settle"]
+__all__ = [
+    "FailureKind",
+    "FailureStage",
+    "Transfer",
+    "TransferMeta",
+    "TransferState",
+    "TransferStats",
+    "settle",
+]
 
 _NAP_S = 0.0002  # wait() polls this often
 # Settling is rare and brief; one lock for all transfers keeps two threads that both
@@ -51,6 +59,33 @@ class FailureKind(enum.Enum):
     LEASE_EXPIRED = "lease_expired"  # the producer may have reused the blocks
 
 
+class FailureStage(enum.Enum):
+    """Where a transfer failed (R-SAFE-4); :class:`FailureKind` says why."""
+
+    HANDSHAKE = "handshake"  # reaching or agreeing with the peer
+    REGISTRATION = "registration"  # push: the producer refused or never answered it
+    POST = "post"  # planning or posting the transfer
+    TRANSFER = "transfer"  # in flight: transport error, dead peer, timeout, abort
+    NOTICE = "notice"  # push: notices lost and the producer could not confirm
+    LEASE = "lease"  # the producer no longer held the blocks (fail-closed check)
+
+    @classmethod
+    def of(cls, kind: FailureKind) -> FailureStage:
+        """The stage a failure of ``kind`` belongs to when its caller names none."""
+        return _STAGE_OF[kind]
+
+
+_STAGE_OF = {
+    FailureKind.HANDSHAKE: FailureStage.HANDSHAKE,
+    FailureKind.POST: FailureStage.POST,
+    FailureKind.TRANSPORT: FailureStage.TRANSFER,
+    FailureKind.TIMEOUT: FailureStage.TRANSFER,
+    FailureKind.PEER_GONE: FailureStage.TRANSFER,
+    FailureKind.ABORTED: FailureStage.TRANSFER,
+    FailureKind.LEASE_EXPIRED: FailureStage.LEASE,
+}
+
+
 class TransferStats(msgspec.Struct, kw_only=True):
     """Per-transfer measurements (seconds, bytes)."""
 
@@ -61,6 +96,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
     post_s: float = 0.0
     transfer_s: float = 0.0
     failure: FailureKind | None = None
+    stage: FailureStage | None = None
 
 
 class TransferMeta(msgspec.Struct, kw_only=True):
@@ -78,6 +114,14 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         lease: A push write's lease (request id) on the producer.
         push_peer: A push write's consumer (told when the write failed).
         on_settled: Called under the agent lock when it settles (ok: DONE).
+        guard: A guarded pull: the producer's guard slot and the hold's generation.
+        guarding: The data landed; ``handle`` is the guard word's read now.
+        capability: A pull: the hold's token; a push reception: its registration token.
+        done_notice: A guarded pull's DONE notice, sent once the guard word matched.
+        release: Called (outside the lock) when a posted pull fails: tells the producer.
+        last_progress: Monotonic time of its last sign of life (post, probe answer).
+        probing: A liveness probe of its peer is in flight.
+        push_from: A push reception: the producer's side-channel address.
     """
 
     posting: bool = False
@@ -91,6 +135,14 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     lease: str | None = None
     push_peer: Peer | None = None
     on_settled: Callable[[Transfer, bool], None] | None = None
+    guard: tuple[int, int] | None = None
+    guarding: bool = False
+    capability: str = ""
+    done_notice: bytes = b""
+    release: Callable[[str], None] | None = None
+    last_progress: float = 0.0
+    probing: bool = False
+    push_from: tuple[str, int] | None = None
 
 
 class Transfer:

@@ -248,7 +248,11 @@ class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
     """Consumer → producer: free request ``request_id``'s blocks now.
 
     ``capability``: the hold's token from the ticket; a producer frees a live hold only
-    when it matches (a stranger's Release frees nothing).
+    when it matches (a stranger's Release frees nothing). ``done``: the consumer pulled
+    the blocks and checked their guard word (the DONE of a fail-closed pull, sent here
+    rather than as a backend notification, which on UCX would make the consumer's next
+    read on that endpoint wait for the producer's progress); an earlier build reads
+    it as a plain Release.
     """
 
     request_id: RequestId
@@ -259,6 +263,7 @@ class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
     #: (it frees the request once it heard from all), and which one this is.
     readers: Count = 1
     reader: Count = 0
+    done: bool = False
 
 
 class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):

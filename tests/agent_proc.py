@@ -133,8 +133,9 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             if cmd == "crash":
                 os._exit(9)
             if cmd == "hold":
-                rid, blocks, tokens = args
-                value: Any = msgspec.to_builtins(agent.hold(rid, blocks, tokens))
+                rid, blocks, tokens, *cap = args  # optional: the request's capability
+                held = agent.hold(rid, blocks, tokens, capability=cap[0] if cap else "")
+                value: Any = msgspec.to_builtins(held)
             elif cmd == "stream":
                 rid, blocks, tokens = args
                 agent.stream(rid, blocks, tokens)

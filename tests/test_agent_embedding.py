@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -219,16 +220,8 @@ def test_pull_of_a_prefix_cache_suffix_reads_the_matching_blocks(
     assert cons_cache.mismatches([9], [1], SEED) > 0  # not the leading blocks
     # a ticket already cut to the suffix (what the vLLM adapter builds) pairs the same
     ticket = producer.hold("s3", [1, 2, 3, 4, 5], 70)
-    cut = Ticket(
-        engine_id=ticket.engine_id,
-        host=ticket.host,
-        port=ticket.port,
-        request_id=ticket.request_id,
-        block_ids=((3, 4, 5),),
-        num_tokens=70,
-        incarnation=ticket.incarnation,
-        lease_expiry=ticket.lease_expiry,
-    )
+    # (the rest of the ticket, its capability and guard word included, stays as held)
+    cut = msgspec.structs.replace(ticket, block_ids=((3, 4, 5),))
     cons_cache.regions[0][:] = 0
     transfer = consumer.pull(cut, [12, 13, 14], cached_blocks=2)
     transfer.wait(10)
@@ -241,15 +234,7 @@ def test_pull_refuses_positions_the_ticket_does_not_hold(
 ) -> None:
     producer, _, consumer, _ = pull_pair
     ticket = producer.hold("t1", [1, 2, 3], 48)
-    cut = Ticket(
-        engine_id=ticket.engine_id,
-        host=ticket.host,
-        port=ticket.port,
-        request_id="t1",
-        block_ids=((3,),),  # only the last block of the 48 tokens
-        num_tokens=48,
-        incarnation=ticket.incarnation,
-    )
+    cut = msgspec.structs.replace(ticket, block_ids=((3,),))  # the last block of 48 tokens
     with pytest.raises(
         PlanError, match=r"holds blocks 2\.\.2 of its 48 tokens.*need blocks 1\.\.2"
     ):

@@ -115,9 +115,9 @@ class Lifecycle(RuleBasedStateMachine):
         else:
             assert transfer.state is TransferState.FAILED
             assert transfer.invalid_blocks == tuple(sorted(local))
-            if fault == "post":  # nothing read: the consumer tells the producer at once
-                self._settle(ticket.request_id)
-            # midway / never: the producer keeps its lease (the read may still be under way)
+            # A failed pull tells the producer to release at once (issue 16, R-SAFE-4):
+            # post refused, READ failed midway, or never completed by its deadline.
+            self._settle(ticket.request_id)
 
     @precondition(lambda self: bool(self.pending))
     @rule(ticket=tickets)

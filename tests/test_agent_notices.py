@@ -54,9 +54,13 @@ def _intruder(producer: FakeBackend, cache: HostKVCache) -> tuple[FakeBackend, o
     return be, peer
 
 
-def _done(request_id: str, key: bytes | None) -> bytes:
+def _done(request_id: str, key: bytes | None, capability: str = "") -> bytes:
     notice = wire.Notice(
-        kind=wire.NoticeKind.DONE, request_id=request_id, engine_id="decode-x", incarnation=1
+        kind=wire.NoticeKind.DONE,
+        request_id=request_id,
+        engine_id="decode-x",
+        incarnation=1,
+        capability=capability,  # the hold's token: without it nothing is freed (issue 16)
     )
     return wire.encode(notice, FP.digest(), auth_key=key)
 
@@ -77,9 +81,10 @@ def test_only_notices_signed_with_the_secret_free_blocks(
     agent, backend, cache = _producer(secret)
     intruder, peer = _intruder(backend, cache)
     try:
-        agent.hold("req-1", np.array([1, 2]), 20)
+        ticket = agent.hold("req-1", np.array([1, 2]), 20)
         with caplog.at_level(logging.WARNING, logger="kvxfer.agent"):
-            intruder.notify(peer, _done("req-1", signed_with))  # type: ignore[arg-type]
+            done = _done("req-1", signed_with, ticket.capability)
+            intruder.notify(peer, done)  # type: ignore[arg-type]
             deadline = time.monotonic() + 1.0
             freed: list[str] = []
             while time.monotonic() < deadline and not freed:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from kvxfer import wire
 from kvxfer._readers import ReaderCount
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
@@ -96,7 +97,9 @@ def closing() -> Iterator[list[Rank]]:
 def _hold(producers: list[Rank], rid: str, block_ids: list[int], tokens: int) -> Ticket:
     """Every producer rank holds the request; the router gets rank 0's ticket with
     every rank's incarnation."""
-    tickets = [p.agent.hold(rid, block_ids, tokens) for p in producers]
+    # One capability for the request on every rank, as vLLM's scheduler mints it.
+    cap = wire.new_capability()
+    tickets = [p.agent.hold(rid, block_ids, tokens, capability=cap) for p in producers]
     return msgspec.structs.replace(tickets[0], incarnations=tuple(t.incarnation for t in tickets))
 
 

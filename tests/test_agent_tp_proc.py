@@ -10,6 +10,7 @@ import time
 
 import msgspec
 
+from kvxfer import wire
 from tests.agent_proc import AgentProc, ProcSpec
 
 SEED = 5
@@ -46,7 +47,8 @@ def test_pull_tp2_to_tp1_over_ucx_and_a_killed_rank() -> None:
     )
     try:
         remote, local, tokens = [4, 9, 2], [11, 3, 7], 2 * 16 + 5
-        tickets = [p.call("hold", "tp-1", remote, tokens) for p in producers]
+        cap = wire.new_capability()  # one per request, on every rank
+        tickets = [p.call("hold", "tp-1", remote, tokens, cap) for p in producers]
         assert [t["tp_size"] for t in tickets] == [2, 2]
         ticket = dict(tickets[0], incarnations=[t["incarnation"] for t in tickets])
         consumer.call("pull", ticket, local, None)
@@ -63,7 +65,8 @@ def test_pull_tp2_to_tp1_over_ucx_and_a_killed_rank() -> None:
                 time.sleep(0.01)
             assert "tp-1" in freed
 
-        tickets = [p.call("hold", "tp-2", [5], 16) for p in producers]
+        cap = wire.new_capability()
+        tickets = [p.call("hold", "tp-2", [5], 16, cap) for p in producers]
         ticket = dict(tickets[0], incarnations=[t["incarnation"] for t in tickets])
         producers[1].crash()
         consumer.call("pull", msgspec.to_builtins(ticket), [6], None)

@@ -11,8 +11,8 @@ hands it back. Whatever the schedule:
 - nothing waits past its deadline (``transfer_timeout_s``, plus a scheduling slack);
 - no lease outlives its bound (``lease_s``, plus the same slack).
 
-Two properties: one without the release/abort races (holds today, a regression
-guard), one with them (``xfail(strict=True)`` until the Agent fails closed). The
+Two properties: one without the release/abort races, one with them (both held only
+once the Agent failed closed, issue 16). The
 example budget is fixed here, not by the hypothesis profile: each example starts two
 agents with real side channels.
 """
@@ -24,7 +24,6 @@ import time
 from typing import Any, NamedTuple
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -244,11 +243,6 @@ def test_notice_faults_and_kills_keep_the_invariant(s: Schedule) -> None:
         run.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 16: no fail-closed check; a release or abort mid-transfer ends DONE over "
-    "blocks the producer's engine reused",
-)
 @settings(_BUDGET, max_examples=10, phases=[Phase.explicit, Phase.generate])  # no shrinking
 @given(schedules(races=True))
 def test_release_and_abort_races_keep_the_invariant(s: Schedule) -> None:

@@ -2,9 +2,8 @@
 backend with real side channels (real processes over UCX: tests/test_faults_proc.py;
 random fault schedules: tests/test_fault_schedules.py).
 
-Each test asserts the REQUIRED behaviour. Those the Agent does not have yet are marked
-``xfail(strict=True)``: the day the behaviour lands they turn red until the marker
-goes. docs/RELIABILITY.md lists the cases and the design that makes them pass.
+Each test asserts the REQUIRED behaviour (every one failed on the Agent before issue
+16 was implemented). docs/RELIABILITY.md lists the cases and the design.
 """
 
 from __future__ import annotations
@@ -44,10 +43,6 @@ from tests.faultkit import (
     stub,
     until,
 )
-
-
-def xfail(missing: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 16: {missing}")
 
 
 @pytest.fixture
@@ -90,7 +85,6 @@ def test_a_clean_pull_lands_the_producers_bytes(pull: tuple[Side, Engine, Side])
 # == Silent wrong KV: a pull never ends DONE over blocks the producer no longer held ==
 
 
-@xfail("no fail-closed check: a ticket's second pull reads reused blocks and ends DONE")
 def test_a_second_pull_of_a_ticket_fails_closed(pull: tuple[Side, Engine, Side]) -> None:
     _, engine, consumer = pull
     ticket = engine.hold("twice", [1, 2])
@@ -103,7 +97,6 @@ def test_a_second_pull_of_a_ticket_fails_closed(pull: tuple[Side, Engine, Side])
     assert_fails_closed(second, [7, 8])
 
 
-@xfail("no fail-closed check: a pull of an aborted ticket reads reused blocks and ends DONE")
 def test_a_pull_of_an_aborted_ticket_fails_closed(pull: tuple[Side, Engine, Side]) -> None:
     _, engine, consumer = pull
     ticket = engine.hold("aborted", [1, 2])
@@ -114,7 +107,6 @@ def test_a_pull_of_an_aborted_ticket_fails_closed(pull: tuple[Side, Engine, Side
     assert_fails_closed(t, [5, 6])
 
 
-@xfail("without lease_expiry (upstream kv_transfer_params) nothing stops a read of freed blocks")
 def test_a_ticket_without_lease_expiry_fails_closed(pull: tuple[Side, Engine, Side]) -> None:
     producer, engine, consumer = pull
     ticket = replace(engine.hold("no-expiry", [1, 2]), lease_expiry=0.0)
@@ -125,7 +117,6 @@ def test_a_ticket_without_lease_expiry_fails_closed(pull: tuple[Side, Engine, Si
     assert_fails_closed(t, [5, 6])
 
 
-@xfail("the lease check trusts the consumer's clock: 2 s behind, an expired lease reads as live")
 def test_a_consumer_clock_behind_the_producers_does_not_matter() -> None:
     producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED, lease_s=0.3)
     consumer = Side(Role.CONSUMER, Direction.PULL)
@@ -143,7 +134,6 @@ def test_a_consumer_clock_behind_the_producers_does_not_matter() -> None:
         producer.close()
 
 
-@xfail("abort() does not stop the caller's own in-flight pull; it ends DONE over reused blocks")
 def test_abort_during_the_callers_own_pull_fails_it_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -176,7 +166,24 @@ _BAD_IDS: dict[str, tuple[Any, str]] = {
 }
 
 
-@xfail("the Agent does not validate block ids through kvxfer.blocks yet")
+def test_a_caller_minted_guard_whose_slot_is_taken_fails_closed(
+    pull: tuple[Side, Engine, Side],
+) -> None:
+    """The vLLM scheduler mints a ticket's capability and guard word before the
+    worker's hold: a slot that is taken leaves the word someone else's."""
+    _, engine, consumer = pull
+    first = engine.hold("a", [1], capability="aa" * 16, guard=(3, 5))
+    second = engine.hold("b", [2], capability="bb" * 16, guard=(3, 6))  # slot 3 is taken
+    assert (first.capability, first.guard_slot, first.generation) == ("aa" * 16, 3, 5)
+    assert (second.guard_slot, second.generation) == (3, 6)
+    ok = consumer.agent.pull(first, [5])
+    settle(ok, 5, engine)
+    assert ok.state is TransferState.DONE and landed_intact(consumer, [5], [1])
+    bad = consumer.agent.pull(second, [6])
+    settle(bad, 5, engine)
+    assert_fails_closed(bad, [6])
+
+
 @pytest.mark.parametrize("case", list(_BAD_IDS))
 def test_bad_local_ids_of_a_pull_are_refused(pull: tuple[Side, Engine, Side], case: str) -> None:
     _, engine, consumer = pull
@@ -195,7 +202,6 @@ def test_bad_local_ids_of_a_pull_are_refused(pull: tuple[Side, Engine, Side], ca
     assert named in str(error), error
 
 
-@xfail("the Agent does not validate block ids through kvxfer.blocks yet")
 @pytest.mark.parametrize("case", list(_BAD_IDS))
 def test_bad_ids_of_a_hold_are_refused(pull: tuple[Side, Engine, Side], case: str) -> None:
     producer, _, _ = pull
@@ -225,7 +231,6 @@ FLOOD = 6000  # unique 1 KB request ids: ~7 MB if every one is kept
 FLOOD_CAP_BYTES = 3 << 20  # what a capped table (~1-2k entries) may hold
 
 
-@xfail("Release of unknown ids is kept (120 s) without a cap")
 def test_a_release_flood_does_not_grow_the_producer_without_bound(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -241,7 +246,6 @@ def test_a_release_flood_does_not_grow_the_producer_without_bound(
         stranger.close()
 
 
-@xfail("PushRegister of unknown ids makes a lease each, without a cap")
 def test_a_push_register_flood_does_not_grow_the_producer_without_bound(
     push: tuple[Side, Engine, Side],
 ) -> None:
@@ -266,7 +270,6 @@ def test_a_push_register_flood_does_not_grow_the_producer_without_bound(
         stranger.close()
 
 
-@xfail("Release needs no capability: anyone who reaches the port frees a live lease")
 def test_a_strangers_release_does_not_free_a_live_lease(pull: tuple[Side, Engine, Side]) -> None:
     producer, engine, consumer = pull
     ticket = engine.hold("victim", [1, 2])
@@ -283,7 +286,6 @@ def test_a_strangers_release_does_not_free_a_live_lease(pull: tuple[Side, Engine
         stranger.close()
 
 
-@xfail("a DONE notice needs no capability: any fabric peer frees a live lease")
 def test_a_strangers_done_notice_does_not_free_a_live_lease(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -306,7 +308,6 @@ def test_a_strangers_done_notice_does_not_free_a_live_lease(
         intruder.close()
 
 
-@xfail("a second PushRegister for a live request id redirects its KV to the stranger")
 def test_a_third_party_cannot_take_a_requests_pushed_kv(push: tuple[Side, Engine, Side]) -> None:
     producer, engine, consumer = push
     thief = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=1.0)
@@ -329,7 +330,6 @@ def test_a_third_party_cannot_take_a_requests_pushed_kv(push: tuple[Side, Engine
 # == Slow failure detection ============================================================
 
 
-@xfail("a lost PUSHED notice is seen only at transfer_timeout_s; nobody asks the producer")
 def test_a_lost_pushed_notice_resolves_within_two_seconds(
     push: tuple[Side, Engine, Side],
 ) -> None:
@@ -344,7 +344,6 @@ def test_a_lost_pushed_notice_resolves_within_two_seconds(
     assert took < 2.0, f"a lost PUSHED notice took {took:.1f}s to resolve"
 
 
-@xfail("a READ that fails after posting sends no Release: the blocks stay held to lease expiry")
 def test_a_failed_read_releases_the_producers_lease_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -356,7 +355,6 @@ def test_a_failed_read_releases_the_producers_lease_at_once(
     assert engine.wait_freed("broken", 1.5) < 1.0
 
 
-@xfail("a READ gone quiet towards a dead producer is seen only at transfer_timeout_s")
 def test_a_dead_producer_under_a_quiet_read_is_detected_within_a_second_and_a_half(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -370,7 +368,6 @@ def test_a_dead_producer_under_a_quiet_read_is_detected_within_a_second_and_a_ha
     assert took < 1.5, f"a dead producer took {took:.1f}s to detect"
 
 
-@xfail("a first contact towards a dead peer runs every handshake try (3 x 5 s)")
 def test_a_handshake_towards_a_dead_peer_fails_within_two_seconds(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -385,7 +382,6 @@ def test_a_handshake_towards_a_dead_peer_fails_within_two_seconds(
     assert took < 2.0
 
 
-@xfail("close() leaves a pending first-contact handshake running on a non-daemon thread")
 def test_close_with_a_pending_handshake_exits_within_a_second() -> None:
     ctx = zmq.Context()
     silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
@@ -441,7 +437,6 @@ def _failed(case: str, engine: Engine, consumer: Side) -> Transfer:
     return t
 
 
-@xfail("a failed Transfer names no stage (TransferStats.stage: FailureStage)")
 @pytest.mark.parametrize("case", ["handshake", "post", "transfer", "lease"])
 def test_every_failed_transfer_names_its_stage(case: str) -> None:
     producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED)

@@ -55,7 +55,6 @@ def test_ucx_a_clean_pull_lands_and_frees(pair: tuple[AgentProc, AgentProc]) -> 
     _freed_and_reused(prod, "clean", [1, 2])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: no fail-closed check on a ticket's second pull")
 def test_ucx_a_second_pull_of_a_ticket_fails_closed(pair: tuple[AgentProc, AgentProc]) -> None:
     prod, cons = pair
     ticket = prod.call("hold", "twice", [5, 6], 32)
@@ -66,7 +65,6 @@ def test_ucx_a_second_pull_of_a_ticket_fails_closed(pair: tuple[AgentProc, Agent
     _fails_closed(cons.call("wait", "twice", 20), [9, 10])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: no fail-closed check on an aborted ticket")
 def test_ucx_a_pull_of_an_aborted_ticket_fails_closed(pair: tuple[AgentProc, AgentProc]) -> None:
     prod, cons = pair
     ticket = prod.call("hold", "aborted", [11, 12], 32)
@@ -76,7 +74,6 @@ def test_ucx_a_pull_of_an_aborted_ticket_fails_closed(pair: tuple[AgentProc, Age
     _fails_closed(cons.call("wait", "aborted", 20), [13, 14])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: Release needs no capability")
 def test_ucx_a_strangers_release_does_not_free_a_live_lease(
     pair: tuple[AgentProc, AgentProc],
 ) -> None:

@@ -28,6 +28,9 @@ PRODUCED = Ticket(
     incarnation=11,
     lease_expiry=1234.5,
     tp_size=2,
+    capability="ab" * 16,
+    guard_slot=0,
+    generation=77,
 )
 
 
@@ -64,6 +67,15 @@ def test_round_trip_per_rank_cuts_blocks_to_the_local_ones() -> None:
         assert t.incarnation == incarnation and t.request_id == "t-1"
         assert t.block_ids == ((5, 6),) and t.num_tokens == 96
         assert t.tp_size == 2 and t.lease_expiry == 1234.5
+        # the hold's capability and guard word travel both ways (slot 0 is a slot)
+        assert (t.capability, t.guard_slot, t.generation) == ("ab" * 16, 0, 77)
+
+
+def test_upstream_params_without_kvxfer_keys_make_an_unguarded_ticket() -> None:
+    bare = {k: v for k, v in _params().items() if not k.startswith("kvxfer_")}
+    t = remote_ticket(bare, tp_rank=0, transfer_id="t", local_blocks=((1, 2),))
+    assert (t.capability, t.guard_slot, t.generation) == ("", -1, 0)
+    assert release_ticket(_params(), tp_rank=0, transfer_id="t").capability == "ab" * 16
 
 
 def test_a_flat_block_list_is_one_group_and_push_tickets_may_carry_none() -> None:
@@ -91,6 +103,9 @@ def test_a_flat_block_list_is_one_group_and_push_tickets_may_carry_none() -> Non
         ({"remote_num_tokens": 1.5}, "remote_num_tokens", "integer >= 0"),
         ({"tp_size": 0}, "tp_size", "integer >= 1"),
         ({"lease_expiry": "soon"}, "lease_expiry", "must be a number"),
+        ({"kvxfer_capability": "XYZ"}, "kvxfer_capability", "lowercase hex"),
+        ({"kvxfer_guard_slot": -2}, "kvxfer_guard_slot", "integer >= -1"),
+        ({"kvxfer_generation": "7"}, "kvxfer_generation", "integer >= 0"),
     ],
 )
 def test_bad_params_name_key_value_and_rule(over: dict[str, Any], key: str, rule: str) -> None:

@@ -20,6 +20,9 @@ Keys, upstream's first::
     transfer_mode                         kvxfer: "pull" or "push" (which connector)
     remote_incarnation(s)                 kvxfer: rank 0's / every rank's incarnation
     lease_expiry                          kvxfer: wall-clock end of the producer's lease
+    kvxfer_capability                     kvxfer: the hold's token (frees / asks about it)
+    kvxfer_guard_slot, kvxfer_generation  kvxfer: the hold's guard word (fail-closed
+                                          pulls, docs/RELIABILITY.md); same on every rank
 
 No vLLM or torch imports.
 """
@@ -84,6 +87,9 @@ def ticket_params(
         "remote_incarnation": ticket.incarnation,
         "remote_incarnations": list(incarnations),
         "lease_expiry": ticket.lease_expiry,
+        "kvxfer_capability": ticket.capability,
+        "kvxfer_guard_slot": ticket.guard_slot,
+        "kvxfer_generation": ticket.generation,
     }
 
 
@@ -275,6 +281,9 @@ def remote_ticket(
         incarnation=_rank_incarnation(params, tp_rank),
         lease_expiry=_float(params, "lease_expiry"),
         tp_size=_int(params, "tp_size", 1, minimum=1),
+        capability=_capability(params),
+        guard_slot=_int(params, "kvxfer_guard_slot", -1, minimum=-1),
+        generation=_int(params, "kvxfer_generation", 0),
     )
 
 
@@ -306,6 +315,13 @@ def _by_block_index(
     return tuple(out)
 
 
+def _capability(params: Mapping[str, Any]) -> str:
+    value = params.get("kvxfer_capability") or ""
+    if not isinstance(value, str) or len(value) > 64 or value.strip("0123456789abcdef"):
+        raise _bad("kvxfer_capability", value, "must be a lowercase hex token of <= 64 digits")
+    return value
+
+
 def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str) -> Ticket:
     """The ticket a consumer aborts to tell rank ``tp_rank`` of the producer to free
     ``transfer_id`` now (it names the producer, no blocks).
@@ -321,4 +337,5 @@ def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str)
         request_id=transfer_id,
         block_ids=((),),
         num_tokens=0,
+        capability=_capability(params),
     )

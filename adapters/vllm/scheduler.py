@@ -43,14 +43,17 @@ the producer's Agent holds push leases under the base id.
 from __future__ import annotations
 
 import enum
+import heapq
 import logging
 import re
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
 
+from kvxfer import wire
 from kvxfer.adapters.vllm.params import (
     WireGroups,
     is_remote_prefill,
@@ -140,6 +143,11 @@ class HoldSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: Groups
     num_tokens: int
     lease_s: float
+    #: The ticket's capability and guard word, minted here (the ticket leaves before
+    #: the worker's hold runs); every rank arms the same slot of its own table.
+    capability: str = ""
+    guard_slot: int = -1
+    generation: int = 0
 
 
 class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -239,6 +247,13 @@ class SchedulerSide:
         self._consumer: dict[str, _Consumer] = {}
         self._producing: dict[str, RequestLike] = {}  # do_remote_decode, not finished
         self._held: dict[str, float] = {}  # producer: request id -> lease expiry (wall)
+        # Guard slots of the held requests: the lowest free one is taken, and a slot
+        # comes back only when every rank reported the request freed (its word was
+        # overwritten first), so a live hold never shares its slot. Holds hold a block
+        # each, so slots stay below the workers' table size (num_blocks + spare).
+        self._slot_of: dict[str, int] = {}
+        self._free_slots: list[int] = []  # a heap of returned slots
+        self._next_slot = 0
 
     # -- configuration ---------------------------------------------------------------
     @property
@@ -444,6 +459,9 @@ class SchedulerSide:
         """Fold the workers' completions (aggregated over ranks by vLLM) back in."""
         for rid in finished_sending or ():
             self._held.pop(rid, None)
+            slot = self._slot_of.pop(rid, None)
+            if slot is not None:
+                heapq.heappush(self._free_slots, slot)
         failed = failed_recving or set()
         for rid in finished_recving or ():
             if self._consumer.get(rid) is _Consumer.LOADING:
@@ -452,6 +470,17 @@ class SchedulerSide:
     def has_pending_push_work(self) -> bool:
         """Push: keep an idle producer stepping while a held request is not yet written."""
         return self.direction is Direction.PUSH and bool(self._held)
+
+    def _take_slot(self, rid: str) -> int:
+        old = self._slot_of.get(rid)
+        if old is not None:
+            return old
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self._slot_of[rid] = slot
+        return slot
 
     @property
     def num_held(self) -> int:
@@ -498,6 +527,8 @@ class SchedulerSide:
         expiry = time.time() + self.lease_s
         lease_id = base_request_id(rid) if self.direction is Direction.PUSH else rid
         self._held[rid] = expiry
+        capability, slot = wire.new_capability(), self._take_slot(rid)
+        generation = secrets.randbits(56) or 1
         self._plan.holds.append(
             HoldSpec(
                 request_id=rid,
@@ -505,6 +536,9 @@ class SchedulerSide:
                 block_ids=groups,
                 num_tokens=num_tokens,
                 lease_s=self.lease_s,
+                capability=capability,
+                guard_slot=slot,
+                generation=generation,
             )
         )
         ticket = Ticket(
@@ -517,5 +551,8 @@ class SchedulerSide:
             incarnation=self.incarnations[0] if self.incarnations else 0,
             lease_expiry=expiry,
             tp_size=self.tp_size,
+            capability=capability,
+            guard_slot=slot,
+            generation=generation,
         )
         return True, ticket_params(ticket, direction=self.direction, incarnations=self.incarnations)

@@ -83,6 +83,58 @@ SERIES: tuple[Series, ...] = (
         "Push producer: KV WRITEs completed (push_stream: several per request).",
         "num_push_writes",
     ),
+    # Failure accounting (issue 16), named after vLLM's NIXL connector's series.
+    Series(
+        "vllm:kvxfer_failed_notifications",
+        _C,
+        "Notifications ignored: undecodable, unauthenticated or without the capability.",
+        "num_failed_notifications",
+    ),
+    Series(
+        "vllm:kvxfer_expired_requests",
+        _C,
+        "Producer: held requests whose lease ran out before their consumer released them.",
+        "num_leases_expired",
+    ),
+    Series(
+        "vllm:kvxfer_capability_rejects",
+        _C,
+        "Release, notices, registrations refused for a missing or wrong capability.",
+        "num_capability_rejects",
+    ),
+    Series(
+        "vllm:kvxfer_guard_failures",
+        _C,
+        "Pulls failed closed: the producer no longer held the blocks when they were read.",
+        "num_guard_failures",
+    ),
+    Series(
+        "vllm:kvxfer_guard_reads",
+        _C,
+        "Pulls whose producer's guard word was read back after their data.",
+        "num_guard_reads",
+    ),
+    Series(
+        "vllm:kvxfer_unguarded_pulls",
+        _C,
+        "Pulls from a producer without a guard table (lease_expiry check only).",
+        "num_unguarded_pulls",
+    ),
+    Series(
+        "vllm:kvxfer_liveness_probes",
+        _C,
+        "Side-channel probes of transfers gone quiet.",
+        "num_liveness_probes",
+    ),
+    *(
+        Series(
+            f"vllm:kvxfer_failed_transfers_{stage}",
+            _C,
+            f"KV loads failed at the {stage} stage.",
+            f"failed_stage_{stage}",
+        )
+        for stage in ("handshake", "registration", "post", "transfer", "notice", "lease")
+    ),
     Series(
         "vllm:kvxfer_transfer_time_seconds",
         _H,
@@ -123,7 +175,14 @@ class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
             if seconds > 0:
                 out["avg_MiB_per_s"] = round(float(d.get("bytes", 0)) / 2**20 / seconds, 1)
         for key in sorted(d):
-            if key.startswith(("failed_", "num_leases_", "num_handshakes", "num_push_")):
+            if key.startswith(("failed_", "num_leases_", "num_handshakes", "num_push_")) or key in (
+                "num_failed_notifications",
+                "num_capability_rejects",
+                "num_guard_failures",
+                "num_guard_reads",
+                "num_unguarded_pulls",
+                "num_liveness_probes",
+            ):
                 out[key] = int(d[key])
         return out
 

@@ -219,6 +219,8 @@ class WorkerSide:
                     hold.num_tokens,
                     lease_s=hold.lease_s,
                     staged=staged,
+                    capability=hold.capability,
+                    guard=(hold.guard_slot, hold.generation) if hold.generation else None,
                 )
             except Exception:
                 log.exception(
@@ -331,7 +333,7 @@ class WorkerSide:
                 held_rid = self._held.pop(str(lease_id), None)
                 if held_rid is not None:
                     sending.add(held_rid)
-            self._interval.producer(self.agent.stats())
+        self._interval.producer(self.agent.stats())  # lease and failure counters
         sending.update(self._orphan_frees)
         self._orphan_frees.clear()
         recving, failed = self._finished_recving, self._failed_recving
@@ -356,6 +358,13 @@ _PRODUCER_COUNTERS = {
     "leases_expired": "num_leases_expired",
     "leases_aborted": "num_leases_aborted",
     "handshakes": "num_handshakes",
+    # failure accounting (issue 16), both roles
+    "notices_failed": "num_failed_notifications",
+    "capability_rejects": "num_capability_rejects",
+    "guard_failures": "num_guard_failures",
+    "guard_reads": "num_guard_reads",
+    "unguarded_pulls": "num_unguarded_pulls",
+    "liveness_probes": "num_liveness_probes",
 }
 
 
@@ -387,6 +396,8 @@ class _Interval:
         if stats.failure is not None:
             self._add("num_failed", 1)
             self._add(f"failed_{stats.failure.value}", 1)
+            if stats.stage is not None:
+                self._add(f"failed_stage_{stats.stage.value}", 1)
             return
         self._add("bytes", int(stats.bytes))
         self._add("descriptors", int(stats.descriptors))

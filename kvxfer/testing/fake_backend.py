@@ -238,6 +238,7 @@ class FakeBackend(Backend):
                 else stages_through_host
             ),
             merges_contiguous=True,
+            guard=True,
         )
         self.faults = faults if faults is not None else Faults()
         self.staged: list[tuple[str, tuple[IntArray, ...]]] = []

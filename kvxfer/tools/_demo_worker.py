@@ -173,6 +173,10 @@ def consumer(conn: Connection, params: DemoParams) -> None:
                         "transfer_s": transfer.stats.transfer_s,
                         "wall_s": wall,
                         "handshakes": agents[d].stats().handshakes,
+                        "failure_stage": (
+                            transfer.stats.stage.value if transfer.stats.stage else None
+                        ),
+                        "failures": agents[d].stats().failure_accounting(),
                     },
                 )
             )
@@ -259,6 +263,9 @@ def coordinate(
             "descriptors": first["descriptors"],
             "errors": [r["error"] for r in rounds if r["error"]],
             "blocks_released": all(r["freed"] for r in rounds),
+            # The consumer's failure accounting after the last round (issue 16).
+            "failure_stages": [r["failure_stage"] for r in rounds if r["failure_stage"]],
+            "failures": rounds[-1]["failures"],
         }
     out["memcpy_gbps"] = memcpy_gbps
     out["ok"] = total_ok

@@ -196,6 +196,30 @@ def test_producer_holds_normally_finished_requests_only() -> None:
     assert s.num_held == 0
 
 
+def test_producer_mints_capability_and_guard_slots_reused_only_once_freed() -> None:
+    """The ticket leaves the scheduler before the worker's hold: the scheduler mints
+    the capability and guard word, and never gives a held request's slot to another."""
+    s = _side(Role.PRODUCER)
+    s.set_endpoint("10.0.0.1", 5601, [42])
+    params = {}
+    for rid in ("a", "b"):
+        req = FakeRequest(rid, {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED")
+        s.on_new_request(req)
+        _, params[rid] = s.request_finished(req, [[4, 5, 6]])
+    a, b = params["a"], params["b"]
+    assert (a["kvxfer_guard_slot"], b["kvxfer_guard_slot"]) == (0, 1)
+    assert a["kvxfer_capability"] != b["kvxfer_capability"] and len(a["kvxfer_capability"]) == 32
+    assert a["kvxfer_generation"] > 0 and a["kvxfer_generation"] != b["kvxfer_generation"]
+    holds = {h.request_id: h for h in s.build_step_plan().holds}
+    assert (holds["a"].guard_slot, holds["a"].generation) == (0, a["kvxfer_generation"])
+    assert holds["a"].capability == a["kvxfer_capability"]
+    s.update_connector_output({"a"}, set())  # every rank freed "a": its slot comes back
+    c = FakeRequest("c", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED")
+    s.on_new_request(c)
+    _, pc = s.request_finished(c, [[7]])
+    assert pc is not None and pc["kvxfer_guard_slot"] == 0
+
+
 def test_host_bounce_producer_stages_a_prompt_after_its_last_forward() -> None:
     s = _side(Role.PRODUCER, stage_early=True)
     req = FakeRequest("p-1", {"do_remote_decode": True}, num_prompt_tokens=70)

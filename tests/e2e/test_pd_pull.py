@@ -84,6 +84,10 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     while "KV Transfer metrics: num_transfers=" not in d.log_text():
         assert time.monotonic() < deadline, "no 'KV Transfer metrics' line on decode"
         time.sleep(0.25)
+    # Fail-closed pulls (issue 16): the guard word was read back, nothing unguarded.
+    assert d.metric("vllm:kvxfer_guard_reads_total") >= 1
+    assert d.metric("vllm:kvxfer_unguarded_pulls_total") == 0
+    assert d.metric("vllm:kvxfer_guard_failures_total") == 0
     # Every hold ended with the consumer's notice, none by lease expiry.
     assert p.metric("vllm:kvxfer_leases_released_total") >= 1
     assert p.metric("vllm:kvxfer_leases_expired_total") == 0

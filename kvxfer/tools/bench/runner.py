@@ -64,6 +64,7 @@ RESULT_FIELDS = (
     "first_transfer_s",
     "nixl_first_transfer_s",
     "handshakes_in_timed_reps",
+    "failures",
     "samples",
 )
 
@@ -434,6 +435,9 @@ def assemble(
         "first_transfer_s": first["s"],
         "nixl_first_transfer_s": raw_first["s"],
         "handshakes_in_timed_reps": (max(hs) - min(hs)) if hs else None,
+        # The consumer agent's failure accounting after the last rep (issue 16); a
+        # push's reps report none (its writer's agent is the producer's).
+        "failures": (details[-1] if details else first).get("failures"),
         "samples": {"kvxfer": kv, "nixl": raw, "memcpy": memcpy, "memcpy_2t": list(memcpy_2t)},
     }
 

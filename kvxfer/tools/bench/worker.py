@@ -287,6 +287,7 @@ class Worker:
             "bad": bad,
             "stats": self._stats(transfer),
             "handshakes": agent.stats().handshakes,
+            "failures": agent.stats().failure_accounting(),
         }
 
     def cmd_expect_push(self, payload: dict[str, Any]) -> dict[str, Any]:

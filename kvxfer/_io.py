@@ -1,0 +1,85 @@
+"""The agent's io workers: side-channel round trips off the engine's thread.
+
+A first-contact handshake, a push registration, a Release, a liveness probe: each is a
+network round trip that can take a timeout when the peer is gone, so none runs on the
+engine's thread. Unlike :class:`concurrent.futures.ThreadPoolExecutor` (whose workers
+the interpreter joins at exit), these workers are daemons and :meth:`IoPool.shutdown`
+never waits: a request still pending when the agent closes is cancelled by the side
+channel client's ``close()`` and never delays the process's exit (R-SAFE-4).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["IoPool"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class IoPool:
+    """Up to ``workers`` daemon threads running submitted calls in order of arrival.
+
+    Args:
+        workers: The most threads it starts (each only when a call waits for one).
+        name: Prefix of the threads' names.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._max = workers
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on a worker; False (and not run) once shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs.put((fn, args))
+            if self._idle == 0 and len(self._threads) < self._max:
+                t = threading.Thread(
+                    target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+            elif self._idle:
+                self._idle -= 1  # an idle worker takes it
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception:  # a job's failure must never kill the worker
+                log.exception("kvxfer io worker")
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Drop queued calls and let the workers end; never waits for them."""
+        with self._lock:
+            self._closed = True
+            threads = len(self._threads)
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(threads):
+            self._jobs.put(None)
