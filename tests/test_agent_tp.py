@@ -16,6 +16,7 @@ import pytest
 
 from kvxfer import wire
 from kvxfer._readers import ReaderCount
+from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.compat import Fingerprint
@@ -302,9 +303,11 @@ def test_every_ranks_incarnation_survives_kv_transfer_params() -> None:
         tp_size=2,
         incarnations=(5, 9),
     )
-    params = ticket.to_kv_transfer_params()
+    # the vLLM adapter's params.py is the one place tickets become kv_transfer_params
+    params = ticket_params(ticket, direction=Direction.PULL, incarnations=ticket.incarnations)
     assert params["remote_incarnations"] == [5, 9]
-    assert Ticket.from_kv_transfer_params(params) == ticket
+    rank1 = remote_ticket(params, tp_rank=1, transfer_id="r", local_blocks=((3, 4),))
+    assert (rank1.port, rank1.incarnation) == (7001, 9)
 
 
 def test_push_across_tp_sizes_is_refused_by_name(closing: list[Rank]) -> None:

@@ -12,12 +12,13 @@ import msgspec
 import pytest
 
 from kvxfer import wire
+from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.compat import check_pair
 from kvxfer.errors import ConfigError, HandshakeRejected, LayoutMismatch
 from kvxfer.heads import HeadLayout, TPRank, needed_ranks
 from kvxfer.layout import KVLayout
 from kvxfer.testing import tp_strategies as tps
-from kvxfer.ticket import Ticket
+from kvxfer.types import Direction
 from tests.test_handshake import Producer, hello, initiator, responder
 
 MODEL = tps.TPModel(num_kv_heads=4, layers=2, head_bytes=4, block_size=4)
@@ -121,17 +122,17 @@ def test_tp_travels_on_the_wire_and_an_older_peer_sends_none() -> None:
 
 
 def test_the_ticket_tp_size_names_the_producer_ranks_to_handshake() -> None:
-    ticket = Ticket.from_kv_transfer_params(
-        {
-            "remote_engine_id": "prefill",
-            "remote_host": "10.0.0.1",
-            "remote_port": 5600,
-            "remote_block_ids": [1, 2],
-            "remote_num_tokens": 8,
-            "tp_size": 2,
-        }
-    )
-    assert ticket.tp_size == 2 and ticket.to_kv_transfer_params()["tp_size"] == 2
+    params = {
+        "remote_engine_id": "prefill",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "remote_block_ids": [1, 2],
+        "remote_num_tokens": 8,
+        "tp_size": 2,
+    }
+    ticket = remote_ticket(params, tp_rank=0, transfer_id="r", local_blocks=((7, 8),))
+    assert ticket.tp_size == 2
+    assert ticket_params(ticket, direction=Direction.PULL)["tp_size"] == 2
     mine = HeadLayout(num_kv_heads=4, tp_size=1)
     producer = mine.for_tp_size(ticket.tp_size)
     # A TP1 consumer reads heads 0-1 from producer rank 0 (port 5600), 2-3 from rank 1.
