@@ -316,3 +316,14 @@ def test_push_across_tp_sizes_is_refused_by_name(closing: list[Rank]) -> None:
     ticket = msgspec.structs.replace(Ticket.for_push("prefill", "127.0.0.1", 1, "r", 4), tp_size=2)
     with pytest.raises(ConfigError, match=r"ticket.tp_size=2: push across TP sizes"):
         consumer.agent.expect_push(ticket, [1])
+
+
+def test_reader_counts_are_bounded_and_ignore_impossible_reports() -> None:
+    counts = ReaderCount(max_requests=8)
+    assert not counts.last("x", 2, -1)  # not a consumer rank
+    assert not counts.last("x", 10**6, 0)  # more readers than any TP size
+    for i in range(100):  # a flood of partial counts keeps at most max_requests
+        assert not counts.last(f"r{i}", 2, 0)
+    assert len(counts) == 8
+    assert counts.last("r99", 2, 1)  # the newest still completes
+    assert not counts.last("r0", 2, 1)  # the oldest was dropped: it never frees early
