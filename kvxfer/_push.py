@@ -39,6 +39,8 @@ from kvxfer.types import Direction
 __all__ = ["PushWriter", "Write"]
 
 log = logging.getLogger("kvxfer.agent")
+# Per-request timestamps for benchmarks (kvxfer.adapters.vllm.timeline turns it on).
+_timeline = logging.getLogger("kvxfer.timeline")
 
 
 class Write(msgspec.Struct):
@@ -220,6 +222,7 @@ class PushWriter:
                 return
             self._runtime.succeed(transfer)
             return
+        t0 = time.monotonic()
         self._runtime.post(
             transfer,
             XferOp.WRITE,
@@ -229,6 +232,15 @@ class PushWriter:
             job.tokens,
             notice,
         )
+        if _timeline.isEnabledFor(logging.DEBUG):
+            _timeline.debug(
+                "TL push_post %s %.6f end=%.6f bytes=%d final=%d",
+                transfer.request_id,
+                t0,
+                time.monotonic(),
+                transfer.stats.bytes,
+                int(job.final),
+            )
 
     def _pushed_notice(
         self,
