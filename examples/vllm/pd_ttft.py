@@ -427,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for name in args.setups:
             setup = Setup(name, model, logs, args.block_size, max_len)
             try:
-                if not args.no_proxy:
+                if not args.no_proxy and name in ("pull", "push"):
                     setup.start_proxy()
                 load0 = os.getloadavg()[0]
                 samples += _run_setup(setup, unified, args.sizes, args.reps, rng)
