@@ -23,7 +23,7 @@ import numpy.typing as npt
 import pytest
 
 from kvxfer import _runtime
-from kvxfer._runtime import WAITED_TICK_S
+from kvxfer._runtime import RECEPTION_TICK_S, WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
@@ -476,9 +476,11 @@ def test_a_transfer_with_a_waiter_is_not_polled_twice(how: str) -> None:
         assert transfer.poll() is TransferState.PENDING
         ticks.clear()
         time.sleep(0.2)
-        # nobody waits any more: polled at the progress interval again (≥ 1000 rounds
-        # would fit; the backstop pace would give at most ~40)
+        # nobody waits any more: a push reception alone is polled at the reception
+        # pace (1 ms: ~200 rounds; the backstop would give at most ~40, the 0.2 ms
+        # in-flight interval ~1000, which took a waiting decode a third of a core)
         assert len(ticks) > 2 * 0.2 / WAITED_TICK_S, f"{len(ticks)} rounds in 0.2s"
+        assert len(ticks) < 2 * 0.2 / RECEPTION_TICK_S, f"{len(ticks)} rounds in 0.2s"
     finally:
         cons.close()
         agents.prod.close()

@@ -282,7 +282,7 @@ def _run_setup(
         ("unified", lambda p, rid: _stream(unified.url, p, rid)),
     ]
     for rep in range(-1, reps):  # rep -1 warms every path up and is not kept
-        for size in sizes:
+        for size in sizes if rep >= 0 else sizes[-1:]:
             order = jobs[rep % len(jobs) :] + jobs[: rep % len(jobs)]
             for kind, run in order:
                 tag = uuid.uuid4().hex[:12]
@@ -437,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 }
             finally:
                 setup.stop()
+            if args.json:  # what ran so far survives an interrupted run
+                args.json.write_text(json.dumps({**report, "samples": samples}, indent=1))
     finally:
         unified.stop()
     bars = {
