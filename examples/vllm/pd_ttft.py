@@ -271,47 +271,59 @@ def _cpu(servers: Sequence[VllmServer]) -> list[float]:
     return [s.cpu_seconds() for s in servers]
 
 
-def _run_setup(
-    setup: Setup, unified: VllmServer, sizes: Sequence[int], reps: int, rng: random.Random
+Job = tuple[str, str, Callable[[list[int], str], float], Setup | None]
+
+
+def _run_setups(
+    setups: Sequence[Setup],
+    unified: VllmServer,
+    sizes: Sequence[int],
+    reps: int,
+    rng: random.Random,
 ) -> list[Sample]:
+    """Every flow of every setup, prefill alone on each setup's prefill instance and the
+    unified instance, interleaved per size (the order rotates each rep), so the setups
+    running together see the same background load."""
     samples: list[Sample] = []
-    flows = setup.flows()
-    jobs: list[tuple[str, Callable[[list[int], str], float]]] = [
-        *flows.items(),
-        ("prefill_only", lambda p, rid: _stream(setup.prefill.url, p, rid)),
-        ("unified", lambda p, rid: _stream(unified.url, p, rid)),
-    ]
+    jobs: list[Job] = []
+    for setup in setups:
+        jobs += [(setup.name, kind, run, setup) for kind, run in setup.flows().items()]
+        url = setup.prefill.url
+        jobs.append((setup.name, "prefill_only", lambda p, r, u=url: _stream(u, p, r), setup))
+    jobs.append(("unified", "unified", lambda p, r: _stream(unified.url, p, r), None))
     for rep in range(-1, reps):  # rep -1 warms every path up and is not kept
         for size in sizes if rep >= 0 else sizes[-1:]:
-            order = jobs[rep % len(jobs) :] + jobs[: rep % len(jobs)]
-            for kind, run in order:
+            k = rep % len(jobs)
+            for name, kind, run, setup in jobs[k:] + jobs[:k]:
+                servers = [setup.prefill, setup.decode] if setup is not None else [unified]
                 tag = uuid.uuid4().hex[:12]
                 prompt = _prompts(rng, size)
-                c0 = _cpu([setup.prefill, setup.decode])
+                c0 = _cpu(servers)
                 t0 = time.monotonic()
                 t1 = run(prompt, f"ttft-{tag}")
-                c1 = _cpu([setup.prefill, setup.decode])
-                if rep < 0:
-                    continue
-                samples.append(
-                    {
-                        "setup": setup.name,
-                        "flow": kind,
-                        "tokens": size,
-                        "rep": rep,
-                        "tag": tag,
-                        "t0": t0,
-                        "t1": t1,
-                        "ttft_ms": round(1e3 * (t1 - t0), 2),
-                        "p_cpu": round(c1[0] - c0[0], 3),
-                        "d_cpu": round(c1[1] - c0[1], 3),
-                    }
-                )
+                c1 = _cpu(servers)
+                if rep >= 0:
+                    samples.append(
+                        {
+                            "setup": name,
+                            "flow": kind,
+                            "tokens": size,
+                            "rep": rep,
+                            "tag": tag,
+                            "t0": t0,
+                            "t1": t1,
+                            "ttft_ms": round(1e3 * (t1 - t0), 2),
+                            "p_cpu": round(c1[0] - c0[0], 3),
+                            "d_cpu": round(c1[-1] - c0[-1], 3),
+                            "load": round(os.getloadavg()[0], 1),
+                        }
+                    )
                 time.sleep(0.05)  # let the engines' post-request work settle
-    events = _timeline(list(setup.timelines.values()))
-    for s in samples:
-        if s["flow"] in flows:
-            _decompose(s, events.get(s["tag"], {}), push=setup.name == "push")
+    for setup in setups:
+        events = _timeline(list(setup.timelines.values()))
+        for s in samples:
+            if s["setup"] == setup.name and s["flow"] not in ("prefill_only", "unified"):
+                _decompose(s, events.get(s["tag"], {}), push=setup.name == "push")
     return samples
 
 
@@ -390,6 +402,25 @@ def _table(summary: dict[str, Any], sizes: Sequence[int], bars: dict[int, float]
     return "\n".join(lines)
 
 
+def _rereport(paths: Sequence[Path]) -> dict[str, Any]:
+    """The table and decomposition of saved runs (several: their samples together,
+    each setup named ``<setup>`` or, when two runs have one, ``<setup>@<commit>``)."""
+    samples: list[Sample] = []
+    runs = [json.loads(p.read_text()) for p in paths]
+    per_run = [{s["setup"] for s in r["samples"]} for r in runs]
+    for run in runs:
+        for s in run["samples"]:
+            if sum(s["setup"] in other for other in per_run) > 1:
+                s = {**s, "setup": f"{s['setup']}@{run['commit']}"}
+            samples.append(s)
+    sizes = sorted({s["tokens"] for s in samples})
+    bars = {n: float(runs[0].get("bar_ms", {}).get(str(n), float("nan"))) for n in sizes}
+    summary = summarise(samples, sizes)
+    print(json.dumps(summary, indent=1))
+    print(_table(summary, sizes, bars))
+    return summary
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
@@ -397,9 +428,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--no-proxy", action="store_true", help="only the toy flow")
+    ap.add_argument(
+        "--together",
+        nargs="*",
+        default=["pull", "push", "nixl-tuned"],
+        help="setups that run at the same time, their requests interleaved (the rest "
+        "run one after the other: upstream as shipped spins a core and would slow them)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--from-json", type=Path, nargs="+", help="re-report saved runs")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return _rereport(args.from_json)
 
     model = build_tiny_model(MODEL)
     logs = Path(tempfile.mkdtemp(prefix="kvxfer-ttft-"))
@@ -424,19 +465,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     try:
         step_ms = _decode_step_ms(unified)
-        for name in args.setups:
-            setup = Setup(name, model, logs, args.block_size, max_len)
+        # Groups of setups that run at once: the --together ones, then each other alone.
+        together = [n for n in args.setups if n in args.together]
+        groups = ([together] if together else []) + [
+            [n] for n in args.setups if n not in args.together
+        ]
+        for group in groups:
+            setups: list[Setup] = []
             try:
-                if not args.no_proxy and name in ("pull", "push"):
-                    setup.start_proxy()
+                for name in group:
+                    setups.append(Setup(name, model, logs, args.block_size, max_len))
+                    if not args.no_proxy and name in ("pull", "push"):
+                        setups[-1].start_proxy()
                 load0 = os.getloadavg()[0]
-                samples += _run_setup(setup, unified, args.sizes, args.reps, rng)
-                report.setdefault("setups", {})[name] = {
-                    "pinned_threads_at_start": setup.pinned,
-                    "load_1min": [load0, os.getloadavg()[0]],
-                }
+                samples += _run_setups(setups, unified, args.sizes, args.reps, rng)
+                for setup in setups:
+                    report.setdefault("setups", {})[setup.name] = {
+                        "ran_with": group,
+                        "pinned_threads_at_start": setup.pinned,
+                        "load_1min": [load0, os.getloadavg()[0]],
+                    }
             finally:
-                setup.stop()
+                for setup in setups:
+                    setup.stop()
             if args.json:  # what ran so far survives an interrupted run
                 args.json.write_text(json.dumps({**report, "samples": samples}, indent=1))
     finally:
