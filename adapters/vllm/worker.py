@@ -51,7 +51,7 @@ _STAGED_KEEP = 4096
 #: small host those steps took CPU from that very prefill. Waiting here on an event
 #: (set when a reception settles) turns the loop into a sleep; the cap bounds how long
 #: a request arriving meanwhile waits for the engine to look at it.
-IDLE_WAIT_S = 0.005
+IDLE_WAIT_S = 0.02
 
 
 def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
