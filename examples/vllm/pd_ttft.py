@@ -2,20 +2,26 @@
 beside upstream's NixlConnector and one unified instance, with a per-request
 decomposition from the engines' own timestamps.
 
-    python -m examples.vllm.pd_ttft [--setups pull push nixl nixl-tuned]
-        [--sizes 256 1024 3072] [--reps 5] [--json out.json]
+    python -m examples.vllm.pd_ttft [--setups pull push nixl-tuned nixl]
+        [--together pull push nixl-tuned] [--sizes 256 1024 3072] [--reps 5]
+        [--json out.json]
+    python -m examples.vllm.pd_ttft --from-json out.json [more.json]   # re-report
 
 Run it from the repository root: it starts its engines with the end-to-end test bed
 (``tests/e2e``: the offline model builder and the server starter), which is not part
-of the installed package. It is not part of ``make test`` (~5 min on 2 cores).
+of the installed package (so this is an example, not a ``kvxfer bench`` mode). It is
+not part of ``make test``: ~4 min on a quiet 2-core box, far longer under load.
 
-What runs (one setup at a time, each beside the same unified instance, so three
-engines share the host at any moment): a prefill and a decode instance of the setup,
-an 8-layer Qwen2 with 8 KV heads x 64 in bf16 (16 KiB of KV per token), random
-weights. Per repetition and prompt size, interleaved: a fresh prompt (never a prefix
-hit) through each flow of the setup, prefill alone on the same prefill instance, and
-the unified instance. Every request asks for one token (``max_tokens: 1``, streamed;
-TTFT is the first token's arrival at the client).
+What runs: one unified instance throughout, and per setup a prefill and a decode
+instance of an 8-layer Qwen2 with 8 KV heads x 64 in bf16 (16 KiB of KV per token),
+random weights, block size 128. The ``--together`` setups run at the same time (7
+engines) and their requests are interleaved, so they see the same background load;
+the others (upstream as shipped, whose progress thread spins a core) run alone
+afterwards. Per repetition and prompt size, in an order that rotates: a fresh prompt
+(never a prefix hit) through each flow of each setup, prefill alone on each setup's
+prefill instance, and the unified instance. Every request asks for one token
+(``max_tokens: 1``, streamed; TTFT is the first token's arrival at the client).
+``P/D - prefill`` pairs each P/D request with prefill alone of the same repetition.
 
 Flows: ``toy`` is upstream's toy proxy's flow driven by this client (prefill with
 ``do_remote_decode``, then decode with the returned ``kv_transfer_params``, one
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -119,6 +126,10 @@ def _stream(url: str, prompt: list[int], rid: str, params: dict[str, Any] | None
             ):
                 first = time.monotonic()
     return first if first is not None else time.monotonic()
+
+
+def _direct(server: VllmServer, prompt: list[int], rid: str) -> float:
+    return _stream(server.url, prompt, rid)
 
 
 def _prefill(url: str, prompt: list[int], rid: str) -> dict[str, Any]:
@@ -288,14 +299,13 @@ def _run_setups(
     jobs: list[Job] = []
     for setup in setups:
         jobs += [(setup.name, kind, run, setup) for kind, run in setup.flows().items()]
-        url = setup.prefill.url
-        jobs.append((setup.name, "prefill_only", lambda p, r, u=url: _stream(u, p, r), setup))
-    jobs.append(("unified", "unified", lambda p, r: _stream(unified.url, p, r), None))
+        jobs.append((setup.name, "prefill_only", functools.partial(_direct, setup.prefill), setup))
+    jobs.append(("unified", "unified", functools.partial(_direct, unified), None))
     for rep in range(-1, reps):  # rep -1 warms every path up and is not kept
         for size in sizes if rep >= 0 else sizes[-1:]:
             k = rep % len(jobs)
-            for name, kind, run, setup in jobs[k:] + jobs[:k]:
-                servers = [setup.prefill, setup.decode] if setup is not None else [unified]
+            for name, kind, run, owner in jobs[k:] + jobs[:k]:
+                servers = [owner.prefill, owner.decode] if owner is not None else [unified]
                 tag = uuid.uuid4().hex[:12]
                 prompt = _prompts(rng, size)
                 c0 = _cpu(servers)

@@ -20,6 +20,7 @@ affinity once the server is up.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
@@ -27,13 +28,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 
 __all__ = ["NixlConnector"]
 
-_factory = base_worker.nixl_agent_config
+_factory: Callable[..., Any] | None = getattr(base_worker, "nixl_agent_config", None)
 
 
 def _without_progress_thread(*args: Any, **kwargs: Any) -> Any:
+    assert _factory is not None
     kwargs.setdefault("enable_prog_thread", False)
     return _factory(*args, **kwargs)
 
 
 if _factory is not None:
-    base_worker.nixl_agent_config = _without_progress_thread
+    setattr(base_worker, "nixl_agent_config", _without_progress_thread)  # noqa: B010
