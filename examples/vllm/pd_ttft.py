@@ -6,6 +6,7 @@ decomposition from the engines' own timestamps.
         [--together pull push nixl-tuned] [--sizes 256 1024 3072] [--reps 5]
         [--json out.json]
     python -m examples.vllm.pd_ttft --from-json out.json [more.json]   # re-report
+    python -m examples.vllm.pd_ttft --wait-cost   # CPU of a decode awaiting a push
 
 Run it from the repository root: it starts its engines with the end-to-end test bed
 (``tests/e2e``: the offline model builder and the server starter), which is not part
@@ -58,6 +59,7 @@ import re
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -337,6 +339,38 @@ def _run_setups(
     return samples
 
 
+def wait_cost(model: Path, logs: Path, block_size: int, seconds: float = 4.0) -> dict[str, float]:
+    """CPU cores a push decode instance uses while a request waits for a push that
+    never comes (prefill never runs it), against the same instance idle."""
+    from kvxfer.adapters.vllm.proxy.dispatch import learn_endpoint, push_receiver_params
+
+    setup = Setup("push", model, logs, block_size, 1024)
+    try:
+        rng = random.Random(1)
+        warm = _prompts(rng, 256)
+        params = _prefill(setup.prefill.url, warm, "ttft-000000000001")
+        _stream(setup.decode.url, warm, "ttft-000000000001", params)
+        endpoint = learn_endpoint(params)
+        assert endpoint is not None, params
+        never = push_receiver_params(endpoint)
+
+        def waiter() -> None:
+            with contextlib.suppress(Exception):  # fails at transfer_timeout_s: expected
+                _stream(setup.decode.url, _prompts(rng, 1024), "ttft-0000000dead0", never)
+
+        def cores() -> float:
+            c0, t0 = setup.decode.cpu_seconds(), time.monotonic()
+            time.sleep(seconds)
+            return (setup.decode.cpu_seconds() - c0) / (time.monotonic() - t0)
+
+        idle = cores()
+        threading.Thread(target=waiter, daemon=True).start()
+        time.sleep(1.0)
+        return {"idle_cores": round(idle, 3), "waiting_cores": round(cores(), 3)}
+    finally:
+        setup.stop()
+
+
 def _memcpy_gbps(nbytes: int = 48 << 20) -> float:
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -448,9 +482,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--from-json", type=Path, nargs="+", help="re-report saved runs")
+    ap.add_argument(
+        "--wait-cost",
+        action="store_true",
+        help="only: CPU of a push decode instance waiting for a push that never comes",
+    )
     args = ap.parse_args(argv)
     if args.from_json:
         return _rereport(args.from_json)
+    if args.wait_cost:
+        logs = Path(tempfile.mkdtemp(prefix="kvxfer-ttft-"))
+        out = wait_cost(build_tiny_model(MODEL), logs, args.block_size)
+        print(json.dumps(out))
+        return out
 
     model = build_tiny_model(MODEL)
     logs = Path(tempfile.mkdtemp(prefix="kvxfer-ttft-"))
