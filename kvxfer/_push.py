@@ -40,6 +40,8 @@ from kvxfer.types import Direction
 __all__ = ["PushWriter", "Write"]
 
 log = logging.getLogger("kvxfer.agent")
+# Per-request timestamps for benchmarks (kvxfer.adapters.vllm.timeline turns it on).
+_timeline = logging.getLogger("kvxfer.timeline")
 
 
 class Write(msgspec.Struct):
@@ -244,6 +246,7 @@ class PushWriter:
                 return
             self._runtime.succeed(transfer)
             return
+        t0 = time.monotonic()
         self._runtime.post(
             transfer,
             XferOp.WRITE,
@@ -253,6 +256,15 @@ class PushWriter:
             job.tokens,
             notice,
         )
+        if _timeline.isEnabledFor(logging.DEBUG):
+            _timeline.debug(
+                "TL push_post %s %.6f end=%.6f bytes=%d final=%d",
+                transfer.request_id,
+                t0,
+                time.monotonic(),
+                transfer.stats.bytes,
+                int(job.final),
+            )
 
     def _pushed_notice(
         self,

@@ -95,6 +95,7 @@ class TransferStats(msgspec.Struct, kw_only=True):
     plan_s: float = 0.0
     post_s: float = 0.0
     transfer_s: float = 0.0
+    settled_at: float = 0.0  # time.monotonic() when it settled (timelines across processes)
     failure: FailureKind | None = None
     stage: FailureStage | None = None
 
@@ -179,6 +180,7 @@ class Transfer:
         # Made by the first wait() (most transfers are polled or settle inside post).
         self._done: threading.Event | None = None
         self._waiters = 0  # threads inside wait(): they drive progress themselves
+        self._callbacks: list[Callable[[Transfer], None]] = []
         self._started = time.perf_counter()
         self.meta = TransferMeta()  # the agent's bookkeeping (handle, peer, ...)
 
@@ -219,6 +221,19 @@ class Transfer:
         poll it every ``_NAP_S``): the agent's progress thread then need not poll it
         as often."""
         return self._waiters > 0
+
+    def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+        """Call ``fn(transfer)`` once it settles (at once if it has settled).
+
+        ``fn`` runs on the thread that settles the transfer (often the agent's progress
+        thread), so it must be quick and must not block or raise: setting an event an
+        engine waits on is the intended use (no polling while it waits).
+        """
+        with _SETTLE_LOCK:
+            if self._state is TransferState.PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the transfer settles.
@@ -290,6 +305,7 @@ class Transfer:
             if invalid is not None:
                 self._invalid = tuple(sorted(set(invalid)))
         self.stats.transfer_s = time.perf_counter() - self._started
+        self.stats.settled_at = time.monotonic()
         if state is TransferState.FAILED:
             if error is None:
                 error = TransferError(f"transfer {self.request_id} failed")
@@ -306,6 +322,10 @@ class Transfer:
         self._state = state
         if self._done is not None:
             self._done.set()
+        with _SETTLE_LOCK:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
         return True
 
     def __repr__(self) -> str:

@@ -14,6 +14,8 @@ import contextlib
 import logging
 from typing import Any
 
+from kvxfer.adapters.vllm import timeline
+
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAMES", "attach_to_vllm_logging", "register"]
 
 #: The connector names vLLM can be given, mapped to the module defining them.
@@ -68,6 +70,7 @@ def register() -> list[str]:
     """
     with contextlib.suppress(Exception):  # logging must never cost the server its start
         attach_to_vllm_logging()
+        timeline.enable_from_env()
     try:
         factory = _factory()
     except Exception as exc:  # vLLM missing or changed: log, leave vLLM running

@@ -54,6 +54,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvxfer import wire
+from kvxfer.adapters.vllm import timeline
 from kvxfer.adapters.vllm.params import (
     WireGroups,
     is_remote_prefill,
@@ -180,6 +181,7 @@ class StepPlan(msgspec.Struct, kw_only=True):
     """What the worker must do this step (carried in the connector metadata)."""
 
     step: int = 0
+    idle: bool = False  # vLLM scheduled no tokens this step (nothing to forward)
     loads: list[LoadSpec] = msgspec.field(default_factory=list)
     holds: list[HoldSpec] = msgspec.field(default_factory=list)
     stages: list[StageSpec] = msgspec.field(default_factory=list)
@@ -312,6 +314,7 @@ class SchedulerSide:
         if request.request_id in self._consumer:
             return 0, False  # already loaded, failed or released: never claim twice
         assert params is not None
+        timeline.mark("d_new", request.request_id)
         available = int(request.num_prompt_tokens)
         try:
             remote_tokens = remote_num_tokens(params)
@@ -383,6 +386,7 @@ class SchedulerSide:
         skip = num_local_computed_tokens // self.block_size
         local = tuple(tuple(int(b) for b in g) for g in unhashed_block_ids)
         self._consumer[rid] = _Consumer.LOADING
+        timeline.mark("d_alloc", rid)
         self._plan.loads.append(
             LoadSpec(
                 request_id=rid,
@@ -400,6 +404,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
             self._producing[request.request_id] = request
+            timeline.mark("p_new", request.request_id)
 
     # -- step --------------------------------------------------------------------------
     def build_step_plan(
@@ -419,6 +424,7 @@ class SchedulerSide:
                 if req is not None:
                     self._after_forward(req, int(n), block_ids_of)
         plan, self._plan = self._plan, StepPlan(step=self._plan.step + 1)
+        plan.idle = num_scheduled_tokens is not None and not num_scheduled_tokens
         return plan
 
     def _after_forward(
@@ -466,6 +472,7 @@ class SchedulerSide:
         for rid in finished_recving or ():
             if self._consumer.get(rid) is _Consumer.LOADING:
                 self._consumer[rid] = _Consumer.FAILED if rid in failed else _Consumer.LOADED
+                timeline.mark("d_loaded", rid)
 
     def has_pending_push_work(self) -> bool:
         """Push: keep an idle producer stepping while a held request is not yet written."""
@@ -529,6 +536,7 @@ class SchedulerSide:
         self._held[rid] = expiry
         capability, slot = wire.new_capability(), self._take_slot(rid)
         generation = secrets.randbits(56) or 1
+        timeline.mark("p_finished", rid)
         self._plan.holds.append(
             HoldSpec(
                 request_id=rid,

@@ -22,9 +22,11 @@ never imported: tensors are duck-typed.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvxfer.adapters.vllm import timeline
 from kvxfer.adapters.vllm.cache_layout import (
     CPU_VEC_INTERIOR,
     Interior,
@@ -59,6 +61,14 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 
 #: Staged-but-not-yet-held prompts remembered at most (the rest are staged again).
 _STAGED_KEEP = 4096
+
+#: Push consumer: the longest an idle step (vLLM scheduled nothing) waits for a push
+#: to land before it returns. vLLM's engine loop re-runs an empty step every ~1 ms
+#: while a request waits for its KV, for as long as the remote prefill runs; on a
+#: small host those steps took CPU from that very prefill. Waiting here on an event
+#: (set when a reception settles) turns the loop into a sleep; the cap bounds how long
+#: a request arriving meanwhile waits for the engine to look at it.
+IDLE_WAIT_S = 0.02
 
 
 def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
@@ -120,6 +130,11 @@ class WorkerSide:
         self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
         self._producer = config.role is not Role.CONSUMER
         self._interval = _Interval(push=config.direction is Direction.PUSH)
+        self._push_consumer = (
+            config.direction is Direction.PUSH and config.role is not Role.PRODUCER
+        )
+        self._idle_step = False  # the current step forwards nothing
+        self._landed = threading.Event()  # a push reception settled
         agent.register(layout, defer=defer_registration)
         agent.serve()
 
@@ -201,6 +216,7 @@ class WorkerSide:
         the memory.
         """
         agent = self.agent
+        self._idle_step = plan.idle
         if self._defer:
             self._defer = False
             try:
@@ -229,6 +245,7 @@ class WorkerSide:
                 self._orphan_frees.append(hold.request_id)
                 continue
             self._held[hold.lease_id] = hold.request_id
+            timeline.mark("p_hold", hold.request_id)
         for load in plan.loads:
             self._start_load(load)
         for rel in plan.releases:
@@ -288,6 +305,9 @@ class WorkerSide:
             self._fail_load(load.request_id, load.local_blocks, str(exc))
             return
         self._inflight[load.request_id] = transfer
+        if self._push_consumer:
+            transfer.add_done_callback(self._on_landed)
+        timeline.mark("d_load", load.request_id)
 
     def _fail_load(self, request_id: str, local_blocks: Groups, why: str) -> None:
         self._failed_recving.add(request_id)
@@ -311,11 +331,20 @@ class WorkerSide:
         :meth:`block_ids_with_load_errors` in the same step, as vLLM requires. Every id
         is reported once, and only ids vLLM still holds (vLLM asserts on others).
         """
+        if self._idle_step and self._push_consumer and self._inflight:
+            self._await_landing()
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
             if state is TransferState.PENDING:
                 continue
             del self._inflight[rid]
+            timeline.mark(
+                "d_landed",
+                rid,
+                ok=int(state is TransferState.DONE),
+                settled=f"{transfer.stats.settled_at:.6f}",
+                bytes=transfer.stats.bytes,
+            )
             self._finished_recving.add(rid)
             self._interval.observe(transfer)
             if state is TransferState.FAILED:
@@ -339,6 +368,17 @@ class WorkerSide:
         recving, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return sending, recving, failed
+
+    def _on_landed(self, transfer: Transfer) -> None:
+        self._landed.set()  # on the settling thread: quick, never raises
+
+    def _await_landing(self) -> None:
+        """An idle step of a push consumer: sleep until a reception settles (the
+        agent's progress thread drains the notices) or :data:`IDLE_WAIT_S` passed."""
+        self._landed.clear()
+        if any(t.done for t in self._inflight.values()):
+            return
+        self._landed.wait(IDLE_WAIT_S)
 
     def block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()

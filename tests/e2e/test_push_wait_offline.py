@@ -1,0 +1,121 @@
+"""A waiting push consumer costs little: its idle steps sleep until the push lands.
+
+No engine: the worker side on real Agents over the fake backend (the helpers of
+``test_adapter_offline``), the scheduler side with plain request objects, and
+:meth:`Transfer.add_done_callback`, which the worker's idle wait is built on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvxfer.adapters.vllm import timeline
+from kvxfer.adapters.vllm import worker as worker_module
+from kvxfer.transfer import Transfer, TransferState, settle
+from kvxfer.types import Direction, Role
+from tests.e2e.test_adapter_offline import (
+    FakeRequest,
+    _new_acc,
+    _pair,
+    _results,
+    _side,
+)
+
+
+def test_done_callbacks_run_once_after_the_state_and_at_once_when_settled() -> None:
+    t = Transfer("r", ((1, 2),), progress=lambda: None, deadline=time.monotonic() + 5)
+    seen: list[TransferState] = []
+    t.add_done_callback(lambda x: seen.append(x.state))
+    assert seen == []
+    assert settle(t, TransferState.DONE)
+    assert not settle(t, TransferState.FAILED)
+    assert seen == [TransferState.DONE]  # once, and the state was already final
+    t.add_done_callback(lambda x: seen.append(x.state))  # settled: called at once
+    assert seen == [TransferState.DONE, TransferState.DONE]
+
+
+def test_a_step_plan_says_whether_vllm_scheduled_nothing() -> None:
+    s = _side(Role.CONSUMER, Direction.PUSH)
+    assert s.build_step_plan({}).idle
+    assert not s.build_step_plan({"cmpl-a-0-00000001": 1}).idle
+    assert not s.build_step_plan().idle  # unknown: never treated as idle
+
+
+def test_an_idle_push_consumer_step_sleeps_until_its_push_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Registered for a push the producer has not written: an idle step waits (up to
+    IDLE_WAIT_S) instead of returning at once, a step with work never waits, and the
+    landing wakes a waiting idle step early."""
+    wait_s = 1.0
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", wait_s)
+    p, c, ps, cs = _pair("push")
+    try:
+        prod_req = FakeRequest(
+            "cmpl-w-0-00000001", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED"
+        )
+        _, params = ps.request_finished(prod_req, [[4, 5, 6]])
+        assert params is not None
+        cons_req = FakeRequest("cmpl-w-0-00000002", params, num_prompt_tokens=70)
+        n, _ = cs.get_num_new_matched_tokens(cons_req, 0)
+        cs.update_state_after_alloc(cons_req, [[9, 10, 11]], n, 0)
+        c.start_step(cs.build_step_plan({}))  # registers; vLLM scheduled nothing
+        acc = _new_acc()
+        t0 = time.monotonic()
+        _results(c, acc)
+        idle = time.monotonic() - t0
+        assert idle >= 0.8 * wait_s, f"an idle step returned after {idle:.3f}s"
+        assert not acc["recving"]
+
+        c.start_step(cs.build_step_plan({"cmpl-other-0-00000009": 1}))  # a busy step
+        t0 = time.monotonic()
+        _results(c, acc)
+        busy = time.monotonic() - t0
+        assert busy < 0.5 * wait_s, f"a step with work waited {busy:.3f}s"
+
+        # The producer holds (and writes) while the consumer's idle step waits.
+        writer = threading.Timer(0.05, lambda: p.start_step(ps.build_step_plan()))
+        c.start_step(cs.build_step_plan({}))
+        writer.start()
+        t0 = time.monotonic()
+        deadline = t0 + 5
+        while "cmpl-w-0-00000002" not in acc["recving"] and time.monotonic() < deadline:
+            _results(c, acc)
+        landed = time.monotonic() - t0
+        writer.join()
+        assert "cmpl-w-0-00000002" in acc["recving"] and not acc["failed"]
+        # woken by the landing (~0.05 s), not at the end of the idle wait
+        assert landed < 0.5 * wait_s, f"landed after {landed:.3f}s"
+    finally:
+        c.close()
+        p.close()
+
+
+def test_the_timeline_is_written_only_when_its_variable_names_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = logging.getLogger("kvxfer.timeline")
+    before = (log.level, log.propagate, list(log.handlers))
+    path = tmp_path / "p.tl"
+    try:
+        monkeypatch.delenv(timeline.ENV, raising=False)
+        assert not timeline.enable_from_env()
+        timeline.mark("p_new", "cmpl-ttft-0-1")  # off: nothing anywhere
+        monkeypatch.setenv(timeline.ENV, str(path))
+        assert timeline.enable_from_env() and timeline.enabled()
+        timeline.mark("p_new", "cmpl-ttft-0-1", t=12.5, bytes=7)
+        for h in log.handlers:
+            h.flush()
+        assert path.read_text().splitlines() == ["TL p_new cmpl-ttft-0-1 12.500000 bytes=7"]
+    finally:
+        for h in log.handlers:
+            if h not in before[2]:
+                log.removeHandler(h)
+                h.close()
+        log.setLevel(before[0])
+        log.propagate = before[1]
