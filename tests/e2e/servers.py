@@ -32,6 +32,9 @@ SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Settings measured to work on this project's CPU-only machines (2 cores, no GPU).
+#: Put on a test server's PYTHONPATH: its sitecustomize lets vLLM's AMX attention
+#: kernel run (see that file).
+ENGINE_SITE = Path(__file__).resolve().parent / "engine_site"
 BASE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
@@ -452,7 +455,11 @@ def start_server(
     full_env = {**os.environ, **BASE_ENV, **(env or {})}
     if "VLLM_CPU_KVCACHE_SPACE" not in (env or {}):
         full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    pythonpath = [str(REPO_ROOT), *filter(None, full_env.get("PYTHONPATH", "").split(os.pathsep))]
+    pythonpath = [
+        str(REPO_ROOT),
+        str(ENGINE_SITE),
+        *filter(None, full_env.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     full_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(pythonpath))
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(args) + "\n").encode())
