@@ -28,7 +28,15 @@ from kvxfer._guard import FreeReason, GuardBook
 from kvxfer.agent_config import AgentStats
 from kvxfer.transfer import Transfer, TransferState
 
-__all__ = ["EARLY_KEEP_S", "MAX_EARLY", "MAX_OUTCOMES", "MAX_PENDING", "Lease", "LeaseBook"]
+__all__ = [
+    "EARLY_KEEP_S",
+    "MAX_EARLY",
+    "MAX_OUTCOMES",
+    "MAX_PENDING",
+    "MAX_RIVALS",
+    "Lease",
+    "LeaseBook",
+]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -38,6 +46,9 @@ EARLY_KEEP_S = 10.0
 MAX_EARLY = 1024
 # Push registrations waiting for their hold() (more are refused NOT_READY).
 MAX_PENDING = 512
+# Registrations of one request that wait, beside the first, for a hold() that names
+# its consumer by capability (more are refused).
+MAX_RIVALS = 4
 # Ended holds whose outcome a probing consumer may still ask about (oldest evicted).
 MAX_OUTCOMES = 1024
 
@@ -58,6 +69,14 @@ class Lease(msgspec.Struct, kw_only=True):
     writes: list[Transfer] = msgspec.field(default_factory=list)
     final_notice: tuple[float, bytes] | None = None  # push: encoded at registration
     capability: str = ""  # the hold's token (in its ticket)
+    # push: the hold's capability came from the caller (the router minted it and gave it
+    # to the consumer too), so only a registration showing it may receive the KV.
+    pinned: bool = False
+    # push, before hold(): registrations of this id beside ``target``, each with its
+    # encoded final notice; hold() keeps the one showing its capability.
+    rivals: list[tuple[wire.PushRegister, tuple[float, bytes]]] = msgspec.field(
+        default_factory=list
+    )
     guard: tuple[int, int] | None = None  # guard slot and generation (pull)
 
 
@@ -110,6 +129,8 @@ class LeaseBook:
         self._pending.discard(lease.request_id)
         if not lease.capability:
             lease.capability = capability or wire.new_capability()
+            lease.pinned = bool(capability)
+        self._bind_target(lease)
         if lease.guard is None and self.guard is not None:
             if guard is None:
                 lease.guard = self.guard.arm()
@@ -122,6 +143,25 @@ class LeaseBook:
                         lease.request_id,
                         guard[0],
                     )
+
+    def _bind_target(self, lease: Lease) -> None:
+        """Push: with a pinned capability, keep the registration that shows it (a
+        stranger's that came first is dropped; none: wait for the consumer's)."""
+        rivals, lease.rivals = lease.rivals, []
+        target = lease.target
+        if not lease.pinned or target is None:
+            return
+        if wire.capability_matches(lease.capability, target.capability):
+            return
+        self._stats.capability_rejects += 1
+        log.warning(
+            "hold of %s: dropped a push registration without its capability", lease.request_id
+        )
+        lease.target, lease.final_notice = None, None
+        for msg, notice in rivals:
+            if wire.capability_matches(lease.capability, msg.capability):
+                lease.target, lease.final_notice = msg, notice
+                return
 
     def registration_room(self, request_id: str) -> bool:
         """Whether a push registration of ``request_id`` may make a lease (capped)."""

@@ -25,7 +25,7 @@ import msgspec
 
 from kvxfer import blocks, wire
 from kvxfer._guard import FreeReason
-from kvxfer._leases import Lease, LeaseBook
+from kvxfer._leases import MAX_RIVALS, Lease, LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._receptions import NOTICE_REUSE_S
@@ -118,32 +118,6 @@ class PushWriter:
                 code=wire.RejectCode.UNKNOWN_REQUEST, reason="this instance does not push"
             )
         leases = self._leases
-        with self._lock:
-            held = leases.held.get(msg.request_id)
-            bound = held.target if held is not None else None
-            if bound is not None and not (
-                wire.capability_matches(bound.capability, msg.capability)
-                or not (bound.capability or msg.capability)
-            ):
-                # Bound to the consumer that registered first: a stranger who re-sends
-                # a registration for this id cannot redirect its KV (R-SAFE-3).
-                leases.reject()
-                return wire.Reject(
-                    code=wire.RejectCode.INVALID,
-                    reason=f"request {msg.request_id} is registered by another consumer",
-                )
-            if not leases.registration_room(msg.request_id):
-                return wire.Reject(
-                    code=wire.RejectCode.NOT_READY,
-                    reason="too many push registrations waiting for their prefill; retry",
-                )
-            lease = leases.lease(
-                msg.request_id, (), msg.num_tokens, time.time() + self._config.lease_s
-            )
-            if bound is not None and lease.parts_posted:
-                return wire.Ack(request_id=msg.request_id)  # a retry: writes under way
-            lease.target = msg
-            leases.registered(msg.request_id)
         final = wire.Notice(
             kind=wire.NoticeKind.PUSHED,
             request_id=msg.request_id,
@@ -152,15 +126,65 @@ class PushWriter:
             block_ids=msg.block_ids,
             capability=msg.capability,
         )
+        # Encoded before the lock (signing costs ~75 µs cold); the consumer learns
+        # these bytes now, so that it recognises the notice when it arrives instead of
+        # decoding and authenticating it on the transfer's path.
         encoded = (time.monotonic(), self._local.encode(final))
         with self._lock:
-            current = lease.target is msg
-            if current:
-                lease.final_notice = encoded
+            held = leases.held.get(msg.request_id)
+            refusal = self._refusal(held, msg)
+            if refusal is not None:
+                leases.reject()
+                return refusal
+            if held is None and not leases.registration_room(msg.request_id):
+                return wire.Reject(
+                    code=wire.RejectCode.NOT_READY,
+                    reason="too many push registrations waiting for their prefill; retry",
+                )
+            lease = leases.lease(
+                msg.request_id, (), msg.num_tokens, time.time() + self._config.lease_s
+            )
+            bound = lease.target
+            if bound is not None and _same_consumer(bound, msg):
+                if lease.parts_posted:
+                    return wire.Ack(request_id=msg.request_id)  # a retry: writes under way
+            elif bound is not None:
+                # Before hold(): which of them is the consumer is known only when the
+                # hold brings the router's capability (LeaseBook.arm keeps that one).
+                lease.rivals.append((msg, encoded))
+                return wire.Ack(notice=encoded[1])
+            lease.target, lease.final_notice = msg, encoded
+            leases.registered(msg.request_id)
         self._runtime.wake()
-        # The consumer learns these bytes now, so that it recognises the notice when it
-        # arrives instead of decoding and authenticating it on the transfer's path.
-        return wire.Ack(notice=encoded[1] if current else b"")
+        return wire.Ack(notice=encoded[1])
+
+    @staticmethod
+    def _refusal(held: Lease | None, msg: wire.PushRegister) -> wire.Reject | None:
+        """Why ``msg`` may not register for ``held`` (None: it may), R-SAFE-3.
+
+        A hold whose capability the router minted (``pinned``) takes only a registration
+        that shows it. Otherwise a request is bound to the consumer that registered
+        first, so a stranger re-sending a registration cannot redirect its KV; before
+        hold() a few others wait beside it (``MAX_RIVALS``).
+        """
+        if held is None:
+            return None
+        if held.pinned:
+            if wire.capability_matches(held.capability, msg.capability):
+                return None
+            return wire.Reject(
+                code=wire.RejectCode.INVALID,
+                reason=f"request {msg.request_id}: the registration lacks the hold's capability",
+            )
+        bound = held.target
+        if bound is None or _same_consumer(bound, msg):
+            return None
+        if not held.ready and len(held.rivals) < MAX_RIVALS:
+            return None
+        return wire.Reject(
+            code=wire.RejectCode.INVALID,
+            reason=f"request {msg.request_id} is registered by another consumer",
+        )
 
     def resume(self) -> None:
         """Under the lock, from a tick: write the ready leases whose consumer registered
@@ -342,3 +366,9 @@ class PushWriter:
                 FailureStage.TRANSFER,
             )
         self._tell_failed(lease, peer, reason.text)
+
+
+def _same_consumer(a: wire.PushRegister, b: wire.PushRegister) -> bool:
+    """Whether two registrations come from one consumer: the same capability, or none
+    on either (an older consumer that does not send one)."""
+    return wire.capability_matches(a.capability, b.capability) or not (a.capability or b.capability)

@@ -378,7 +378,10 @@ class Agent:
 
         ``capability`` and ``guard`` (slot, generation): the hold's token and guard
         word when the caller minted the ticket itself before this hold (the vLLM
-        scheduler does); by default the agent mints them (docs/RELIABILITY.md).
+        scheduler does); by default the agent mints them (docs/RELIABILITY.md). On a
+        push producer a given ``capability`` pins the hold: only a consumer whose
+        registration shows it (its ``Ticket.for_push(capability=...)``) receives the
+        KV, so give it only when the router gave the consumer the same token.
 
         Raises:
             RegistrationError: no memory registered yet.
@@ -717,8 +720,10 @@ class Agent:
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, groups)
         # Binds the registration to us: notices must echo it, and a later registration
-        # of this request id by anyone else is refused (R-SAFE-3).
-        transfer.meta.capability = wire.new_capability()
+        # of this request id by anyone else is refused (R-SAFE-3). A router that minted
+        # the request's capability gave it to both sides (the ticket's): the producer's
+        # hold then takes no registration without it.
+        transfer.meta.capability = ticket.capability or wire.new_capability()
         # The bytes the producer will write are the bytes our own plan of these blocks
         # covers (both sides share the layout shape); computed here for the stats.
         try:

@@ -42,7 +42,14 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def for_push(
-        cls, engine_id: str, host: str, port: int, request_id: str, num_tokens: int
+        cls,
+        engine_id: str,
+        host: str,
+        port: int,
+        request_id: str,
+        num_tokens: int,
+        *,
+        capability: str = "",
     ) -> Ticket:
         """The ticket a push consumer registers with, before the producer's prefill ran.
 
@@ -50,6 +57,10 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
         knows in advance), the request and its token count; it has no blocks (the
         producer's are matched by request id). Pass it to
         :meth:`Agent.expect_push <kvxfer.agent.Agent.expect_push>`.
+
+        ``capability``: the request's token when the router minted one and gives the
+        same to the producer's ``hold(capability=...)``; the producer then writes only
+        to a registration that shows it (without one, the first registration wins).
         """
         return cls(
             engine_id=engine_id,
@@ -58,4 +69,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             request_id=request_id,
             block_ids=(),
             num_tokens=num_tokens,
+            capability=capability,
         )

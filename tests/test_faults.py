@@ -327,6 +327,61 @@ def test_a_third_party_cannot_take_a_requests_pushed_kv(push: tuple[Side, Engine
         thief.close()
 
 
+def test_a_stranger_registering_first_gets_nothing_when_the_router_minted_the_token(
+    push: tuple[Side, Engine, Side],
+) -> None:
+    """The router's token goes to the consumer's ticket and the producer's hold(): a
+    registration without it, even one that came first, never receives the KV."""
+    producer, engine, consumer = push
+    thief = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=1.0)
+    token = wire.new_capability()
+    try:
+        stolen = thief.agent.expect_push(stub(producer, "r"), [5, 6], num_tokens=2 * BLOCK)
+        push_registered(producer, "r")  # the thief's registration is the first
+        ticket = replace(stub(producer, "r"), capability=token)
+        real = consumer.agent.expect_push(ticket, [1, 2], num_tokens=2 * BLOCK)
+        time.sleep(0.2)  # the consumer's registration reached the producer
+        rejects = producer.agent.stats().capability_rejects
+        engine.hold("r", [3, 4], capability=token)
+        settle(real, 5, engine)
+        assert real.state is TransferState.DONE, real.error
+        assert landed_intact(consumer, [1, 2], [3, 4])
+        settle(stolen, 5, engine)
+        assert stolen.state is TransferState.FAILED
+        assert not np.any(np.concatenate([r[[5, 6]] for r in thief.cache.regions]))
+        assert producer.agent.stats().capability_rejects == rejects + 1
+    finally:
+        thief.close()
+
+
+def test_a_pinned_hold_refuses_a_registration_without_its_token(
+    push: tuple[Side, Engine, Side],
+) -> None:
+    """After a hold() with the router's token, a registration without it is refused at
+    once (the stranger fails fast) and the consumer that shows it still gets its KV."""
+    producer, engine, consumer = push
+    thief = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=5.0)
+    token = wire.new_capability()
+    try:
+        engine.hold("r", [3, 4], capability=token)
+        stolen = thief.agent.expect_push(stub(producer, "r"), [5, 6], num_tokens=2 * BLOCK)
+        assert settle(stolen, 3) < 3
+        assert stolen.state is TransferState.FAILED
+        assert "capability" in str(stolen.error)
+        guessed = replace(stub(producer, "r"), capability=wire.new_capability())
+        wrong = thief.agent.expect_push(guessed, [7, 8], num_tokens=2 * BLOCK)
+        settle(wrong, 3)
+        assert wrong.state is TransferState.FAILED
+        ticket = replace(stub(producer, "r"), capability=token)
+        real = consumer.agent.expect_push(ticket, [1, 2], num_tokens=2 * BLOCK)
+        settle(real, 5, engine)
+        assert real.state is TransferState.DONE, real.error
+        assert landed_intact(consumer, [1, 2], [3, 4])
+        assert not np.any(np.concatenate([r[[5, 6, 7, 8]] for r in thief.cache.regions]))
+    finally:
+        thief.close()
+
+
 # == Slow failure detection ============================================================
 
 

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -263,6 +264,10 @@ def test_prefill_body_and_push_params() -> None:
     }
     assert learn_endpoint({"remote_engine_id": "P"}) is None
     push = push_receiver_params(endpoint)
+    assert "kvxfer_capability" not in push
+    assert push_receiver_params(endpoint, "ab12")["kvxfer_capability"] == "ab12"
+    assert prefill_body(body, "ab12")["kv_transfer_params"]["kvxfer_capability"] == "ab12"
+    assert "kvxfer_capability" not in PREFILL_PARAMS
     assert push["do_remote_prefill"] is True and push["do_remote_decode"] is False
     assert push["remote_block_ids"] is None and push["remote_request_id"] is None
     assert push["transfer_mode"] == "push" and push["remote_port"] == 5600
@@ -908,6 +913,11 @@ def test_push_mode_decode_first_then_prefill() -> None:
             assert p.body["kv_transfer_params"]["do_remote_decode"] is True
             assert p.body["max_tokens"] == 1
             assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"] == "r2"
+            # One fresh capability per request, given to both instances only.
+            token = params["kvxfer_capability"]
+            assert re.fullmatch(r"[0-9a-f]{32}", token)
+            assert p.body["kv_transfer_params"]["kvxfer_capability"] == token
+            assert ds[0].seen[0].body["kv_transfer_params"].get("kvxfer_capability") != token
             assert px.metrics.kv_wait.count(ds[0].url) == 1
 
     run(body())

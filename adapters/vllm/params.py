@@ -20,7 +20,10 @@ Keys, upstream's first::
     transfer_mode                         kvxfer: "pull" or "push" (which connector)
     remote_incarnation(s)                 kvxfer: rank 0's / every rank's incarnation
     lease_expiry                          kvxfer: wall-clock end of the producer's lease
-    kvxfer_capability                     kvxfer: the hold's token (frees / asks about it)
+    kvxfer_capability                     kvxfer: the hold's token (frees / asks about it);
+                                          push: minted by the router, sent to both
+                                          instances, pins the hold to decode's
+                                          registration
     kvxfer_guard_slot, kvxfer_generation  kvxfer: the hold's guard word (fail-closed
                                           pulls, docs/RELIABILITY.md); same on every rank
 
@@ -47,6 +50,7 @@ __all__ = [
     "remote_block_groups",
     "remote_num_tokens",
     "remote_ticket",
+    "router_capability",
     "ticket_params",
 ]
 
@@ -313,6 +317,16 @@ def _by_block_index(
             )
         out.append(r[offset : offset + len(mine)])
     return tuple(out)
+
+
+def router_capability(params: Mapping[str, Any]) -> str:
+    """A push request's ``kvxfer_capability`` as the router minted it for both
+    instances ("" when absent).
+
+    Raises:
+        ConfigError: the value is not a lowercase hex token of at most 64 digits.
+    """
+    return _capability(params)
 
 
 def _capability(params: Mapping[str, Any]) -> str:

@@ -60,6 +60,7 @@ from kvxfer.adapters.vllm.params import (
     is_remote_prefill,
     remote_block_groups,
     remote_num_tokens,
+    router_capability,
     ticket_params,
 )
 from kvxfer.agent import Ticket
@@ -145,7 +146,8 @@ class HoldSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     lease_s: float
     #: The ticket's capability and guard word, minted here (the ticket leaves before
-    #: the worker's hold runs); every rank arms the same slot of its own table.
+    #: the worker's hold runs; push: the router's token, or none); every rank arms
+    #: the same slot of its own table.
     capability: str = ""
     guard_slot: int = -1
     generation: int = 0
@@ -531,10 +533,21 @@ class SchedulerSide:
         groups = self.window_blocks(block_ids, num_tokens)
         if not any(s in status for s in _NORMAL_FINISH) or not any(groups):
             return False, None  # aborted or empty: free at once, hand out nothing
+        if self.direction is Direction.PUSH:
+            # Push: a token the router minted and gave decode too pins the hold to
+            # decode's registration; without one the Agent mints it (the first
+            # registration of the id wins).
+            try:
+                capability = router_capability(params)
+            except ConfigError as exc:
+                log.error("kvxfer: request %s not held for its consumer: %s", rid, exc)
+                return False, None
+        else:
+            capability = wire.new_capability()
         expiry = time.time() + self.lease_s
         lease_id = base_request_id(rid) if self.direction is Direction.PUSH else rid
         self._held[rid] = expiry
-        capability, slot = wire.new_capability(), self._take_slot(rid)
+        slot = self._take_slot(rid)
         generation = secrets.randbits(56) or 1
         timeline.mark("p_finished", rid)
         self._plan.holds.append(

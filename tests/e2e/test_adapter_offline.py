@@ -196,6 +196,29 @@ def test_producer_holds_normally_finished_requests_only() -> None:
     assert s.num_held == 0
 
 
+def test_push_producer_holds_under_the_routers_capability_or_lets_the_agent_mint() -> None:
+    """Push: the router's token (also in decode's params) pins the hold; without one
+    the scheduler names none (the Agent mints it); a malformed one holds nothing."""
+    s = _side(Role.PRODUCER, Direction.PUSH)
+    s.set_endpoint("10.0.0.1", 5601, [42])
+    token = "0123456789abcdef" * 2
+    cases = {
+        "cmpl-r-0-abcdef12": {"do_remote_decode": True, "kvxfer_capability": token},
+        "cmpl-n-0-abcdef12": {"do_remote_decode": True},
+        "cmpl-x-0-abcdef12": {"do_remote_decode": True, "kvxfer_capability": "NOT HEX"},
+    }
+    out = {}
+    for rid, kv in cases.items():
+        req = FakeRequest(rid, kv, 70, 70, "FINISHED_LENGTH_CAPPED")
+        s.on_new_request(req)
+        out[rid] = s.request_finished(req, [[4, 5, 6]])
+    holds = {h.request_id: h for h in s.build_step_plan().holds}
+    assert holds["cmpl-r-0-abcdef12"].capability == token
+    assert out["cmpl-r-0-abcdef12"][1]["kvxfer_capability"] == token
+    assert holds["cmpl-n-0-abcdef12"].capability == ""
+    assert out["cmpl-x-0-abcdef12"] == (False, None) and "cmpl-x-0-abcdef12" not in holds
+
+
 def test_producer_mints_capability_and_guard_slots_reused_only_once_freed() -> None:
     """The ticket leaves the scheduler before the worker's hold: the scheduler mints
     the capability and guard word, and never gives a held request's slot to another."""

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -186,10 +187,13 @@ class ProxyError(Exception):
         )
 
 
-def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The prefill instance's copy of a request: one token, no stream, P/D params."""
+def prefill_body(body: Mapping[str, Any], capability: str = "") -> dict[str, Any]:
+    """The prefill instance's copy of a request: one token, no stream, P/D params
+    (push: with the ``capability`` decode shows when it registers)."""
     out = dict(body)
     out["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    if capability:
+        out["kv_transfer_params"]["kvxfer_capability"] = capability
     out["stream"] = False
     out.pop("stream_options", None)
     out["max_tokens"] = 1
@@ -201,18 +205,22 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def push_receiver_params(endpoint: Mapping[str, Any]) -> dict[str, Any]:
+def push_receiver_params(endpoint: Mapping[str, Any], capability: str = "") -> dict[str, Any]:
     """``kv_transfer_params`` of a push-mode decode request sent before prefill ran.
 
     Upstream's push connector reads exactly these on the decode side: a remote prefill
     is coming (``do_remote_prefill``) from the producer named by ``remote_engine_id``,
     ``remote_host``, ``remote_port`` and ``tp_size``; the block ids are unknown yet
     (the producer learns the decode blocks from decode's registration and matches the
-    two requests by their common ``X-Request-Id``).
+    two requests by their common ``X-Request-Id``). kvxfer adds ``capability``, the
+    token the router minted for this request and gives prefill too: the producer then
+    writes only to the registration that shows it (docs/RELIABILITY.md).
     """
     params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False}
     params.update(endpoint)
     params.update(remote_block_ids=None, remote_request_id=None, transfer_mode="push")
+    if capability:
+        params["kvxfer_capability"] = capability
     return params
 
 
@@ -497,9 +505,13 @@ class Dispatcher:
         d_inst = self.decode_policy.pick(self.decode)
         if d_inst is None:
             raise ProxyError(503, self._none_healthy(InstanceKind.DECODE), stage=Stage.ROUTE)
+        # The request's capability, minted here and given to the two instances only: a
+        # stranger who reaches prefill's side channel cannot know it, so cannot take
+        # the KV by registering for this request id first.
+        token = secrets.token_hex(16)
         d_body = dict(body)
-        d_body["kv_transfer_params"] = push_receiver_params(p_inst.kv_endpoint)
-        p_payload = msgspec.json.encode(prefill_body(body))
+        d_body["kv_transfer_params"] = push_receiver_params(p_inst.kv_endpoint, token)
+        p_payload = msgspec.json.encode(prefill_body(body, token))
         on_wire = asyncio.Event()
         d_inst.acquire()
         t_sent = time.monotonic()
