@@ -299,31 +299,49 @@ class TPPuller:
             return
         for rp in plans:
             fanout.planned(rp.rank, blocks.to_wire(rp.plan.local_blocks))
+        notices = {rp.rank: self._done_notice(job, rp.rank) for rp in plans}
+        ticket = job.ticket
         for rp in plans:
-            # Each rank's own DONE: it frees the lease once all its readers sent theirs.
-            notice = self._local.encode(
-                wire.Notice(
-                    kind=wire.NoticeKind.DONE,
-                    request_id=job.ticket.request_id,
-                    engine_id=self._local.config.engine_id,
-                    incarnation=self._local.incarnation,
-                    readers=self.readers(job.ticket, job.producer, rp.rank),
-                    reader=self._tp().rank,
-                    # Every producer rank holds the request under the capability the
-                    # ticket carries (minted once, e.g. by vLLM's scheduler).
-                    capability=job.ticket.capability,
-                )
-            )
+            # Fail-closed per rank (R-SAFE-1): every producer rank armed the ticket's
+            # guard slot with its generation (vLLM's scheduler mints one for all
+            # ranks); each sub-transfer reads its own rank's word after its data, and
+            # its DONE goes only then. Checked for every rank before anything is posted.
+            sub = fanout.subs[rp.rank]
+            if not self._runtime.arm_guard(
+                sub, peers[rp.rank], ticket.guard_slot, ticket.generation, notices[rp.rank]
+            ):
+                others = TransferError(f"producer rank {rp.rank}: {sub.error}")
+                self._fail_all(fanout, FailureKind.ABORTED, others)
+                return
+        for rp in plans:
+            sub = fanout.subs[rp.rank]
             self._runtime.post(
-                fanout.subs[rp.rank],
+                sub,
                 XferOp.READ,
                 peers[rp.rank],
                 job.local,
                 job.remote,
                 job.tokens,
-                notice,
+                b"" if sub.meta.guard is not None else notices[rp.rank],
                 plan=rp.plan,
             )
+
+    def _done_notice(self, job: _Job, rank: int) -> bytes:
+        """Producer rank ``rank``'s DONE: it frees its lease once all its readers sent
+        theirs."""
+        return self._local.encode(
+            wire.Notice(
+                kind=wire.NoticeKind.DONE,
+                request_id=job.ticket.request_id,
+                engine_id=self._local.config.engine_id,
+                incarnation=self._local.incarnation,
+                readers=self.readers(job.ticket, job.producer, rank),
+                reader=self._tp().rank,
+                # Every producer rank holds the request under the capability the
+                # ticket carries (minted once, e.g. by vLLM's scheduler).
+                capability=job.ticket.capability,
+            )
+        )
 
 
 def _refused_pairing(error: BaseException | None) -> bool:

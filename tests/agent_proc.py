@@ -133,8 +133,11 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             if cmd == "crash":
                 os._exit(9)
             if cmd == "hold":
-                rid, blocks, tokens, *cap = args  # optional: the request's capability
-                held = agent.hold(rid, blocks, tokens, capability=cap[0] if cap else "")
+                # optional: the request's capability, and its guard (slot, generation)
+                rid, blocks, tokens, *extra = args
+                cap = extra[0] if extra else ""
+                guard = tuple(extra[1]) if len(extra) > 1 else None
+                held = agent.hold(rid, blocks, tokens, capability=cap, guard=guard)
                 value: Any = msgspec.to_builtins(held)
             elif cmd == "stream":
                 rid, blocks, tokens = args

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from kvxfer import wire
+from kvxfer._guard import GuardBook
 from kvxfer._readers import ReaderCount
 from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Agent, AgentConfig, Ticket
@@ -37,6 +38,8 @@ FP = Fingerprint(
 SEED = 21
 NUM_BLOCKS = 12
 _names = itertools.count()
+# Guard slots, in turn (each test's agents are new; none holds 76 requests at once).
+_slots = (i % GuardBook.slots_for(NUM_BLOCKS) for i in itertools.count())
 
 
 class Rank:
@@ -98,9 +101,10 @@ def closing() -> Iterator[list[Rank]]:
 def _hold(producers: list[Rank], rid: str, block_ids: list[int], tokens: int) -> Ticket:
     """Every producer rank holds the request; the router gets rank 0's ticket with
     every rank's incarnation."""
-    # One capability for the request on every rank, as vLLM's scheduler mints it.
-    cap = wire.new_capability()
-    tickets = [p.agent.hold(rid, block_ids, tokens, capability=cap) for p in producers]
+    # One capability and one guard word (slot, generation) for the request on every
+    # rank, as vLLM's scheduler mints them.
+    cap, guard = wire.new_capability(), (next(_slots), random.randrange(1, 2**56))
+    tickets = [p.agent.hold(rid, block_ids, tokens, capability=cap, guard=guard) for p in producers]
     return msgspec.structs.replace(tickets[0], incarnations=tuple(t.incarnation for t in tickets))
 
 
@@ -156,6 +160,38 @@ def test_a_second_request_reuses_handshakes_and_planner(closing: list[Rank]) -> 
     assert consumer.agent.stats().handshakes == 2
     stats = consumer.agent.stats()
     assert stats.transfers_done == 6  # one sub-transfer per producer rank per request
+
+
+def test_a_pull_across_tp_sizes_of_blocks_a_rank_freed_fails_closed(
+    closing: list[Rank],
+) -> None:
+    """R-SAFE-1 per producer rank: a second pull of a ticket whose ranks freed (and
+    whose engines reused) the blocks reads each rank's guard word after its data and
+    fails with every block invalid, never DONE over another request's bytes."""
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    remote = [1, 2]
+    ticket = _hold(producers, "req-g", remote, 8)
+    consumer.agent.pull(ticket, [3, 4]).wait(5)
+    assert consumer.cache.mismatches([3, 4], remote, SEED) == []
+    reads = consumer.agent.stats().guard_reads
+    assert reads == 2  # one guard word per producer rank
+    deadline = time.monotonic() + 5
+    freed: dict[int, list[str]] = {0: [], 1: []}
+    while not all("req-g" in f for f in freed.values()) and time.monotonic() < deadline:
+        for p in (0, 1):
+            freed[p] += producers[p].agent.freed()
+        time.sleep(0.01)
+    assert all("req-g" in f for f in freed.values()), freed
+    for p in producers:  # each engine reuses the blocks for another request
+        for buf in p.cache.buffers.values():
+            buf[remote] = 0xEE
+    again = consumer.agent.pull(ticket, [5, 6])
+    with pytest.raises(TransferError):
+        again.wait(5)
+    assert again.state is TransferState.FAILED and again.invalid_blocks == (5, 6)
+    assert consumer.agent.stats().guard_failures >= 1
 
 
 def test_one_producer_rank_failing_fails_the_pull_with_exact_blocks(

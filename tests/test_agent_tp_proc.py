@@ -47,8 +47,9 @@ def test_pull_tp2_to_tp1_over_ucx_and_a_killed_rank() -> None:
     )
     try:
         remote, local, tokens = [4, 9, 2], [11, 3, 7], 2 * 16 + 5
-        cap = wire.new_capability()  # one per request, on every rank
-        tickets = [p.call("hold", "tp-1", remote, tokens, cap) for p in producers]
+        # One capability and guard word per request, on every rank (as vLLM's scheduler).
+        cap, guard = wire.new_capability(), [0, 0x5EED]
+        tickets = [p.call("hold", "tp-1", remote, tokens, cap, guard) for p in producers]
         assert [t["tp_size"] for t in tickets] == [2, 2]
         ticket = dict(tickets[0], incarnations=[t["incarnation"] for t in tickets])
         consumer.call("pull", ticket, local, None)
@@ -65,8 +66,8 @@ def test_pull_tp2_to_tp1_over_ucx_and_a_killed_rank() -> None:
                 time.sleep(0.01)
             assert "tp-1" in freed
 
-        cap = wire.new_capability()
-        tickets = [p.call("hold", "tp-2", [5], 16, cap) for p in producers]
+        cap, guard = wire.new_capability(), [1, 0xBEEF]
+        tickets = [p.call("hold", "tp-2", [5], 16, cap, guard) for p in producers]
         ticket = dict(tickets[0], incarnations=[t["incarnation"] for t in tickets])
         producers[1].crash()
         consumer.call("pull", msgspec.to_builtins(ticket), [6], None)
