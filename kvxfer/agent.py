@@ -631,11 +631,21 @@ class Agent:
         release it (R-XFER-4).
 
         Non-blocking by default (the message goes from a worker thread); ``wait=True``
-        returns only once the producer answered or the side channel gave up.
+        returns only once the producer answered or the side channel gave up. Across TP
+        sizes (a ticket naming producer rank 0 and its ``tp_size``) every producer rank
+        this rank reads is told, always from worker threads.
         """
         capability = ticket.capability or self._runtime.capability_of(ticket.request_id)
         self._runtime.abort_request(ticket.request_id)
         ticket = msgspec.structs.replace(ticket, capability=capability)
+        if self._tp.wants(ticket):
+            # Across TP sizes: every producer rank this rank reads (or is the one to
+            # release, for replicas nobody reads) frees it, counted as one reader.
+            try:
+                self._tp.release_all(ticket)
+            except ConfigError as exc:
+                log.warning("could not release %s: %s", ticket.request_id, exc)
+            return
         if not wait:
             if not self._runtime.closed:
                 self._io().submit(self._send_release, ticket)

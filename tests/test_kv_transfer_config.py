@@ -233,6 +233,12 @@ def test_push_stream_needs_the_push_connector() -> None:
     assert parse_kv_transfer_config(ok).push_stream
 
 
+def test_head_regions_is_a_bool_or_null() -> None:
+    assert parse_kv_transfer_config(cfg()).head_regions is None
+    assert parse_kv_transfer_config(cfg(head_regions=True)).head_regions is True
+    rejects(cfg(head_regions="yes"), f"{X}.head_regions", value="yes", rule="bool or null")
+
+
 # -- stripe_width (R-RAIL-3) ------------------------------------------------------------
 
 

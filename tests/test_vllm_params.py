@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from kvxfer.adapters.vllm.params import (
+    across_tp,
     is_remote_prefill,
     pairing_error,
     release_ticket,
@@ -115,12 +116,25 @@ def test_bad_params_name_key_value_and_rule(over: dict[str, Any], key: str, rule
     assert err.value.value == over[key] and rule in err.value.rule
 
 
-def test_pairing_refuses_another_connector_or_tp_size_by_name() -> None:
+def test_pairing_refuses_another_connector_or_a_push_across_tp_sizes_by_name() -> None:
     assert pairing_error(_params(), Direction.PULL, 2) is None
     why = pairing_error(_params(), Direction.PUSH, 2)
     assert why is not None and "transfer_mode 'pull'" in why
-    why = pairing_error(_params(), Direction.PULL, 1)
-    assert why is not None and "tensor-parallel size 2" in why
+    # A pull reads across TP sizes (the Agent plans it); a push pairs equal sizes.
+    assert pairing_error(_params(), Direction.PULL, 1) is None
+    assert pairing_error(_params(), Direction.PULL, 4) is None
+    why = pairing_error(_params(transfer_mode="push"), Direction.PUSH, 1)
+    assert why is not None and "tensor-parallel size 2" in why and "pull connector" in why
+    assert pairing_error(_params(transfer_mode="push"), Direction.PUSH, 2) is None
+    assert across_tp(_params(), 1) and not across_tp(_params(), 2)
+    assert not across_tp(_params(tp_size=None), 1)
+
+
+def test_a_ticket_across_tp_sizes_names_rank_0_and_every_incarnation() -> None:
+    t = remote_ticket(_params(), tp_rank=0, transfer_id="t", local_blocks=((1, 2, 3, 4),))
+    assert (t.port, t.incarnation, t.incarnations, t.tp_size) == (5600, 11, (11, 12), 2)
+    r = release_ticket(_params(), tp_rank=0, transfer_id="t")
+    assert (r.port, r.tp_size, r.incarnations, r.capability) == (5600, 2, (11, 12), "ab" * 16)
 
 
 def test_release_ticket_names_the_producer_rank() -> None:

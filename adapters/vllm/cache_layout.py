@@ -53,6 +53,7 @@ def describe_kv_caches(
     token_major_groups: Collection[int] = (),
     interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
     tp_rank: int = 0,
+    head_regions: bool = False,
 ) -> KVLayout:
     """The :class:`KVLayout` of vLLM's per-layer KV tensors, without copying.
 
@@ -74,7 +75,9 @@ def describe_kv_caches(
     ``tp_rank * num_kv_heads + h`` on a tensor-parallel rank holding ``num_kv_heads``),
     or, for an element-major K, one per (head, K, element) (``Region.lane``). Other
     layers are one region each and move whole blocks (``kv_layout`` ``"HND"`` unless a
-    group is split).
+    group is split), or with ``head_regions`` one region per head (its K and V parts of
+    each block: a pull across TP sizes reads a rank's heads out of another rank's
+    blocks; NIXL merges the descriptors of adjacent heads again when a whole block goes).
 
     Raises:
         ConfigError: a group must be cut but the cache's interior is unknown.
@@ -103,6 +106,11 @@ def describe_kv_caches(
                         "whose cache writes kvxfer probed): leave both modes off",
                     )
                 _split_heads(regions, t, layer, g, block_size, interior, tp_rank)
+                continue
+            if cpu_shape and head_regions:
+                heads = int(t.shape[1])
+                for h in range(heads):
+                    regions.add(t[:, h], layer, KVPart.KV, g, head=tp_rank * heads + h)
                 continue
             regions.add(t, layer, KVPart.KV, g)
             continue

@@ -201,6 +201,11 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             layer_groups=self._groups.layer_groups,
             plan_options=self._plan_options,
             interior=interior,
+            # Pulls across TP sizes read head slices: one region per head (on by
+            # default where this instance is tensor-parallel; a TP1 peer opts in).
+            head_regions=self._tp_size > 1
+            if self.cfg.head_regions is None
+            else self.cfg.head_regions,
         )
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:

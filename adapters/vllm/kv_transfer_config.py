@@ -64,6 +64,7 @@ _OWN_EXTRA: Final = (
     "stripe_width",
     "link_down_exit_s",
     "enforce_handshake_compat",
+    "head_regions",
 )
 _D2D_ONLY = (
     "device-to-device only: host bounce (kv_buffer_device 'cpu') registers one full "
@@ -88,6 +89,10 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
             connections on every rail both instances share.
         link_down_exit_s: Exit after losing every local link for this long; 0 never exits.
         enforce_handshake_compat: Check the compatibility hash in the handshake.
+        head_regions: Describe a head-major cache one region per (layer, KV head), which
+            pulls across TP sizes need on both sides; None: only when this instance's
+            tensor_parallel_size is over 1 (a TP1 instance paired with another TP size
+            sets it true).
         passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.
         extra_passthrough: ``kv_connector_extra_config`` keys kvxfer does not own
             (the upstream NIXL connector's), untouched.
@@ -105,6 +110,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
     stripe_width: int | None = None
     link_down_exit_s: float = 0.0
     enforce_handshake_compat: bool = True
+    head_regions: bool | None = None
     passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
     extra_passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -134,6 +140,8 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
         for key in ("swa_window_mode", "chunk_mode", "push_stream", "enforce_handshake_compat"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{_EXTRA}.{key}", getattr(self, key), "must be a bool")
+        if self.head_regions is not None and not isinstance(self.head_regions, bool):
+            raise ConfigError(f"{_EXTRA}.head_regions", self.head_regions, "must be a bool or null")
         self._check_counts()
         self._check_combinations()
         if _is_int(self.link_down_exit_s):  # JSON `5` means 5.0 s; keep the field a float

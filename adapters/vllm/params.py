@@ -44,6 +44,7 @@ __all__ = [
     "PULL_KEYS",
     "PUSH_KEYS",
     "WireGroups",
+    "across_tp",
     "is_remote_prefill",
     "pairing_error",
     "release_ticket",
@@ -174,7 +175,8 @@ def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int)
 
     Upstream's ``transfer_mode`` names the producer's connector: a pull/push mix is
     refused by name here (without the key the handshake refuses it, on the
-    compatibility hash). Ranks pair one to one, so TP sizes must be equal.
+    compatibility hash). A pull reads across TP sizes (each decode rank from the
+    producer ranks holding its heads); a push pairs equal TP sizes only.
     """
     mode = params.get("transfer_mode")
     if mode is not None and mode != direction.value:
@@ -183,24 +185,36 @@ def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int)
             f"(transfer_mode {mode!r}) but this instance runs the {direction.value} "
             "connector: pair pull with pull, push with push"
         )
-    remote_tp = params.get("tp_size")
-    if isinstance(remote_tp, int) and not isinstance(remote_tp, bool) and remote_tp != tp_size:
+    if direction is Direction.PUSH and across_tp(params, tp_size):
         return (
-            f"the producer runs tensor-parallel size {remote_tp}, this instance {tp_size}: "
-            "kvxfer's vLLM connectors pair equal TP sizes (rank r with rank r)"
+            f"the producer runs tensor-parallel size {params.get('tp_size')}, this instance "
+            f"{tp_size}: kvxfer's push connector pairs equal TP sizes (rank r with rank r); "
+            "use the pull connector across TP sizes"
         )
     return None
 
 
-def _rank_incarnation(params: Mapping[str, Any], tp_rank: int) -> int:
+def across_tp(params: Mapping[str, Any], tp_size: int) -> bool:
+    """Whether the producer's ``tp_size`` differs from this instance's ``tp_size``."""
+    remote_tp = params.get("tp_size")
+    return isinstance(remote_tp, int) and not isinstance(remote_tp, bool) and remote_tp != tp_size
+
+
+def _incarnations(params: Mapping[str, Any]) -> tuple[int, ...]:
     many = params.get("remote_incarnations")
-    if many is not None:
-        if not isinstance(many, list | tuple) or any(
-            isinstance(i, bool) or not isinstance(i, int) for i in many
-        ):
-            raise _bad("remote_incarnations", many, "must be a list of integers, one per rank")
-        if tp_rank < len(many):
-            return int(many[tp_rank])
+    if many is None:
+        return ()
+    if not isinstance(many, list | tuple) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in many
+    ):
+        raise _bad("remote_incarnations", many, "must be a list of integers, one per rank")
+    return tuple(int(i) for i in many)
+
+
+def _rank_incarnation(params: Mapping[str, Any], tp_rank: int) -> int:
+    many = _incarnations(params)
+    if tp_rank < len(many):
+        return many[tp_rank]
     return _int(params, "remote_incarnation", 0) if tp_rank == 0 else 0
 
 
@@ -285,6 +299,7 @@ def remote_ticket(
         incarnation=_rank_incarnation(params, tp_rank),
         lease_expiry=_float(params, "lease_expiry"),
         tp_size=_int(params, "tp_size", 1, minimum=1),
+        incarnations=_incarnations(params),
         capability=_capability(params),
         guard_slot=_int(params, "kvxfer_guard_slot", -1, minimum=-1),
         generation=_int(params, "kvxfer_generation", 0),
@@ -338,7 +353,9 @@ def _capability(params: Mapping[str, Any]) -> str:
 
 def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str) -> Ticket:
     """The ticket a consumer aborts to tell rank ``tp_rank`` of the producer to free
-    ``transfer_id`` now (it names the producer, no blocks).
+    ``transfer_id`` now (it names the producer, no blocks). Across TP sizes pass
+    ``tp_rank=0``: the ticket then carries the producer's ``tp_size`` and
+    ``Agent.abort`` tells every producer rank this decode rank reads.
 
     Raises:
         ConfigError: the producer's address keys missing or malformed.
@@ -351,5 +368,7 @@ def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str)
         request_id=transfer_id,
         block_ids=((),),
         num_tokens=0,
+        tp_size=_int(params, "tp_size", 1, minimum=1),
+        incarnations=_incarnations(params),
         capability=_capability(params),
     )

@@ -27,7 +27,8 @@ from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
 from kvxfer.backend import Backend, BackendOptions
 from kvxfer.compat import Fingerprint
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigError, KvxferError
+from kvxfer.heads import HeadLayout, TPRank, place_heads, region_heads
 from kvxfer.layout import Group, GroupKind, KVLayout, MemKind
 from kvxfer.types import Direction
 
@@ -322,6 +323,7 @@ def agent_factory(
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     rail_names = tuple(r.name for r in rails)
     backend_name = "nixl_rbln" if cfg.device_to_device else "host_bounce"
+    tp = tp_identity(vllm_config, tp_rank)
 
     def build(layout: KVLayout, tensors: Sequence[Any]) -> Agent:
         from vllm import envs
@@ -346,6 +348,7 @@ def agent_factory(
             rails=rail_names,
             stripe_width=cfg.stripe_width,
             push_post=post,
+            tp=_tp_for(layout, tp),
         )
         backend: Backend | None = None
         on_device = any(r.mem is not MemKind.DRAM for r in layout.regions)
@@ -377,3 +380,34 @@ def agent_factory(
             raise
 
     return build
+
+
+def _tp_for(layout: KVLayout, tp: TPRank) -> TPRank | None:
+    """``tp`` when the layout's regions split by head the way pulls across TP sizes
+    plan them (vLLM's head-major CPU and device caches do); None otherwise, and the
+    worker then refuses a load from another TP size with this reason."""
+    try:
+        region_heads(place_heads(layout, tp.heads, tp.rank), tp.heads, tp.rank)
+    except KvxferError as exc:
+        log.info("kvxfer: pulls across TP sizes are not available with this layout: %s", exc)
+        return None
+    return tp
+
+
+def tp_identity(vllm_config: Any, tp_rank: int) -> TPRank:
+    """This worker's place in its TP group: the model's KV heads (all ranks; one
+    latent head under MLA) and how ``tensor_parallel_size`` splits them. A pull from a
+    producer of another TP size reads each head from the rank holding it
+    (:mod:`kvxfer._tp`).
+
+    Raises:
+        ConfigError: the TP size cannot split the model's KV heads (vLLM refuses
+            those too).
+    """
+    mc = vllm_config.model_config
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    latent = bool(getattr(mc, "use_mla", False))
+    heads = 1 if latent else int(mc.get_total_num_kv_heads())
+    return TPRank(
+        heads=HeadLayout(num_kv_heads=heads, tp_size=tp_size, latent=latent), rank=tp_rank
+    )

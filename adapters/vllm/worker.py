@@ -34,7 +34,7 @@ from kvxfer.adapters.vllm.cache_layout import (
     token_major_groups,
 )
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
-from kvxfer.adapters.vllm.params import pairing_error, release_ticket, remote_ticket
+from kvxfer.adapters.vllm.params import across_tp, pairing_error, release_ticket, remote_ticket
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
 from kvxfer.descriptors import DescriptorTable, PlanOptions
@@ -96,7 +96,8 @@ class WorkerSide:
         layout: The KV cache's layout.
         tensors: The distinct KV tensors (vLLM's, not copied).
         tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
-        tp_size: This instance's tensor-parallel size (a producer's must be equal).
+        tp_size: This instance's tensor-parallel size (push: a producer's must be
+            equal; a pull reads across TP sizes).
         defer_registration: Device-to-device: register only once the engine's warm-up
             is over, at the first real step (device memory may move before).
     """
@@ -155,11 +156,12 @@ class WorkerSide:
         layer_groups: Mapping[str, int] | None = None,
         plan_options: PlanOptions | None = None,
         interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
+        head_regions: bool = False,
     ) -> WorkerSide:
         """Describe vLLM's KV cache, build the Agent with ``agent_factory`` (in vLLM:
         :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve.
 
-        ``groups``, ``layer_groups`` and ``interior`` are as in
+        ``groups``, ``layer_groups``, ``interior`` and ``head_regions`` are as in
         :func:`describe_kv_caches`; ``plan_options`` the Agent's. The descriptor table
         is built here once, so a mode this layout cannot support fails now, at start-up
         (``ConfigError`` naming key, value and rule), even when device-to-device
@@ -175,6 +177,7 @@ class WorkerSide:
             layer_groups=layer_groups,
             interior=interior,
             tp_rank=tp_rank,
+            head_regions=head_regions,
             token_major_groups=token_major_groups(
                 groups if groups is not None else (Group(kind=GroupKind.FULL),),
                 block_size,
@@ -277,6 +280,12 @@ class WorkerSide:
     def _start_load(self, load: LoadSpec) -> None:
         agent = self.agent
         why = pairing_error(load.remote_params, self.config.direction, self.tp_size)
+        if why is None and across_tp(load.remote_params, self.tp_size) and agent.config.tp is None:
+            why = (
+                f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "
+                f"this instance {self.tp_size}, and this KV layout does not split by head "
+                "(see the start-up log): pulls across TP sizes need head-split regions"
+            )
         if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
             self._fail_load(load.request_id, load.local_blocks, why)
@@ -284,7 +293,9 @@ class WorkerSide:
         try:
             ticket = remote_ticket(
                 load.remote_params,
-                tp_rank=self.tp_rank,
+                # Across TP sizes the ticket names producer rank 0 and the Agent reads
+                # the ranks holding this rank's heads (kvxfer._tp); else rank r pairs r.
+                tp_rank=self._paired_rank(load.remote_params),
                 transfer_id=load.transfer_id,
                 local_blocks=load.local_blocks,
                 skip_blocks=load.skip_blocks,
@@ -315,9 +326,15 @@ class WorkerSide:
         self._invalid_blocks.update(b for g in local_blocks for b in g)
         self._interval.failed(why)
 
+    def _paired_rank(self, params: Mapping[str, Any]) -> int:
+        """The producer rank this rank's tickets name: its own, or rank 0 across TP."""
+        return 0 if across_tp(params, self.tp_size) else self.tp_rank
+
     def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
         try:
-            ticket = release_ticket(params, tp_rank=self.tp_rank, transfer_id=transfer_id)
+            ticket = release_ticket(
+                params, tp_rank=self._paired_rank(params), transfer_id=transfer_id
+            )
             self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
         except Exception as exc:
             log.warning("kvxfer: could not release %s on the producer: %s", transfer_id, exc)

@@ -37,7 +37,7 @@ from kvxfer.adapters.vllm.startup import (
 )
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
-from kvxfer.errors import ConfigError, RailError
+from kvxfer.errors import ConfigError, KvxferError, RailError
 from kvxfer.types import Direction, Role
 from tests.railfakes import FakeNic, build_sysfs
 
@@ -569,7 +569,11 @@ def test_bad_kv_transfer_params_fail_that_request_and_name_the_key(
     assert f"kv_transfer_params.{key}=" in caplog.text
 
 
-def test_a_producer_of_another_tp_size_is_refused_by_name() -> None:
+def test_a_producer_of_another_tp_size_is_refused_by_name_without_head_regions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A decode whose layout does not split by head (here: no TP identity) cannot read
+    a head slice: the load fails at once, naming both TP sizes and what is missing."""
     c = _worker("kv_consumer", "pull", _caches(fill=False))
     try:
         load = LoadSpec(
@@ -585,6 +589,8 @@ def test_a_producer_of_another_tp_size_is_refused_by_name() -> None:
         assert recving == failed == {"d-2"} and c.block_ids_with_load_errors() == {3, 4}
     finally:
         c.close()
+    assert "tensor-parallel size 2, this instance 1" in caplog.text
+    assert "head-split regions" in caplog.text
 
 
 # --- start-up checks ---------------------------------------------------------------------
@@ -768,6 +774,40 @@ def test_cpu_kv_cache_shape_describes_as_one_region_per_layer() -> None:
         (block_bytes, block_bytes, NUM_BLOCKS)
     }
     assert layout.regions[1].base - layout.regions[0].base == NUM_BLOCKS * block_bytes
+
+
+@pytest.mark.e2e
+def test_head_regions_describe_one_region_per_global_head_that_tp_planning_accepts() -> None:
+    """Pulls across TP sizes read head slices: with head_regions each layer is one
+    region per KV head (its K and V parts of every block), numbered globally on a
+    tensor-parallel rank, and the TP algebra takes that layout as the rank's heads."""
+    from kvxfer.adapters.vllm.worker import describe_kv_caches
+    from kvxfer.heads import HeadLayout, region_heads
+
+    caches = _caches(fill=False)
+    whole = describe_kv_caches(caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="HND")
+    for rank in (0, 1):
+        layout = describe_kv_caches(
+            caches,
+            block_size=BS,
+            num_blocks=NUM_BLOCKS,
+            kv_layout="HND",
+            tp_rank=rank,
+            head_regions=True,
+        )
+        assert layout.num_regions == 2 * HEADS
+        assert [r.head for r in layout.regions] == [rank * HEADS + h for h in range(HEADS)] * 2
+        head_bytes = BS * 2 * HEAD * 2
+        assert {(r.block_len, r.stride) for r in layout.regions} == {
+            (head_bytes, HEADS * head_bytes)
+        }
+        # the same bytes as the whole-block description, per head
+        assert layout.regions[1].base - layout.regions[0].base == head_bytes
+        assert layout.regions[0].base == whole.regions[0].base
+        heads = HeadLayout(num_kv_heads=2 * HEADS, tp_size=2)
+        assert region_heads(layout, heads, rank)[0] == range(rank * HEADS, rank * HEADS + 1)
+    with pytest.raises(KvxferError):
+        region_heads(whole, HeadLayout(num_kv_heads=2 * HEADS, tp_size=2), 1)
 
 
 def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(

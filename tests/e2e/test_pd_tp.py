@@ -1,0 +1,140 @@
+"""Prefill and decode of different tensor-parallel sizes on real vLLM engines, through
+the pull connector (R-TP-4): greedy output equal to a unified instance, a negative
+control, and decode's prompt tokens all over the connector.
+
+Across TP sizes the unified reference and the pair run in float32: in bf16 a TP2 and
+a TP1 instance of the same random-weight model already disagree with no transfer
+involved (the all-reduce sums in another order), in float32 they agree.
+
+``make test`` runs prefill TP1 -> decode TP2 (llm-d's direction: a small prefill
+feeding a wider decode). ``KVXFER_E2E_TP_ALL=1`` adds prefill TP2 -> decode TP1 and
+the equal pair TP2 -> TP2 in bf16 against a unified TP2 instance (each pair starts
+three or four engine processes; about a minute each on two cores).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .pd import PD_ENV, PDPair, kv_config, prompt_ids, reference, through_pd
+from .servers import VllmServer, free_port, start_server, wait_all_healthy
+from .test_unified_baseline import PROMPTS
+
+pytestmark = pytest.mark.e2e
+
+SOURCE = "vllm:prompt_tokens_by_source_total"
+ALL = os.environ.get("KVXFER_E2E_TP_ALL") == "1"
+
+#: (prefill TP, decode TP, dtype); the first runs in make test.
+PAIRS = [(1, 2, "float32"), (2, 1, "float32"), (2, 2, "bfloat16")]
+
+
+def _tp_args(tp: int, dtype: str) -> list[str]:
+    args = ["--dtype", dtype]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    return args
+
+
+def _heads(tp: int) -> dict[str, Any]:
+    """A TP1 instance paired with another TP size describes its cache per head (TP > 1
+    instances do by default). Three TP instances share two cores here: a first
+    handshake can wait seconds for a starved side-channel thread, so the loads get
+    more than the other e2e pairs' 10 s."""
+    extra: dict[str, Any] = {"transfer_timeout_s": 30}
+    if tp == 1:
+        extra["head_regions"] = True
+    return extra
+
+
+def _side_channel_env() -> dict[str, str]:
+    # Rank r listens on the base port + r: leave room for two ranks.
+    base = free_port()
+    while base + 1 > 65535:
+        base = free_port()
+    return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}") for p in PAIRS[: 3 if ALL else 1]],
+)
+def tp_setup(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, e2e_log_dir: Path
+) -> Iterator[tuple[PDPair, VllmServer]]:
+    p_tp, d_tp, dtype = request.param
+    ref_tp = p_tp if p_tp == d_tp else 1
+    tag = f"p{p_tp}-d{d_tp}-{dtype}"
+    unified = start_server(
+        f"unified-tp{ref_tp}-{dtype}",
+        tiny_model_dir,
+        e2e_log_dir,
+        extra_args=_tp_args(ref_tp, dtype),
+        wait=False,
+    )
+    prefill = start_server(
+        f"prefill-tp-{tag}",
+        tiny_model_dir,
+        e2e_log_dir,
+        extra_args=_tp_args(p_tp, dtype),
+        kv_transfer_config=kv_config("kv_producer", "pull", extra=_heads(p_tp)),
+        env=_side_channel_env(),
+        wait=False,
+    )
+    decode = start_server(
+        f"decode-tp-{tag}",
+        tiny_model_dir,
+        e2e_log_dir,
+        extra_args=_tp_args(d_tp, dtype),
+        kv_transfer_config=kv_config("kv_consumer", "pull", extra=_heads(d_tp)),
+        env=_side_channel_env(),
+        wait=False,
+    )
+    servers = [unified, prefill, decode]
+    try:
+        wait_all_healthy(servers)
+        pair = PDPair("pull", prefill, decode)
+        through_pd(pair, "warm up the pair", "warm up the pair", max_tokens=2)
+        unified.complete("warm up", max_tokens=2)
+        yield pair, unified
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_output_equals_unified_and_every_prompt_token_came_over(
+    tp_setup: tuple[PDPair, VllmServer],
+) -> None:
+    pair, unified = tp_setup
+    d = pair.decode
+    for name in ("multi_block_partial", "long", "sub_block"):
+        prompt = f"Across TP sizes: {PROMPTS[name]}"
+        ids = prompt_ids(unified, prompt)
+        local0 = d.metric(SOURCE, source="local_compute")
+        remote0 = d.metric(SOURCE, source="external_kv_transfer")
+        assert through_pd(pair, prompt, prompt) == reference(unified, prompt), name
+        local = d.metric(SOURCE, source="local_compute") - local0
+        remote = d.metric(SOURCE, source="external_kv_transfer") - remote0
+        # vLLM recomputes only the last prompt token itself (it needs its logits).
+        assert local <= 1 and remote >= len(ids) - 1, (name, local, remote, len(ids))
+    assert not re.search(r"kvxfer: KV load of \S+ (failed|refused)", d.log_text())
+
+
+def test_negative_control_decode_continues_the_transferred_prompt(
+    tp_setup: tuple[PDPair, VllmServer],
+) -> None:
+    """Decode asked for prompt A but given B's KV continues B: every decode rank used
+    the heads it read from the producer ranks, not a recomputation of A."""
+    pair, unified = tp_setup
+    text = "Northern islands across the TP group remember the silver harbor " * 2
+    a = prompt_ids(unified, text)
+    b = [(a[0] + 1) % 500 or 1, *a[1:]]
+    ref_a, ref_b = reference(unified, a), reference(unified, b)
+    assert ref_a != ref_b, "the control needs prompts whose continuations differ"
+    assert through_pd(pair, b, a) == ref_b, "decode did not use the transferred KV"

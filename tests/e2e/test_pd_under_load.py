@@ -1,0 +1,130 @@
+"""A prefill instance killed under load through ``kvxfer proxy`` (R-SAFE-4): requests
+fail fast or succeed with the unified instance's output, none waits for a timeout,
+and decode keeps serving.
+
+Before the liveness probes, one run in three had requests hang 15–30 s after the kill:
+one in handshake retries towards the dead producer, one until ``transfer_timeout_s``
+with its READ never completing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvxfer.adapters.vllm.proxy import start_proxy
+
+from .pd import MAX_TOKENS, PD_EXTRA, PDPair, reference, start_prefill
+from .servers import VllmServer
+from .test_unified_baseline import PROMPTS
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS = 40
+CONCURRENCY = 8
+KILL_AFTER = 6  # completed requests before the prefill instance dies
+# Far below the 15 s of handshake retries and the pair's transfer_timeout_s that a
+# request hung for before; far above a request's own time on two loaded cores.
+BOUND_S = 8.0
+assert PD_EXTRA["transfer_timeout_s"] > BOUND_S
+
+
+@pytest.fixture
+def doomed(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
+    server = start_prefill("prefill-pull-under-load", "pull", tiny_model_dir, e2e_log_dir)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _post(url: str, prompt: str) -> tuple[int, list[int]]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "temperature": 0.0,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+            return resp.status, list(out["choices"][0]["token_ids"])
+    except urllib.error.HTTPError as err:
+        return err.code, []
+
+
+def test_prefill_killed_under_load_fails_fast_and_never_wrong(
+    doomed: VllmServer, pull_pair: PDPair, unified_server: VllmServer
+) -> None:
+    d = pull_pair.decode
+    url, stop = start_proxy(
+        [doomed.url],
+        [d.url],
+        mode="pull",
+        health_interval_s=0.5,
+        short_prompt_tokens=0,  # every request through P/D
+    )
+    names = list(PROMPTS)
+    prompts = [f"Load {i}: {PROMPTS[names[i % len(names)]]}" for i in range(REQUESTS)]
+    results: list[tuple[str, int, list[int], float, float]] = []
+    lock = threading.Lock()
+    todo = iter(prompts)
+    killed_at: list[float] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                prompt = next(todo, None)
+            if prompt is None:
+                return
+            t0 = time.monotonic()
+            status, got = _post(url, prompt)
+            t1 = time.monotonic()
+            with lock:
+                results.append((prompt, status, got, t0, t1))
+                if len(results) == KILL_AFTER and not killed_at:
+                    killed_at.append(time.monotonic())
+                    doomed.kill()  # the server and its engine, mid-load
+
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "requests still running after 300 s"
+    finally:
+        stop()
+    assert killed_at and len(results) == REQUESTS
+    slow = [(s, round(t1 - t0, 1)) for _, s, _, t0, t1 in results if t1 - t0 > BOUND_S]
+    assert not slow, f"requests that took over {BOUND_S} s (status, seconds): {slow}"
+    ok = [(p, got) for p, s, got, _, _ in results if s == 200]
+    failed = [s for _, s, _, _, _ in results if s != 200]
+    assert all(s in (500, 502, 503) for s in failed), failed
+    # Every answer is the prompt's own: through P/D before the kill, decode-only after.
+    wrong = [p for p, got in ok if got != reference(unified_server, p)]
+    assert not wrong, f"{len(wrong)} outputs differ from unified: {wrong[:3]}"
+    # The proxy took the dead instance out: the requests sent well after the kill
+    # were all answered (decode-only).
+    late = [s for _, s, _, t0, _ in results if t0 > killed_at[0] + 3.0]
+    assert all(s == 200 for s in late), late
+    assert d.complete("still serving", max_tokens=4)["choices"][0]["text"] is not None
+    print(
+        f"under load: {len(ok)} answered, {len(failed)} failed fast, slowest "
+        f"{max(t1 - t0 for *_, t0, t1 in results):.2f} s, {len(late)} sent after the kill"
+    )
