@@ -14,6 +14,7 @@ a stage-in): with UCX over CMA a post copies every byte before it returns.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -37,9 +38,20 @@ from kvxfer.errors import BackendError, KvxferError, PeerError, TransferError, T
 from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState, settle
 from kvxfer.types import Direction
 
-__all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "RECEPTION_TICK_S", "WAITED_TICK_S", "Runtime"]
+__all__ = [
+    "IDLE_NAP_S",
+    "LEASE_TICK_S",
+    "RECEPTION_TICK_S",
+    "REREAD_DELAYS_S",
+    "WAITED_TICK_S",
+    "Runtime",
+]
 
 log = logging.getLogger("kvxfer.agent")
+
+#: Waits before reading a guarded pull again whose guard word is not its hold's yet
+#: (see Runtime._read_again): ~0.3 s in all.
+REREAD_DELAYS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 
 # Progress interval while leases are held and nothing is in flight (see _run).
 LEASE_TICK_S = 0.001
@@ -171,6 +183,10 @@ class Runtime:
             self.fail(transfer, FailureKind.POST, exc)
             return
         t1 = time.perf_counter()
+        if op is XferOp.READ:
+            meta.repost = functools.partial(
+                self.post, transfer, op, peer, local, remote, num_tokens, notification, plan=plan
+            )
         transfer.stats.plan_s = t1 - t0
         transfer.stats.bytes = plan.nbytes
         transfer.stats.descriptors = plan.num_descriptors
@@ -299,6 +315,8 @@ class Runtime:
         if why is None:
             self.succeed(t)
             return
+        if why == "reused" and self._read_again(t, handle):
+            return
         with self._lock:
             self._stats.guard_failures += 1
         self.fail(
@@ -310,6 +328,38 @@ class Runtime:
             ),
             FailureStage.LEASE,
         )
+
+    def _read_again(self, t: Transfer, handle: object) -> bool:
+        """The guard word is another hold's (or none yet): a ticket minted before its
+        hold (the vLLM scheduler hands tickets out before the worker's hold runs, which
+        on a tensor-parallel producer can come after decode's read) is read again, data
+        and word, a few times with growing waits (``REREAD_DELAYS_S``). A slot that is
+        really another hold's fails after them, ~0.3 s late. Returns False when no
+        read is left (``t`` then fails)."""
+        meta = t.meta
+        with self._lock:
+            if t.done:
+                return False
+            if not meta.guarding or meta.handle is not handle:
+                return True  # another thread took this word and acts on it
+            if meta.repost is None or meta.reposts >= len(REREAD_DELAYS_S):
+                return False
+            delay = REREAD_DELAYS_S[meta.reposts]
+            meta.reposts += 1
+            meta.guarding = False
+            meta.handle = None
+            self._stats.guard_rereads += 1
+        self._backend.release(handle)  # type: ignore[arg-type]
+        log.debug("%s: not held yet by its producer; reading again in %.0f ms", t, delay * 1e3)
+        timer = threading.Timer(delay, self._repost, (t,))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _repost(self, t: Transfer) -> None:
+        repost = t.meta.repost
+        if repost is not None and not t.done and not self.closed:
+            repost()
 
     def arm_guard(
         self, t: Transfer, peer: Peer, slot: int, generation: int, done_notice: bytes

@@ -150,6 +150,8 @@ class AgentStats(msgspec.Struct, kw_only=True):
     capability_rejects: int = 0
     #: Pulls whose guard word said the producer no longer held the blocks.
     guard_failures: int = 0
+    #: Guarded pulls read again because their producer had not held them yet.
+    guard_rereads: int = 0
     #: Pulls of a producer without a guard table (only the lease_expiry check).
     unguarded_pulls: int = 0
     #: Liveness probes of quiet transfers (side-channel pings).
@@ -167,6 +169,7 @@ class AgentStats(msgspec.Struct, kw_only=True):
             "leases_expired": self.leases_expired,
             "capability_rejects": self.capability_rejects,
             "guard_failures": self.guard_failures,
+            "guard_rereads": self.guard_rereads,
             "unguarded_pulls": self.unguarded_pulls,
             "liveness_probes": self.liveness_probes,
             "guard_reads": self.guard_reads,

@@ -123,6 +123,9 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         last_progress: Monotonic time of its last sign of life (post, probe answer).
         probing: A liveness probe of its peer is in flight.
         push_from: A push reception: the producer's side-channel address.
+        repost: A guarded pull: posts it again (same plan), when its guard word says the
+            producer has not held the request yet.
+        reposts: How often it was posted again.
     """
 
     posting: bool = False
@@ -144,6 +147,8 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     last_progress: float = 0.0
     probing: bool = False
     push_from: tuple[str, int] | None = None
+    repost: Callable[[], None] | None = None
+    reposts: int = 0
 
 
 class Transfer:

@@ -184,6 +184,32 @@ def test_a_caller_minted_guard_whose_slot_is_taken_fails_closed(
     assert_fails_closed(bad, [6])
 
 
+def test_a_pull_of_a_ticket_minted_before_its_hold_waits_for_the_hold(
+    pull: tuple[Side, Engine, Side],
+) -> None:
+    """The vLLM scheduler hands the ticket out before the worker's hold runs (on a
+    tensor-parallel producer the hold can come after decode's read): a guard word that
+    is not the ticket's yet is read again, data and word, and the pull is DONE once
+    the hold is in place, with the producer's bytes."""
+    producer, engine, consumer = pull
+    ticket = replace(
+        stub(producer, "early"),
+        block_ids=((1, 2),),
+        num_tokens=2 * BLOCK,
+        capability="cc" * 16,
+        guard_slot=7,
+        generation=0xABC,
+    )
+    t = consumer.agent.pull(ticket, [5, 6])
+    time.sleep(0.03)  # the read (and its first guard read) before the hold
+    engine.hold("early", [1, 2], capability="cc" * 16, guard=(7, 0xABC))
+    settle(t, 5, engine)
+    assert t.state is TransferState.DONE, t.error
+    assert landed_intact(consumer, [5, 6], [1, 2])
+    stats = consumer.agent.stats()
+    assert stats.guard_rereads >= 1 and stats.guard_failures == 0
+
+
 @pytest.mark.parametrize("case", list(_BAD_IDS))
 def test_bad_local_ids_of_a_pull_are_refused(pull: tuple[Side, Engine, Side], case: str) -> None:
     _, engine, consumer = pull
