@@ -1,6 +1,7 @@
 """Prefill and decode of different tensor-parallel sizes on real vLLM engines, through
 the pull connector (R-TP-4): greedy output equal to a unified instance, a negative
-control, and decode's prompt tokens all over the connector.
+control, decode's prompt tokens all over the connector, and a producer rank killed
+before decode's read failing that request cleanly while decode keeps serving.
 
 Across TP sizes the unified reference and the pair run in float32: in bf16 a TP2 and
 a TP1 instance of the same random-weight model already disagree with no transfer
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .pd import PD_ENV, PDPair, kv_config, prompt_ids, reference, through_pd
-from .servers import VllmServer, free_port, start_server, wait_all_healthy
+from .pd import PD_ENV, PDPair, decode, kv_config, prefill, prompt_ids, reference, through_pd
+from .servers import HttpError, VllmServer, free_port, start_server, wait_all_healthy
 from .test_unified_baseline import PROMPTS
 
 pytestmark = pytest.mark.e2e
@@ -138,3 +141,46 @@ def test_negative_control_decode_continues_the_transferred_prompt(
     ref_a, ref_b = reference(unified, a), reference(unified, b)
     assert ref_a != ref_b, "the control needs prompts whose continuations differ"
     assert through_pd(pair, b, a) == ref_b, "decode did not use the transferred KV"
+
+
+def _worker_pid(server: VllmServer, rank: int) -> int | None:
+    """The pid of tensor-parallel worker ``rank`` of ``server`` (vLLM titles its
+    processes ``VLLM::Worker_TP<rank>``), found in the server's process group."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if os.getpgid(int(entry.name)) != server.pid:
+                continue
+        except (OSError, ProcessLookupError):
+            continue
+        if f"Worker_TP{rank}" in title:
+            return int(entry.name)
+    return None
+
+
+def test_a_killed_producer_rank_fails_the_load_cleanly_and_decode_keeps_serving(
+    tp_setup: tuple[PDPair, VllmServer],
+) -> None:
+    """Last in this module (it kills the pair's prefill): the producer's last rank dies
+    between prefill and decode's pull; decode's request fails (HTTP 500, vLLM's
+    default kv_load_failure_policy) well before transfer_timeout_s, and decode keeps
+    serving."""
+    pair, _ = tp_setup
+    d = pair.decode
+    prompt = "A rank of the prefill group dies before decode reads its heads " * 2
+    params = prefill(pair.prefill, prompt)
+    tp = int(params["tp_size"])
+    pid = _worker_pid(pair.prefill, tp - 1) if tp > 1 else None
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    else:
+        pair.prefill.kill()
+    t0 = time.monotonic()
+    with pytest.raises(HttpError) as err:
+        decode(d, prompt, params)
+    assert err.value.status == 500
+    assert time.monotonic() - t0 < 15, "the failed load waited for transfer_timeout_s"
+    assert re.search(r"kvxfer: KV load of \S+ failed", d.log_text())
+    assert d.complete("still serving", max_tokens=4)["choices"][0]["text"] is not None
