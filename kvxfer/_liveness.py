@@ -6,7 +6,8 @@ be seen only at ``transfer_timeout_s``. A transfer that made no progress for
 :data:`QUIET_S` is probed over the side channel, from the io workers:
 
 - a pull's producer is pinged; no answer within :data:`PROBE_TIMEOUT_S` (or a refused
-  connection), or another incarnation, fails the pull (the peer is gone);
+  connection), or another incarnation, fails the pull (the peer is gone); a pull whose
+  handshake or post has not returned yet fails only on a refused connection;
 - a push reception asks the producer how its hold stands (``Ping(request_id,
   capability)`` → ``Pong.hold``): ``pushed`` settles it DONE (every write landed, the
   notice was lost), ``failed``/``released``/``unknown`` fail it with that reason,
@@ -82,15 +83,27 @@ class Liveness:
         """Probe the transfers in ``transfers`` quiet since :data:`QUIET_S`."""
         for t in transfers:
             meta = t.meta
-            if t.done or meta.probing or meta.posting or now - meta.last_progress < QUIET_S:
+            if t.done or meta.probing or now - meta.last_progress < QUIET_S:
                 continue
             if meta.push_from is not None:
+                if meta.posting:
+                    continue
                 host, port = meta.push_from
                 job = (self._probe_push, t, host, port)
-            elif meta.peer is not None and meta.lease is None:
-                job = (self._probe_pull, t, meta.peer.host, meta.peer.port)
+            elif meta.lease is None and (meta.peer is not None or meta.pull_from is not None):
+                # A pull, also one still in its first-contact handshake or in a post
+                # that does not return (UCX connecting to a producer that died meanwhile
+                # can take its own ~10 s): its producer's side channel says.
+                peer = meta.peer
+                if peer is not None:
+                    job = (self._probe_pull, t, peer.host, peer.port)
+                else:
+                    # Its handshake or post has not returned: only a port that refuses
+                    # says the producer is gone (a slow one may not answer a Ping yet).
+                    assert meta.pull_from is not None
+                    job = (self._probe_port, t, *meta.pull_from)
             else:
-                continue  # a handshake (its own deadline) or a producer's push write
+                continue  # a producer's push write
             meta.probing = True
             self._count()
             if not self._submit(*job):
@@ -126,6 +139,21 @@ class Liveness:
     def _alive(self, t: Transfer) -> None:
         t.meta.last_progress = time.monotonic()
         t.meta.probing = False
+
+    def _probe_port(self, t: Transfer, host: str, port: int) -> None:
+        refused = self._refused(host, port)
+        if refused is None:
+            self._alive(t)
+            return
+        self._settler.fail(
+            t,
+            FailureKind.PEER_GONE,
+            PeerError(
+                f"peer {host}:{port} gone: its side channel refused a liveness probe after "
+                f"{QUIET_S:g}s without progress ({refused})"
+            ),
+            FailureStage.TRANSFER,
+        )
 
     def _probe_pull(self, t: Transfer, host: str, port: int) -> None:
         reply = self._ask(t, host, port, "")

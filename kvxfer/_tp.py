@@ -184,6 +184,8 @@ class TPPuller:
             deadline=time.monotonic() + config.transfer_timeout_s,
         )
         subs = {p: runtime.new_transfer(ticket.request_id, groups) for p in ranks}
+        for p, sub in subs.items():
+            sub.meta.pull_from = (tickets[p].host, tickets[p].port)  # probed while quiet
         fanout = Fanout(aggregate, subs, lambda failed: self._released(ticket, subs, failed))
         if ticket.lease_expiry:
             aggregate.meta.lease_expiry = ticket.lease_expiry

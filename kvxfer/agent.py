@@ -538,6 +538,7 @@ class Agent:
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
         transfer.meta.capability = ticket.capability
+        transfer.meta.pull_from = (ticket.host, ticket.port)
         if ticket.lease_expiry:
             transfer.meta.lease_expiry = ticket.lease_expiry
             if runtime.lease_over(ticket.lease_expiry):

@@ -123,6 +123,8 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         last_progress: Monotonic time of its last sign of life (post, probe answer).
         probing: A liveness probe of its peer is in flight.
         push_from: A push reception: the producer's side-channel address.
+        pull_from: A pull: its producer's side-channel address (probed while the pull
+            waits for its handshake or sits in a post that does not return).
         repost: A guarded pull: posts it again (same plan), when its guard word says the
             producer has not held the request yet.
         reposts: How often it was posted again.
@@ -147,6 +149,7 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     last_progress: float = 0.0
     probing: bool = False
     push_from: tuple[str, int] | None = None
+    pull_from: tuple[str, int] | None = None
     repost: Callable[[], None] | None = None
     reposts: int = 0
 

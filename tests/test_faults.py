@@ -425,6 +425,26 @@ def test_a_lost_pushed_notice_resolves_within_two_seconds(
     assert took < 2.0, f"a lost PUSHED notice took {took:.1f}s to resolve"
 
 
+def test_a_producer_dying_during_the_first_contact_fails_the_pull_within_two_seconds(
+    pull: tuple[Side, Engine, Side],
+) -> None:
+    """The producer accepted the handshake's connection and died before answering (seen
+    under load through the proxy: the pull waited for transfer_timeout_s). A pull whose
+    handshake has not returned is probed on its producer's port: refused, it fails."""
+    producer, _, consumer = pull
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # takes the Hello, never answers
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    ticket = replace(stub(producer, "gone"), port=port, block_ids=((1, 2),), num_tokens=2 * BLOCK)
+    t = consumer.agent.pull(ticket, [5, 6])
+    assert mute.poll(2000), "the Hello never arrived"
+    mute.close(linger=0)  # the producer dies: its port now refuses
+    took = settle(t, 10)
+    assert t.state is TransferState.FAILED and t.invalid_blocks == (5, 6)
+    assert took < 2.0, f"a producer dead during the handshake took {took:.1f}s to detect"
+    assert "refused" in str(t.error)
+
+
 def test_a_failed_read_releases_the_producers_lease_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:
