@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -27,6 +28,9 @@ from kvxfer import wire
 from kvxfer._guard import FreeReason, GuardBook
 from kvxfer.agent_config import AgentStats
 from kvxfer.transfer import Transfer, TransferState
+
+if TYPE_CHECKING:
+    from kvxfer._peers import Peer
 
 __all__ = [
     "EARLY_KEEP_S",
@@ -36,6 +40,7 @@ __all__ = [
     "MAX_RIVALS",
     "Lease",
     "LeaseBook",
+    "Target",
 ]
 
 log = logging.getLogger("kvxfer.agent")
@@ -53,6 +58,17 @@ MAX_RIVALS = 4
 MAX_OUTCOMES = 1024
 
 
+class Target(msgspec.Struct, kw_only=True):
+    """Push: one consumer rank's registration of a held request, and its writes."""
+
+    register: wire.PushRegister
+    final_notice: tuple[float, bytes] | None = None  # encoded at registration
+    pushed_blocks: int = 0  # push_stream: leading blocks already written
+    parts_posted: int = 0
+    final_posted: bool = False
+    peer: Peer | None = None  # the consumer rank once a write was posted (told on failure)
+
+
 class Lease(msgspec.Struct, kw_only=True):
     """A producer's hold on a request's blocks (R-XFER-4)."""
 
@@ -60,24 +76,35 @@ class Lease(msgspec.Struct, kw_only=True):
     blocks: tuple[tuple[int, ...], ...]
     num_tokens: int
     expiry: float
-    # push: where to write, once the consumer registered its blocks
-    target: wire.PushRegister | None = None
+    # push: where to write, by consumer rank (``PushRegister.reader``; one, rank 0,
+    # unless the consumer's TP size differs), once each registered its blocks
+    targets: dict[int, Target] = msgspec.field(default_factory=dict)
+    readers: int = 1  # push: consumer ranks to write to before the hold ends
     ready: bool = False  # prefill finished (hold() called), for push
-    pushed_blocks: int = 0  # push_stream: leading blocks already written
-    parts_posted: int = 0
-    final_posted: bool = False
     writes: list[Transfer] = msgspec.field(default_factory=list)
-    final_notice: tuple[float, bytes] | None = None  # push: encoded at registration
     capability: str = ""  # the hold's token (in its ticket)
     # push: the hold's capability came from the caller (the router minted it and gave it
     # to the consumer too), so only a registration showing it may receive the KV.
     pinned: bool = False
-    # push, before hold(): registrations of this id beside ``target``, each with its
-    # encoded final notice; hold() keeps the one showing its capability.
+    # push, before hold(): registrations of this id beside ``targets`` from another
+    # consumer, each with its encoded final notice; hold() keeps those showing its
+    # capability.
     rivals: list[tuple[wire.PushRegister, tuple[float, bytes]]] = msgspec.field(
         default_factory=list
     )
     guard: tuple[int, int] | None = None  # guard slot and generation (pull)
+
+    @property
+    def consumer(self) -> wire.PushRegister | None:
+        """Push: the first registration bound (every consumer rank shows its token)."""
+        return next((t.register for t in self.targets.values()), None)
+
+    @property
+    def all_written(self) -> bool:
+        """Push: every consumer rank registered and got its final write posted."""
+        return len(self.targets) >= self.readers and all(
+            t.final_posted for t in self.targets.values()
+        )
 
 
 class LeaseBook:
@@ -145,23 +172,30 @@ class LeaseBook:
                     )
 
     def _bind_target(self, lease: Lease) -> None:
-        """Push: with a pinned capability, keep the registration that shows it (a
+        """Push: with a pinned capability, keep the registrations that show it (a
         stranger's that came first is dropped; none: wait for the consumer's)."""
         rivals, lease.rivals = lease.rivals, []
-        target = lease.target
-        if not lease.pinned or target is None:
+        if not lease.pinned or not lease.targets:
             return
-        if wire.capability_matches(lease.capability, target.capability):
+        strangers = [
+            r
+            for r, t in lease.targets.items()
+            if not wire.capability_matches(lease.capability, t.register.capability)
+        ]
+        if not strangers:
             return
         self._stats.capability_rejects += 1
         log.warning(
             "hold of %s: dropped a push registration without its capability", lease.request_id
         )
-        lease.target, lease.final_notice = None, None
+        for r in strangers:
+            del lease.targets[r]
         for msg, notice in rivals:
-            if wire.capability_matches(lease.capability, msg.capability):
-                lease.target, lease.final_notice = msg, notice
-                return
+            if msg.reader not in lease.targets and wire.capability_matches(
+                lease.capability, msg.capability
+            ):
+                lease.targets[msg.reader] = Target(register=msg, final_notice=notice)
+                lease.readers = msg.readers
 
     def registration_room(self, request_id: str) -> bool:
         """Whether a push registration of ``request_id`` may make a lease (capped)."""
@@ -181,8 +215,10 @@ class LeaseBook:
         """Whether ``capability`` is the hold's token or its consumer's registration."""
         if wire.capability_matches(lease.capability, capability):
             return True
-        target = lease.target
-        return target is not None and wire.capability_matches(target.capability, capability)
+        return any(
+            wire.capability_matches(t.register.capability, capability)
+            for t in lease.targets.values()
+        )
 
     def free(
         self,
@@ -203,7 +239,7 @@ class LeaseBook:
             self.guard.retire(*lease.guard, reason)
         if self.on_free is not None:
             self.on_free(lease, reason)
-        tokens = (lease.capability,) + ((lease.target.capability,) if lease.target else ())
+        tokens = (lease.capability, *{t.register.capability for t in lease.targets.values()})
         self._outcomes[request_id] = (outcome, reason.text, tokens)
         if len(self._outcomes) > MAX_OUTCOMES:
             del self._outcomes[next(iter(self._outcomes))]

@@ -88,12 +88,12 @@ class Notices:
             if notice.kind in (wire.NoticeKind.DONE, wire.NoticeKind.ABORT):
                 self._hold_notice(notice)
             elif notice.kind is wire.NoticeKind.FAILED:
-                expected = receptions.expected.get(notice.request_id)
+                expected = receptions.of(notice)
                 if expected is None:
                     continue
                 if not self._token_ok(expected, notice):
                     continue
-                receptions.expected.pop(notice.request_id, None)
+                receptions.unexpect(notice.request_id, notice.source)
                 reason = f": {notice.reason}" if notice.reason else ""
                 self._fail(
                     expected,
@@ -101,7 +101,7 @@ class Notices:
                     TransferError(f"producer {notice.engine_id} reported a failed write{reason}"),
                 )
             elif notice.kind is wire.NoticeKind.PUSHED:
-                expected = receptions.expected.get(notice.request_id)
+                expected = receptions.of(notice)
                 if expected is not None and not self._token_ok(expected, notice):
                     continue
                 t = receptions.pushed(notice)

@@ -25,12 +25,14 @@ import msgspec
 
 from kvxfer import blocks, wire
 from kvxfer._guard import FreeReason
-from kvxfer._leases import MAX_RIVALS, Lease, LeaseBook
+from kvxfer._leases import MAX_RIVALS, Lease, LeaseBook, Target
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
+from kvxfer._readers import MAX_READERS
 from kvxfer._receptions import NOTICE_REUSE_S
 from kvxfer._runtime import Runtime
 from kvxfer._serial import SerialWorker
+from kvxfer._tp_push import WritePlanner
 from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp
 from kvxfer.errors import KvxferError, TransferError
@@ -45,9 +47,10 @@ _timeline = logging.getLogger("kvxfer.timeline")
 
 
 class Write(msgspec.Struct):
-    """One WRITE of a lease's slice to its consumer, ready to post."""
+    """One WRITE of a lease's slice to one consumer rank, ready to post."""
 
     transfer: Transfer
+    slot: Target
     target: wire.PushRegister
     local: tuple[tuple[int, ...], ...]
     remote: tuple[tuple[int, ...], ...]
@@ -85,6 +88,7 @@ class PushWriter:
         self._leases = leases
         self._lock = lock
         self._pusher = SerialWorker("kvxfer-push")
+        self._planner = WritePlanner(local, lock)
         mode = self._config.push_post
         # A staging backend's post also copies the blocks out on the CPU first.
         stages = backend.capabilities.stages_through_host
@@ -118,6 +122,14 @@ class PushWriter:
                 code=wire.RejectCode.UNKNOWN_REQUEST, reason="this instance does not push"
             )
         leases = self._leases
+        if not (1 <= msg.readers <= MAX_READERS and msg.reader < MAX_READERS):
+            # ``reader`` is the consumer's TP rank; ``readers`` how many write to: both
+            # bounded by a TP size, so the targets a lease keeps are too (R-SAFE-3).
+            return wire.Reject(
+                code=wire.RejectCode.INVALID,
+                reason=f"readers={msg.readers}, reader={msg.reader}: must be in "
+                f"[1, {MAX_READERS}] and [0, {MAX_READERS})",
+            )
         final = wire.Notice(
             kind=wire.NoticeKind.PUSHED,
             request_id=msg.request_id,
@@ -125,6 +137,7 @@ class PushWriter:
             incarnation=self._local.incarnation,
             block_ids=msg.block_ids,
             capability=msg.capability,
+            source=msg.source,
         )
         # Encoded before the lock (signing costs ~75 µs cold); the consumer learns
         # these bytes now, so that it recognises the notice when it arrives instead of
@@ -144,16 +157,24 @@ class PushWriter:
             lease = leases.lease(
                 msg.request_id, (), msg.num_tokens, time.time() + self._config.lease_s
             )
-            bound = lease.target
+            bound = lease.consumer
             if bound is not None and _same_consumer(bound, msg):
-                if lease.parts_posted:
+                slot = lease.targets.get(msg.reader)
+                if slot is not None and slot.parts_posted:
                     return wire.Ack(request_id=msg.request_id)  # a retry: writes under way
+                if msg.readers != lease.readers:
+                    return wire.Reject(
+                        code=wire.RejectCode.INVALID,
+                        reason=f"request {msg.request_id}: readers {msg.readers} differs "
+                        f"from its other consumer ranks' {lease.readers}",
+                    )
             elif bound is not None:
                 # Before hold(): which of them is the consumer is known only when the
                 # hold brings the router's capability (LeaseBook.arm keeps that one).
                 lease.rivals.append((msg, encoded))
                 return wire.Ack(notice=encoded[1])
-            lease.target, lease.final_notice = msg, encoded
+            lease.targets[msg.reader] = Target(register=msg, final_notice=encoded)
+            lease.readers = msg.readers
             leases.registered(msg.request_id)
         self._runtime.wake()
         return wire.Ack(notice=encoded[1])
@@ -176,7 +197,7 @@ class PushWriter:
                 code=wire.RejectCode.INVALID,
                 reason=f"request {msg.request_id}: the registration lacks the hold's capability",
             )
-        bound = held.target
+        bound = held.consumer
         if bound is None or _same_consumer(bound, msg):
             return None
         if not held.ready and len(held.rivals) < MAX_RIVALS:
@@ -190,28 +211,39 @@ class PushWriter:
         """Under the lock, from a tick: write the ready leases whose consumer registered
         after their hold()."""
         for lease in list(self._leases.held.values()):
-            if lease.target is not None and lease.ready and not lease.final_posted:
+            if lease.ready and lease.targets and not lease.all_written:
                 self.start(lease)
 
     def start(self, lease: Lease, inline: list[Write] | None = None) -> None:
-        """Under the lock: write what is left of a ready lease to the consumer that
-        registered for it."""
-        if lease.target is None or not lease.ready or lease.final_posted:
+        """Under the lock: write what is left of a ready lease to each consumer rank
+        that registered for it."""
+        if not lease.ready:
             return
         total = max((len(g) for g in lease.blocks), default=0)
-        self.write(lease, lease.pushed_blocks, total, final=True, inline=inline)
+        for slot in list(lease.targets.values()):
+            if not slot.final_posted:
+                self.write(lease, slot, slot.pushed_blocks, total, final=True, inline=inline)
+
+    def stream(self, lease: Lease, closed: int, inline: list[Write]) -> None:
+        """Under the lock: write the leading ``closed`` blocks to every consumer rank
+        registered (push_stream; the rest go with :meth:`start`)."""
+        for slot in list(lease.targets.values()):
+            if closed > slot.pushed_blocks and not slot.final_posted:
+                self.write(lease, slot, slot.pushed_blocks, closed, final=False, inline=inline)
+                slot.pushed_blocks = closed
 
     def write(
         self,
         lease: Lease,
+        slot: Target,
         start: int,
         stop: int,
         *,
         final: bool,
         inline: list[Write] | None = None,
     ) -> None:
-        """Under the lock: queue one WRITE of blocks ``[start, stop)`` of a lease
-        (R-XFER-2/3).
+        """Under the lock: queue one WRITE of blocks ``[start, stop)`` of a lease to
+        the consumer rank of ``slot`` (R-XFER-2/3).
 
         The handshake with the consumer (which can take a timeout when it is gone) runs
         on the push worker, never under the lock. One worker keeps a request's writes in
@@ -221,13 +253,13 @@ class PushWriter:
         (see :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
         that it could overtake.
         """
-        target = lease.target
+        target = slot.register
         layout = self._local.exposed_layout
-        assert target is not None and layout is not None
+        assert layout is not None
         block_size = layout.block_size
-        lease.parts_posted += 1
+        slot.parts_posted += 1
         if final:
-            lease.final_posted = True
+            slot.final_posted = True
         # A consumer whose leading blocks are local prefix-cache hits registers only the
         # request's last blocks: skip as many of ours (per group) and write the suffix.
         offsets = [max(0, len(g) - len(t)) for g, t in zip(lease.blocks, target.block_ids)]
@@ -240,8 +272,8 @@ class PushWriter:
         transfer.meta.on_settled = self._settle_write
         # Tokens inside the written slice: whole blocks, except the request's tail.
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
-        early, lease.final_notice = (lease.final_notice if final else None), None
-        job = Write(transfer, target, local, remote, max(tokens, 0), final, early)
+        early, slot.final_notice = (slot.final_notice if final else None), None
+        job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early)
         if inline is not None and self._pusher.idle and self._inline:
             inline.append(job)
         else:
@@ -257,9 +289,16 @@ class PushWriter:
             except KvxferError as exc:
                 self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
                 return
-        transfer.meta.push_peer = peer
+        transfer.meta.push_peer = job.slot.peer = peer
         notice = self._pushed_notice(target, job.remote, job.final, job.early)
         if transfer.done:  # failed meanwhile (agent closing, lease gone)
+            return
+        try:
+            # A consumer of another TP size: this rank writes only the heads that
+            # consumer rank holds and reads from this rank (None: the whole blocks).
+            plan = self._planner.plan(peer, target, job.local, job.remote, job.tokens)
+        except KvxferError as exc:
+            self._runtime.fail(transfer, FailureKind.POST, exc)
             return
         if not any(job.local):
             # Everything was streamed already: only the final notice is left to send.
@@ -279,6 +318,7 @@ class PushWriter:
             blocks.from_wire(job.remote),
             job.tokens,
             notice,
+            plan=plan,
         )
         if _timeline.isEnabledFor(logging.DEBUG):
             _timeline.debug(
@@ -316,39 +356,45 @@ class PushWriter:
                 block_ids=remote,
                 final=final,
                 capability=target.capability,
+                source=target.source,
             )
         )
 
     def _settle_write(self, transfer: Transfer, ok: bool) -> None:
-        """A write settled (under the lock): free the lease when every write is done, or
-        on failure (telling the consumer, which then stops waiting)."""
+        """A write settled (under the lock): free the lease when every consumer rank got
+        all its writes, or on failure (telling every consumer rank, which then stops
+        waiting)."""
         rid = transfer.meta.lease
         lease = self._leases.held.get(rid) if rid is not None else None
         if rid is None or lease is None:
             return
         if not ok:
-            self._tell_failed(lease, transfer.meta.push_peer, "a write failed")
+            self._tell_failed(lease, "a write failed")
             self._leases.free(rid, FreeReason.RELEASED, wire.HoldState.FAILED)
             return
-        if lease.final_posted and all(w.state is TransferState.DONE for w in lease.writes):
+        if lease.all_written and all(w.state is TransferState.DONE for w in lease.writes):
             self._leases.free(rid, FreeReason.DONE, wire.HoldState.PUSHED)
 
-    def _tell_failed(self, lease: Lease, peer: Peer | None, reason: str) -> None:
-        """Under the lock: send the consumer a FAILED notice (it stops waiting)."""
-        if peer is None or lease.target is None:
-            return
-        failed = wire.Notice(
-            kind=wire.NoticeKind.FAILED,
-            request_id=lease.target.request_id,
-            engine_id=self._config.engine_id,
-            incarnation=self._local.incarnation,
-            reason=reason,
-            capability=lease.target.capability,
-        )
-        try:
-            self._backend.notify(peer.handle, self._local.encode(failed))
-        except KvxferError as exc:
-            log.debug("could not tell the consumer about the failed push: %s", exc)
+    def _tell_failed(self, lease: Lease, reason: str) -> None:
+        """Under the lock: send each consumer rank written to a FAILED notice (it stops
+        waiting; one that no write reached yet learns it from its probe)."""
+        for slot in lease.targets.values():
+            peer, target = slot.peer, slot.register
+            if peer is None:
+                continue
+            failed = wire.Notice(
+                kind=wire.NoticeKind.FAILED,
+                request_id=target.request_id,
+                engine_id=self._config.engine_id,
+                incarnation=self._local.incarnation,
+                reason=reason,
+                capability=target.capability,
+                source=target.source,
+            )
+            try:
+                self._backend.notify(peer.handle, self._local.encode(failed))
+            except KvxferError as exc:
+                log.debug("could not tell the consumer about the failed push: %s", exc)
 
     def on_free(self, lease: Lease, reason: FreeReason) -> None:
         """Under the lock, as a lease is freed (before the engine gets its blocks):
@@ -357,7 +403,6 @@ class PushWriter:
         pending = [w for w in lease.writes if w.state is TransferState.PENDING]
         if reason is FreeReason.DONE or not pending:
             return
-        peer = next((w.meta.push_peer for w in pending if w.meta.push_peer is not None), None)
         for w in pending:
             self._runtime.fail(
                 w,
@@ -365,7 +410,7 @@ class PushWriter:
                 TransferError(f"the hold of {lease.request_id} was {reason.text} mid-write"),
                 FailureStage.TRANSFER,
             )
-        self._tell_failed(lease, peer, reason.text)
+        self._tell_failed(lease, reason.text)
 
 
 def _same_consumer(a: wire.PushRegister, b: wire.PushRegister) -> bool:

@@ -38,7 +38,8 @@ class Receptions:
         lock: The agent lock.
 
     Attributes:
-        expected: Receptions awaiting their PUSHED notices, by request id.
+        expected: Receptions awaiting their PUSHED notices, by request id and the
+            producer rank they await (``Notice.source``; 0 unless TP sizes differ).
         final_notices: Final PUSHED notices announced in the producers' registration
             replies, already checked, by their exact bytes: the notice and the
             monotonic time it is known until.
@@ -47,18 +48,24 @@ class Receptions:
     def __init__(self, local: LocalEnd, lock: threading.RLock) -> None:
         self._local = local
         self._lock = lock
-        self.expected: dict[str, Transfer] = {}
+        self.expected: dict[tuple[str, int], Transfer] = {}
         self.final_notices: dict[bytes, tuple[wire.Notice, float]] = {}
 
-    def expect(self, request_id: str, transfer: Transfer) -> None:
-        """``transfer`` settles once the producer's PUSHED notices cover its blocks."""
+    def expect(self, transfer: Transfer) -> None:
+        """``transfer`` settles once its producer's PUSHED notices cover its blocks
+        (those of producer rank ``transfer.meta.push_source``)."""
         with self._lock:
-            self.expected[request_id] = transfer
+            self.expected[(transfer.request_id, transfer.meta.push_source)] = transfer
 
-    def unexpect(self, request_id: str) -> Transfer | None:
-        """Stop awaiting pushes for ``request_id``; returns the reception if any."""
+    def unexpect(self, request_id: str, source: int = 0) -> Transfer | None:
+        """Stop awaiting pushes for ``request_id`` from producer rank ``source``;
+        returns the reception if any."""
         with self._lock:
-            return self.expected.pop(request_id, None)
+            return self.expected.pop((request_id, source), None)
+
+    def of(self, notice: wire.Notice) -> Transfer | None:
+        """The reception a PUSHED/FAILED notice is about, if awaited."""
+        return self.expected.get((notice.request_id, notice.source))
 
     def forget(self, transfer: Transfer) -> None:
         """``transfer`` settled: its announced notice is of no use any more."""
@@ -94,7 +101,8 @@ class Receptions:
             return
         with self._lock:
             # Arrived (or failed) meanwhile: nothing left to recognise.
-            if transfer.done or self.expected.get(transfer.request_id) is not transfer:
+            key = (transfer.request_id, transfer.meta.push_source)
+            if transfer.done or self.expected.get(key) is not transfer:
                 return
             # A producer sends the announced bytes only this long after encoding them
             # (later it signs a fresh notice), so later they are not recognised either.
@@ -113,14 +121,15 @@ class Receptions:
 
     def pushed(self, notice: wire.Notice) -> Transfer | None:
         """Record one PUSHED notice; returns the reception once every write landed."""
-        t = self.expected.get(notice.request_id)
+        key = (notice.request_id, notice.source)
+        t = self.expected.get(key)
         if t is None:
             log.warning("write notice for unknown request %s", notice.request_id)
             return None
         meta = t.meta
         if notice.final and meta.covered is None and notice.block_ids == t.local_blocks:
             # the usual push: one final write of every expected block
-            self.expected.pop(notice.request_id, None)
+            self.expected.pop(key, None)
             meta.stage_in = True
             return t
         # Settle only when the final notice arrived and the writes announced so far
@@ -134,7 +143,7 @@ class Receptions:
         complete = all(set(want) <= got for want, got in zip(t.local_blocks, meta.covered))
         if meta.final and complete:
             # every write of the request has landed: no gaps (R-XFER-2)
-            self.expected.pop(notice.request_id, None)
+            self.expected.pop(key, None)
             meta.stage_in = True
             return t
         return None

@@ -402,7 +402,7 @@ class Runtime:
         """A push reception's producer confirmed every write landed (its notice was
         lost): settle it as the notice would have."""
         with self._lock:
-            if self._receptions.unexpect(t.request_id) is not t or t.done:
+            if self._receptions.unexpect(t.request_id, t.meta.push_source) is not t or t.done:
                 return
             t.meta.stage_in = True
         self.succeed(t)
@@ -418,7 +418,7 @@ class Runtime:
                 if t.request_id == request_id and t.meta.lease is None
             ]
             for t in mine:
-                self._receptions.unexpect(request_id)
+                self._receptions.unexpect(request_id, t.meta.push_source)
                 t.meta.release = None  # the abort itself tells the producer
         for t in mine:
             self.fail(

@@ -54,6 +54,7 @@ from kvxfer.heads import HeadLayout, TPRank, reader_ranks, source_ranks
 from kvxfer.ticket import Ticket
 from kvxfer.tp_plan import TPPlanner
 from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.types import Direction
 
 __all__ = ["TPPuller", "rank_ticket"]
 
@@ -121,6 +122,12 @@ class TPPuller:
         tp = self._local.config.tp
         return 1 if tp is None else tp.heads.tp_size
 
+    @property
+    def local_rank(self) -> int:
+        """This agent's TP rank (0 without a TP identity)."""
+        tp = self._local.config.tp
+        return 0 if tp is None else tp.rank
+
     def _tp(self) -> TPRank:
         tp = self._local.config.tp
         if tp is None:  # wants() said so; a caller skipping it is a bug
@@ -148,13 +155,19 @@ class TPPuller:
         return tuple(sorted(set(self.sources(ticket)[1].values())))
 
     def release_all(self, ticket: Ticket, ranks: tuple[int, ...] | None = None) -> None:
-        """Tell every needed producer rank (or ``ranks``) to release, from a worker."""
+        """Tell every needed producer rank (or ``ranks``) to release, from a worker.
+
+        A pull's Release counts as one of the rank's readers (it frees once all
+        finished); a push's frees the hold at once, cancelling the writes to every
+        consumer rank: the request failed here, and a write landing later in blocks
+        the engine recomputes would corrupt them."""
         if self._runtime.closed:
             return
         producer, _ = self.sources(ticket)
         me = self._tp().rank
+        push = self._local.config.direction is Direction.PUSH
         for rank in self.ranks(ticket) if ranks is None else ranks:
-            readers = self.readers(ticket, producer, rank)
+            readers = 1 if push else self.readers(ticket, producer, rank)
             self._io().submit(self._release, rank_ticket(ticket, rank), readers, me)
 
     def readers(self, ticket: Ticket, producer: HeadLayout, rank: int) -> int:
@@ -199,7 +212,7 @@ class TPPuller:
             p: self._peers.cached(t.host, t.port, t.engine_id, t.incarnation or None)
             for p, t in tickets.items()
         }
-        self._release_unread(ticket, producer)
+        self.release_unread(ticket, producer)
         job = _Job(ticket, tickets, producer, sources, local, remote, tokens, fanout)
         if all(peer is not None for peer in cached.values()):
             self._start(job, {p: peer for p, peer in cached.items() if peer is not None})
@@ -209,7 +222,7 @@ class TPPuller:
             self._io().submit(self._connect_and_start, job)
         return aggregate
 
-    def _release_unread(self, ticket: Ticket, producer: HeadLayout) -> None:
+    def release_unread(self, ticket: Ticket, producer: HeadLayout) -> None:
         """Producer ranks no consumer rank reads (replicas of a head the salt did not
         pick) hold the request too: the first consumer rank holding their head tells
         them to release it now rather than at lease expiry."""

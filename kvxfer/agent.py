@@ -64,6 +64,7 @@ from kvxfer._receptions import Receptions
 from kvxfer._runtime import Runtime
 from kvxfer._side_channel import SideChannel
 from kvxfer._tp import TPPuller
+from kvxfer._tp_push import TPReceiver
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions, XferOp
 from kvxfer.blocks import BlockIds
@@ -173,6 +174,15 @@ class Agent:
             self._io,
             lambda t, n, r: self._send_release(t, readers=n, reader=r),
             self._lock,
+        )
+        # Push receptions from a producer of another TP size (one per producer rank).
+        self._tp_push = TPReceiver(
+            self._local,
+            self._tp,
+            self._runtime,
+            self._receptions,
+            self._io,
+            self._send_push_register,
         )
         # What register(keep=...) / register_tensors() keep alive while registered.
         self._kept: object = None
@@ -408,7 +418,7 @@ class Agent:
                 # at once, its guard word overwritten (a pull of it fails closed).
                 self._leases.free(request_id, FreeReason.RELEASED)
                 return ticket
-            if self.config.direction is Direction.PUSH and lease.target is not None:
+            if self.config.direction is Direction.PUSH and lease.targets:
                 self._push.start(lease, inline)
         self._push.post_inline(inline)  # outside the lock: a post may copy every byte
         if self.config.direction is Direction.PULL:
@@ -452,12 +462,8 @@ class Agent:
             lease = self._leases.lease(
                 request_id, groups, num_tokens, time.time() + self.config.lease_s
             )
-            closed = num_tokens // layout.block_size
             lease.blocks, lease.num_tokens = groups, num_tokens
-            if lease.target is None or closed <= lease.pushed_blocks:
-                return
-            self._push.write(lease, lease.pushed_blocks, closed, final=False, inline=inline)
-            lease.pushed_blocks = closed
+            self._push.stream(lease, num_tokens // layout.block_size, inline)
         self._push.post_inline(inline)
 
     def release(self, request_id: str) -> bool:
@@ -709,18 +715,16 @@ class Agent:
             PlanError: a local block id that is not an integer, out of range or
                 repeated, or a block count that does not fit ``num_tokens`` and
                 ``cached_blocks`` (nothing is registered).
-            ConfigError: the ticket's ``tp_size`` differs from this agent's
-                (:attr:`AgentConfig.tp`): push across TP sizes is not built yet.
+            ConfigError: the ticket's ``tp_size`` cannot split the model's heads, or a
+                producer rank's port (``ticket.port + rank``) is past 65535.
+
+        Across TP sizes (this agent's :attr:`AgentConfig.tp` and the ticket's
+        ``tp_size`` differ) this rank registers with every producer rank holding one of
+        its heads, and the transfer settles once each of them wrote (kvxfer._tp_push).
+        Its consumer ranks must show one capability: give the ticket the router's
+        token (``Ticket.for_push(capability=...)``), the same on every rank; without
+        one this raises ConfigError naming ``ticket.capability``.
         """
-        if self._tp.wants(ticket):
-            # Fail closed: one producer rank's writes would settle the reception while
-            # the other ranks' heads are missing (see docs/OPERATIONS.md).
-            raise ConfigError(
-                "ticket.tp_size",
-                ticket.tp_size,
-                f"push across TP sizes (this rank's tp_size is "
-                f"{self._tp.local_tp_size}) is not supported yet; pull, or run equal TP sizes",
-            )
         table, _ = self._local.require_registered()
         local = self._blocks(local_blocks)
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
@@ -729,6 +733,29 @@ class Agent:
             self.serve()  # before the transfer exists: a failure to bind leaves nothing behind
         groups = blocks.to_wire(local)
         runtime = self._runtime
+        if self._tp.wants(ticket):
+            try:
+                nbytes = build_plan(table, table, local, local, tokens).nbytes
+            except KvxferError:
+                nbytes = 0  # the producer ranks' plans say why
+            if not ticket.capability:
+                # Each rank minting its own would make a producer rank writing to two
+                # of them see two consumers, and refuse the second.
+                raise ConfigError(
+                    "ticket.capability",
+                    "",
+                    "a push across TP sizes needs the request's capability on the ticket, "
+                    "the same on every consumer rank (Ticket.for_push(capability=...))",
+                )
+            return self._tp_push.expect(
+                ticket,
+                local,
+                tokens,
+                ticket.capability,
+                nbytes,
+                self.address,
+                self.backend.agent_name,
+            )
         transfer = runtime.new_transfer(ticket.request_id, groups)
         # Binds the registration to us: notices must echo it, and a later registration
         # of this request id by anyone else is refused (R-SAFE-3). A router that minted
@@ -743,7 +770,7 @@ class Agent:
         except KvxferError as exc:
             runtime.fail(transfer, FailureKind.POST, exc)
             return transfer
-        self._receptions.expect(ticket.request_id, transfer)
+        self._receptions.expect(transfer)
         host, port = self.address
         msg = wire.PushRegister(
             request_id=ticket.request_id,
@@ -770,7 +797,7 @@ class Agent:
         try:
             reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
-            self._receptions.unexpect(ticket.request_id)
+            self._receptions.unexpect(ticket.request_id, transfer.meta.push_source)
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION)
             return
         if isinstance(reply, wire.Ack) and reply.notice:

@@ -50,6 +50,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
         num_tokens: int,
         *,
         capability: str = "",
+        tp_size: int = 1,
     ) -> Ticket:
         """The ticket a push consumer registers with, before the producer's prefill ran.
 
@@ -61,6 +62,10 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
         ``capability``: the request's token when the router minted one and gives the
         same to the producer's ``hold(capability=...)``; the producer then writes only
         to a registration that shows it (without one, the first registration wins).
+
+        ``tp_size``: the producer group's TP size, ``host``/``port`` its rank 0's (rank
+        *p* at ``port + p``). A consumer of another TP size registers with each producer
+        rank holding its heads; its ranks must then all pass the same ``capability``.
         """
         return cls(
             engine_id=engine_id,
@@ -70,4 +75,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
             block_ids=(),
             num_tokens=num_tokens,
             capability=capability,
+            tp_size=tp_size,
         )

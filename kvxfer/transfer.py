@@ -123,6 +123,8 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         last_progress: Monotonic time of its last sign of life (post, probe answer).
         probing: A liveness probe of its peer is in flight.
         push_from: A push reception: the producer's side-channel address.
+        push_source: A push reception: the producer rank it awaits (across TP sizes,
+            one reception per producer rank; 0 otherwise), echoed in its notices.
         pull_from: A pull: its producer's side-channel address (probed while the pull
             waits for its handshake or sits in a post that does not return).
         repost: A guarded pull: posts it again (same plan), when its guard word says the
@@ -149,6 +151,7 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     last_progress: float = 0.0
     probing: bool = False
     push_from: tuple[str, int] | None = None
+    push_source: int = 0
     pull_from: tuple[str, int] | None = None
     repost: Callable[[], None] | None = None
     reposts: int = 0

@@ -242,6 +242,13 @@ class PushRegister(WireMessage, frozen=True, kw_only=True, tag="push_register"):
     host: Name = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
     capability: Capability = ""
+    #: Across TP sizes: the producer rank this registration is for (echoed in its
+    #: notices, so the consumer tells apart the writes of several producer ranks),
+    #: and this consumer rank among the ``readers`` consumer ranks that receive from
+    #: that producer rank (it frees its hold once it wrote to all of them).
+    source: Count = 0
+    readers: Count = 1
+    reader: Count = 0
 
 
 class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
@@ -336,6 +343,9 @@ class Notice(WireMessage, frozen=True, kw_only=True, tag="notice"):
     #: receiver (it frees the lease once it heard from all), and which one this is.
     readers: Count = 1
     reader: Count = 0
+    #: PUSHED/FAILED across TP sizes: the registration's ``source`` (the producer rank
+    #: that wrote), echoed.
+    source: Count = 0
 
 
 Message: TypeAlias = Hello | Welcome | Reject | PushRegister | Release | Ack | Ping | Pong | Notice

@@ -216,7 +216,7 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
     try:
         runtime, receptions = cons._runtime, cons._receptions
         transfer = runtime.new_transfer("q", ((5, 6),))  # expected, not yet registered
-        receptions.expect("q", transfer)
+        receptions.expect(transfer)
         for bad in (
             notice(key=b"another-secret-0123456789"),
             notice(key=None),

@@ -346,14 +346,6 @@ def test_every_ranks_incarnation_survives_kv_transfer_params() -> None:
     assert (rank1.port, rank1.incarnation) == (7001, 9)
 
 
-def test_push_across_tp_sizes_is_refused_by_name(closing: list[Rank]) -> None:
-    (consumer,) = _consumers(HeadLayout(num_kv_heads=4, tp_size=1))
-    closing.append(consumer)
-    ticket = msgspec.structs.replace(Ticket.for_push("prefill", "127.0.0.1", 1, "r", 4), tp_size=2)
-    with pytest.raises(ConfigError, match=r"ticket.tp_size=2: push across TP sizes"):
-        consumer.agent.expect_push(ticket, [1])
-
-
 def test_reader_counts_are_bounded_and_ignore_impossible_reports() -> None:
     counts = ReaderCount(max_requests=8)
     assert not counts.last("x", 2, -1)  # not a consumer rank

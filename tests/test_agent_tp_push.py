@@ -1,0 +1,263 @@
+"""Pushes across tensor-parallel sizes between in-process Agents on the fake backend
+(issue 18): every producer rank writes the heads each consumer rank holds, every
+(layer, K/V, head, token) checked byte for byte; a producer rank frees its hold only
+once it wrote to every consumer rank; one rank failing fails the consumer's transfer
+with every block invalid, and nothing hangs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvxfer import wire
+from kvxfer.agent import Agent, AgentConfig, Ticket
+from kvxfer.backend import BackendOptions
+from kvxfer.compat import Fingerprint
+from kvxfer.errors import ConfigError, KvxferError, TransferError
+from kvxfer.heads import HeadLayout, TPRank
+from kvxfer.testing.fake_backend import FakeBackend, Faults
+from kvxfer.testing.tp_kvcache import TPHostCache
+from kvxfer.transfer import Transfer, TransferState
+from kvxfer.types import Direction, Role
+
+FP = Fingerprint(
+    model="m",
+    dtype="bfloat16",
+    kv_cache_dtype="bfloat16",
+    attention_backend="t",
+    direction=Direction.PUSH,
+)
+SEED = 33
+NUM_BLOCKS = 12
+
+
+class Rank:
+    def __init__(self, agent: Agent, backend: FakeBackend, cache: TPHostCache) -> None:
+        self.agent, self.backend, self.cache = agent, backend, cache
+
+    @property
+    def rank(self) -> int:
+        tp = self.agent.config.tp
+        assert tp is not None
+        return tp.rank
+
+
+_count = iter(range(10**6))
+
+
+def _rank(engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int) -> Rank:
+    seed = SEED if role is Role.PRODUCER else None
+    cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
+    backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_count)}"))
+    agent = Agent(
+        AgentConfig(
+            engine_id=engine_id,
+            fingerprint=FP,
+            role=role,
+            direction=Direction.PUSH,
+            side_channel_port=port,
+            tp=TPRank(heads=heads, rank=rank),
+            transfer_timeout_s=3.0,
+            lease_s=30.0,
+        ),
+        backend=backend,
+    )
+    agent.register(cache.layout(global_heads=False), keep=cache)
+    return Rank(agent, backend, cache)
+
+
+def _producers(heads: HeadLayout) -> list[Rank]:
+    """Producer ranks serving at base + rank (retrying another base if one is taken)."""
+    import random
+
+    for _ in range(20):
+        base = random.randrange(20000, 60000)
+        ranks = [_rank("prefill", Role.PRODUCER, heads, r, base + r) for r in range(heads.tp_size)]
+        try:
+            for r in ranks:
+                r.agent.serve()
+            return ranks
+        except KvxferError:
+            for r in ranks:
+                r.agent.close()
+    raise RuntimeError("no free consecutive ports")
+
+
+def _consumers(heads: HeadLayout) -> list[Rank]:
+    return [_rank("decode", Role.CONSUMER, heads, r, 0) for r in range(heads.tp_size)]
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Rank]]:
+    ranks: list[Rank] = []
+    yield ranks
+    for r in ranks:
+        r.agent.close()
+
+
+def _ticket(producers: list[Rank], rid: str, tokens: int, cap: str) -> Ticket:
+    host, port = producers[0].agent.address
+    return Ticket.for_push(
+        "prefill", host, port, rid, tokens, capability=cap, tp_size=len(producers)
+    )
+
+
+def _freed(producers: list[Rank], rid: str, timeout: float = 5.0) -> dict[int, bool]:
+    """Whether each producer rank handed ``rid`` back to its engine."""
+    got = {p.rank: False for p in producers}
+    deadline = time.monotonic() + timeout
+    while not all(got.values()) and time.monotonic() < deadline:
+        for p in producers:
+            got[p.rank] |= rid in p.agent.freed()
+        time.sleep(0.01)
+    return got
+
+
+PAIRS = [(4, 1, 2), (4, 2, 1), (4, 2, 4), (4, 4, 2), (2, 1, 2), (2, 2, 1), (1, 2, 1)]
+
+
+@pytest.mark.parametrize("register_first", [True, False], ids=["register-first", "hold-first"])
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"), PAIRS)
+def test_push_across_tp_sizes_writes_every_head_exactly(
+    closing: list[Rank], kv_heads: int, p_tp: int, d_tp: int, register_first: bool
+) -> None:
+    p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
+    d_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=d_tp)
+    producers, consumers = _producers(p_heads), _consumers(d_heads)
+    closing += producers + consumers
+    remote, local, tokens = [3, 7, 1, 9], [10, 2, 5, 4], 3 * 4 + 2
+    cap = wire.new_capability()  # the router's token, given to every rank of both sides
+    ticket = _ticket(producers, "req-p", tokens, cap)
+    transfers: list[Transfer] = []
+    if register_first:  # the usual push: decode registers while prefill runs
+        transfers = [c.agent.expect_push(ticket, local) for c in consumers]
+        time.sleep(0.1)
+    for p in producers:
+        p.agent.hold("req-p", remote, tokens, capability=cap)
+    if not register_first:
+        transfers = [c.agent.expect_push(ticket, local) for c in consumers]
+    for t in transfers:
+        t.wait(5)
+        assert t.state is TransferState.DONE
+    for c in consumers:
+        assert c.cache.mismatches(local, remote, SEED) == []
+        assert not any(buf[[0, 6, 11]].any() for buf in c.cache.buffers.values())
+    assert all(_freed(producers, "req-p").values())
+    # Each consumer rank's transfer counts the bytes of its own heads once.
+    whole = sum(t.stats.bytes for t in transfers)
+    assert whole > 0
+    assert len({t.stats.bytes for t in transfers}) == 1
+
+
+def test_a_producer_rank_frees_only_once_it_wrote_to_every_consumer_rank(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
+    (producer,), consumers = _producers(p_heads), _consumers(d_heads)
+    closing += [producer, *consumers]
+    cap = wire.new_capability()
+    ticket = _ticket([producer], "req-two", 8, cap)
+    producer.agent.hold("req-two", [2, 3], 8, capability=cap)
+    consumers[0].agent.expect_push(ticket, [4, 5]).wait(5)
+    time.sleep(0.1)
+    assert producer.agent.freed() == []
+    assert "req-two" in producer.agent.holding()  # decode rank 1 did not register yet
+    consumers[1].agent.expect_push(ticket, [6, 7]).wait(5)
+    assert _freed([producer], "req-two") == {0: True}
+    for c, blocks in zip(consumers, ([4, 5], [6, 7]), strict=True):
+        assert c.cache.mismatches(blocks, [2, 3], SEED) == []
+
+
+def test_one_producer_rank_failing_fails_the_push_with_every_block_invalid(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    cap = wire.new_capability()
+    warm = _ticket(producers, "warm", 4, cap)
+    t = consumer.agent.expect_push(warm, [0])
+    for p in producers:
+        p.agent.hold("warm", [0], 4, capability=cap)
+    t.wait(5)  # both producer ranks handshaken: the failure is in the data plane
+    producers[1].backend.faults = Faults(fail_post=True)  # rank 1's write fails
+    cap = wire.new_capability()
+    ticket = _ticket(producers, "req-f", 12, cap)
+    t0 = time.monotonic()
+    transfer = consumer.agent.expect_push(ticket, [7, 8, 9])
+    for p in producers:
+        p.agent.hold("req-f", [3, 4, 5], 12, capability=cap)
+    with pytest.raises(TransferError) as info:
+        transfer.wait(10)
+    assert time.monotonic() - t0 < 5  # nothing hangs
+    assert transfer.state is TransferState.FAILED
+    # Each producer rank writes a head slice of every block: all are invalid.
+    assert transfer.invalid_blocks == (7, 8, 9)
+    assert "producer rank(s) [1] of [0, 1]" in str(info.value)
+    bad = consumer.cache.mismatches([7, 8, 9], [3, 4, 5], SEED)
+    assert bad and {head for _, _, head, _, _ in bad} == {2, 3}
+    assert _freed(producers[:1], "req-f") == {0: True}
+
+
+def test_a_consumer_rank_aborting_releases_every_producer_rank_it_registered_with(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    cap = wire.new_capability()
+    ticket = _ticket(producers, "req-a", 8, cap)
+    for p in producers:
+        p.agent.hold("req-a", [1, 2], 8, capability=cap)
+    producers[0].backend.faults = Faults(never_complete=True)  # rank 0's write never lands
+    transfer = consumer.agent.expect_push(ticket, [5, 6])
+    time.sleep(0.3)
+    consumer.agent.abort(ticket)
+    with pytest.raises(TransferError):
+        transfer.wait(5)
+    assert transfer.state is TransferState.FAILED and transfer.invalid_blocks == (5, 6)
+    # Both producer ranks drop the request at once (not at lease expiry), cancelling
+    # rank 0's write in flight.
+    deadline = time.monotonic() + 5
+    while any("req-a" in p.agent.holding() for p in producers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any("req-a" in p.agent.holding() for p in producers)
+
+
+def test_a_push_across_tp_sizes_without_a_shared_capability_is_refused_by_name(
+    closing: list[Rank],
+) -> None:
+    (consumer,) = _consumers(HeadLayout(num_kv_heads=4, tp_size=1))
+    closing.append(consumer)
+    ticket = Ticket.for_push("prefill", "127.0.0.1", 1, "r", 4, tp_size=2)
+    with pytest.raises(ConfigError, match=r"ticket.capability='': a push across TP sizes"):
+        consumer.agent.expect_push(ticket, [1])
+    bad = msgspec.structs.replace(ticket, capability=wire.new_capability(), tp_size=3)
+    with pytest.raises(ConfigError, match=r"ticket.tp_size=3"):
+        consumer.agent.expect_push(bad, [1])
+
+
+def test_a_stranger_registering_for_a_rank_gets_nothing_when_the_hold_is_pinned(
+    closing: list[Rank],
+) -> None:
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
+    (producer,), consumers = _producers(p_heads), _consumers(d_heads)
+    stranger = _rank("decode", Role.CONSUMER, d_heads, 1, 0)
+    closing += [producer, *consumers, stranger]
+    cap = wire.new_capability()
+    good = _ticket([producer], "req-s", 8, cap)
+    forged = msgspec.structs.replace(good, capability=wire.new_capability())
+    sneaky = stranger.agent.expect_push(forged, [8, 9])  # comes first, wrong token
+    time.sleep(0.1)
+    producer.agent.hold("req-s", [2, 3], 8, capability=cap)
+    mine = [c.agent.expect_push(good, [4, 5]) for c in consumers]
+    for t in mine:
+        t.wait(5)
+    for c in consumers:
+        assert c.cache.mismatches([4, 5], [2, 3], SEED) == []
+    with pytest.raises(TransferError):
+        sneaky.wait(5)
+    assert not any(buf[[8, 9]].any() for buf in stranger.cache.buffers.values())
