@@ -90,18 +90,19 @@ class Liveness:
                     continue
                 host, port = meta.push_from
                 job = (self._probe_push, t, host, port)
-            elif meta.lease is None and (meta.peer is not None or meta.pull_from is not None):
+            elif meta.lease is None and (meta.peer is not None or meta.producer_at is not None):
                 # A pull, also one still in its first-contact handshake or in a post
                 # that does not return (UCX connecting to a producer that died meanwhile
-                # can take its own ~10 s): its producer's side channel says.
+                # can take its own ~10 s), or a push reception whose registration has
+                # not returned: its producer's side channel says.
                 peer = meta.peer
                 if peer is not None:
                     job = (self._probe_pull, t, peer.host, peer.port)
                 else:
                     # Its handshake or post has not returned: only a port that refuses
                     # says the producer is gone (a slow one may not answer a Ping yet).
-                    assert meta.pull_from is not None
-                    job = (self._probe_port, t, *meta.pull_from)
+                    assert meta.producer_at is not None
+                    job = (self._probe_port, t, *meta.producer_at)
             else:
                 continue  # a producer's push write
             meta.probing = True

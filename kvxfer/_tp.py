@@ -198,7 +198,7 @@ class TPPuller:
         )
         subs = {p: runtime.new_transfer(ticket.request_id, groups) for p in ranks}
         for p, sub in subs.items():
-            sub.meta.pull_from = (tickets[p].host, tickets[p].port)  # probed while quiet
+            sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
         fanout = Fanout(aggregate, subs, lambda failed: self._released(ticket, subs, failed))
         if ticket.lease_expiry:
             aggregate.meta.lease_expiry = ticket.lease_expiry

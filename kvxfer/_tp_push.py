@@ -201,6 +201,7 @@ class TPReceiver:
         for p, sub in subs.items():
             sub.meta.capability = capability
             sub.meta.push_source = p
+            sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
             sub.stats.bytes = nbytes * share[p] // max(1, len(sources))
             self._receptions.expect(sub)
         host, port = address

@@ -544,7 +544,7 @@ class Agent:
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
         transfer.meta.capability = ticket.capability
-        transfer.meta.pull_from = (ticket.host, ticket.port)
+        transfer.meta.producer_at = (ticket.host, ticket.port)
         if ticket.lease_expiry:
             transfer.meta.lease_expiry = ticket.lease_expiry
             if runtime.lease_over(ticket.lease_expiry):
@@ -757,6 +757,9 @@ class Agent:
                 self.backend.agent_name,
             )
         transfer = runtime.new_transfer(ticket.request_id, groups)
+        # Probed while its registration has not returned (a producer that died refuses
+        # its port at once; the registration's own timeout is seconds per try).
+        transfer.meta.producer_at = (ticket.host, ticket.port)
         # Binds the registration to us: notices must echo it, and a later registration
         # of this request id by anyone else is refused (R-SAFE-3). A router that minted
         # the request's capability gave it to both sides (the ticket's): the producer's

@@ -125,8 +125,9 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         push_from: A push reception: the producer's side-channel address.
         push_source: A push reception: the producer rank it awaits (across TP sizes,
             one reception per producer rank; 0 otherwise), echoed in its notices.
-        pull_from: A pull: its producer's side-channel address (probed while the pull
-            waits for its handshake or sits in a post that does not return).
+        producer_at: A pull or a push reception: its producer's side-channel address,
+            probed while the pull waits for its handshake or sits in a post that does
+            not return, or while the reception's registration has not returned.
         repost: A guarded pull: posts it again (same plan), when its guard word says the
             producer has not held the request yet.
         reposts: How often it was posted again.
@@ -152,7 +153,7 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     probing: bool = False
     push_from: tuple[str, int] | None = None
     push_source: int = 0
-    pull_from: tuple[str, int] | None = None
+    producer_at: tuple[str, int] | None = None
     repost: Callable[[], None] | None = None
     reposts: int = 0
 

@@ -445,6 +445,27 @@ def test_a_producer_dying_during_the_first_contact_fails_the_pull_within_two_sec
     assert "refused" in str(t.error)
 
 
+def test_a_producer_dying_before_answering_a_push_registration_fails_it_within_two_seconds(
+    push: tuple[Side, Engine, Side],
+) -> None:
+    """A push consumer's registration went to a producer that died before answering
+    (a killed prefill, seen end to end: the registration's retries took 15 s). A
+    reception whose registration has not returned is probed on its producer's port:
+    refused, it fails."""
+    producer, _, consumer = push
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # takes the registration, never answers
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    ticket = replace(stub(producer, "gone-push"), port=port, num_tokens=2 * BLOCK)
+    t = consumer.agent.expect_push(ticket, [5, 6])
+    assert mute.poll(2000), "the registration never arrived"
+    mute.close(linger=0)  # the producer dies: its port now refuses
+    took = settle(t, 10)
+    assert t.state is TransferState.FAILED and t.invalid_blocks == (5, 6)
+    assert took < 2.0, f"a producer dead before the registration's answer took {took:.1f}s"
+    assert "refused" in str(t.error)
+
+
 def test_a_failed_read_releases_the_producers_lease_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:
