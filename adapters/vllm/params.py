@@ -175,8 +175,8 @@ def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int)
 
     Upstream's ``transfer_mode`` names the producer's connector: a pull/push mix is
     refused by name here (without the key the handshake refuses it, on the
-    compatibility hash). A pull reads across TP sizes (each decode rank from the
-    producer ranks holding its heads); a push pairs equal TP sizes only.
+    compatibility hash). Across TP sizes a decode rank reads (pull) or receives
+    (push) from the producer ranks holding its heads; that is not refused here.
     """
     mode = params.get("transfer_mode")
     if mode is not None and mode != direction.value:
@@ -184,12 +184,6 @@ def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int)
             f"the producer {params.get('remote_engine_id')} runs the {mode} connector "
             f"(transfer_mode {mode!r}) but this instance runs the {direction.value} "
             "connector: pair pull with pull, push with push"
-        )
-    if direction is Direction.PUSH and across_tp(params, tp_size):
-        return (
-            f"the producer runs tensor-parallel size {params.get('tp_size')}, this instance "
-            f"{tp_size}: kvxfer's push connector pairs equal TP sizes (rank r with rank r); "
-            "use the pull connector across TP sizes"
         )
     return None
 

@@ -389,11 +389,17 @@ class SchedulerSide:
         local = tuple(tuple(int(b) for b in g) for g in unhashed_block_ids)
         self._consumer[rid] = _Consumer.LOADING
         timeline.mark("d_alloc", rid)
+        remote = dict(params)
+        if self.direction is Direction.PUSH and not remote.get("kvxfer_capability"):
+            # Every worker of this instance registers under one token (a producer rank
+            # writing to two of them across TP sizes must see one consumer). A router
+            # that minted one gave it to both instances instead.
+            remote["kvxfer_capability"] = wire.new_capability()
         self._plan.loads.append(
             LoadSpec(
                 request_id=rid,
                 transfer_id=transfer_id,
-                remote_params=dict(params),
+                remote_params=remote,
                 local_blocks=local,
                 skip_blocks=skip,
                 num_tokens=num_local_computed_tokens + num_external_tokens,

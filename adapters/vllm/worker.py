@@ -96,8 +96,8 @@ class WorkerSide:
         layout: The KV cache's layout.
         tensors: The distinct KV tensors (vLLM's, not copied).
         tp_rank: This worker's tensor-parallel rank (port offset, incarnation index).
-        tp_size: This instance's tensor-parallel size (push: a producer's must be
-            equal; a pull reads across TP sizes).
+        tp_size: This instance's tensor-parallel size (a producer's may differ: each
+            rank then reads, or receives, the heads it holds from the producer ranks).
         defer_registration: Device-to-device: register only once the engine's warm-up
             is over, at the first real step (device memory may move before).
     """
@@ -284,7 +284,7 @@ class WorkerSide:
             why = (
                 f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "
                 f"this instance {self.tp_size}, and this KV layout does not split by head "
-                "(see the start-up log): pulls across TP sizes need head-split regions"
+                "(see the start-up log): transfers across TP sizes need head-split regions"
             )
         if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)

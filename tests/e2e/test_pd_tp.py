@@ -1,16 +1,20 @@
 """Prefill and decode of different tensor-parallel sizes on real vLLM engines, through
-the pull connector (R-TP-4): greedy output equal to a unified instance, a negative
-control, decode's prompt tokens all over the connector, and a producer rank killed
-before decode's read failing that request cleanly while decode keeps serving.
+the pull and the push connector (R-TP-4): greedy output equal to a unified instance, a
+negative control, decode's prompt tokens all over the connector, and a producer rank
+killed before decode's read (or registration) failing that request cleanly while
+decode keeps serving.
 
 Across TP sizes the unified reference and the pair run in float32: in bf16 a TP2 and
 a TP1 instance of the same random-weight model already disagree with no transfer
 involved (the all-reduce sums in another order), in float32 they agree.
 
 ``make test`` runs prefill TP1 -> decode TP2 (llm-d's direction: a small prefill
-feeding a wider decode). ``KVXFER_E2E_TP_ALL=1`` adds prefill TP2 -> decode TP1 and
-the equal pair TP2 -> TP2 in bf16 against a unified TP2 instance (each pair starts
-three or four engine processes; about a minute each on two cores).
+feeding a wider decode), pull and push. ``KVXFER_E2E_TP_ALL=1`` adds prefill TP2 ->
+decode TP1 and the equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each
+pull and push (each pair starts three or four engine processes; about a minute each
+on two cores). Push runs the toy router's order here: prefill answers first, then
+decode registers and each producer rank writes its heads into the decode ranks that
+hold them.
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ pytestmark = pytest.mark.e2e
 SOURCE = "vllm:prompt_tokens_by_source_total"
 ALL = os.environ.get("KVXFER_E2E_TP_ALL") == "1"
 
-#: (prefill TP, decode TP, dtype); the first runs in make test.
-PAIRS = [(1, 2, "float32"), (2, 1, "float32"), (2, 2, "bfloat16")]
+#: (prefill TP, decode TP, dtype, connector); the first two run in make test.
+PAIRS = [
+    (p, d, dtype, mode)
+    for p, d, dtype in [(1, 2, "float32"), (2, 1, "float32"), (2, 2, "bfloat16")]
+    for mode in ("pull", "push")
+]
 
 
 def _tp_args(tp: int, dtype: str) -> list[str]:
@@ -64,29 +72,47 @@ def _side_channel_env() -> dict[str, str]:
     return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
 
 
+@pytest.fixture(scope="module")
+def unified_servers(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[dict[str, VllmServer]]:
+    """Unified reference instances by (TP, dtype), started on first use and shared by
+    the pull and the push pair that compare against them."""
+    started: dict[str, VllmServer] = {}
+    yield started
+    for s in started.values():
+        s.stop()
+
+
+def _unified(
+    started: dict[str, VllmServer], tp: int, dtype: str, model: Path, logs: Path
+) -> VllmServer:
+    name = f"unified-tp{tp}-{dtype}"
+    if name not in started:
+        started[name] = start_server(name, model, logs, extra_args=_tp_args(tp, dtype), wait=False)
+    return started[name]
+
+
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}") for p in PAIRS[: 3 if ALL else 1]],
+    params=[
+        pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}") for p in PAIRS[: None if ALL else 2]
+    ],
 )
 def tp_setup(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, e2e_log_dir: Path
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    e2e_log_dir: Path,
+    unified_servers: dict[str, VllmServer],
 ) -> Iterator[tuple[PDPair, VllmServer]]:
-    p_tp, d_tp, dtype = request.param
+    p_tp, d_tp, dtype, mode = request.param
     ref_tp = p_tp if p_tp == d_tp else 1
-    tag = f"p{p_tp}-d{d_tp}-{dtype}"
-    unified = start_server(
-        f"unified-tp{ref_tp}-{dtype}",
-        tiny_model_dir,
-        e2e_log_dir,
-        extra_args=_tp_args(ref_tp, dtype),
-        wait=False,
-    )
+    tag = f"p{p_tp}-d{d_tp}-{dtype}-{mode}"
+    unified = _unified(unified_servers, ref_tp, dtype, tiny_model_dir, e2e_log_dir)
     prefill = start_server(
         f"prefill-tp-{tag}",
         tiny_model_dir,
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
-        kv_transfer_config=kv_config("kv_producer", "pull", extra=_heads(p_tp)),
+        kv_transfer_config=kv_config("kv_producer", mode, extra=_heads(p_tp)),
         env=_side_channel_env(),
         wait=False,
     )
@@ -95,19 +121,18 @@ def tp_setup(
         tiny_model_dir,
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
-        kv_transfer_config=kv_config("kv_consumer", "pull", extra=_heads(d_tp)),
+        kv_transfer_config=kv_config("kv_consumer", mode, extra=_heads(d_tp)),
         env=_side_channel_env(),
         wait=False,
     )
-    servers = [unified, prefill, decode]
     try:
-        wait_all_healthy(servers)
-        pair = PDPair("pull", prefill, decode)
+        wait_all_healthy([unified, prefill, decode])
+        pair = PDPair(mode, prefill, decode)
         through_pd(pair, "warm up the pair", "warm up the pair", max_tokens=2)
         unified.complete("warm up", max_tokens=2)
         yield pair, unified
     finally:
-        for s in servers:
+        for s in (prefill, decode):
             s.stop()
 
 
