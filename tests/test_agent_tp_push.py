@@ -48,7 +48,9 @@ class Rank:
 _count = iter(range(10**6))
 
 
-def _rank(engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int) -> Rank:
+def _rank(
+    engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int, stream: bool = False
+) -> Rank:
     seed = SEED if role is Role.PRODUCER else None
     cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
     backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_count)}"))
@@ -62,6 +64,7 @@ def _rank(engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int) -
             tp=TPRank(heads=heads, rank=rank),
             transfer_timeout_s=3.0,
             lease_s=30.0,
+            push_stream=stream,
         ),
         backend=backend,
     )
@@ -69,13 +72,16 @@ def _rank(engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int) -
     return Rank(agent, backend, cache)
 
 
-def _producers(heads: HeadLayout) -> list[Rank]:
+def _producers(heads: HeadLayout, stream: bool = False) -> list[Rank]:
     """Producer ranks serving at base + rank (retrying another base if one is taken)."""
     import random
 
     for _ in range(20):
         base = random.randrange(20000, 60000)
-        ranks = [_rank("prefill", Role.PRODUCER, heads, r, base + r) for r in range(heads.tp_size)]
+        ranks = [
+            _rank("prefill", Role.PRODUCER, heads, r, base + r, stream)
+            for r in range(heads.tp_size)
+        ]
         try:
             for r in ranks:
                 r.agent.serve()
@@ -261,3 +267,34 @@ def test_a_stranger_registering_for_a_rank_gets_nothing_when_the_hold_is_pinned(
     with pytest.raises(TransferError):
         sneaky.wait(5)
     assert not any(buf[[8, 9]].any() for buf in stranger.cache.buffers.values())
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+def test_push_stream_across_tp_sizes_writes_closed_blocks_early_and_the_rest_at_the_hold(
+    closing: list[Rank], p_tp: int, d_tp: int
+) -> None:
+    p_heads, d_heads = (
+        HeadLayout(num_kv_heads=4, tp_size=p_tp),
+        HeadLayout(num_kv_heads=4, tp_size=d_tp),
+    )
+    producers, consumers = _producers(p_heads, stream=True), _consumers(d_heads)
+    closing += producers + consumers
+    remote, local, tokens = [3, 7, 1], [10, 2, 5], 2 * 4 + 3
+    cap = wire.new_capability()
+    ticket = _ticket(producers, "req-st", tokens, cap)
+    transfers = [c.agent.expect_push(ticket, local) for c in consumers]
+    time.sleep(0.2)  # registered before prefill closes its first blocks
+    for p in producers:
+        p.agent.stream("req-st", remote, 2 * 4)  # the two closed blocks go now
+    time.sleep(0.2)
+    for c in consumers:  # the streamed blocks landed before the hold, the last did not
+        assert c.cache.mismatches(local[:2], remote[:2], SEED) == []
+        assert not any(buf[[local[2]]].any() for buf in c.cache.buffers.values())
+    assert not any(t.done for t in transfers)
+    for p in producers:
+        p.agent.hold("req-st", remote, tokens, capability=cap)
+    for t in transfers:
+        t.wait(5)
+    for c in consumers:
+        assert c.cache.mismatches(local, remote, SEED) == []
+    assert all(_freed(producers, "req-st").values())
