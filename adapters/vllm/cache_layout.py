@@ -54,6 +54,7 @@ def describe_kv_caches(
     interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
     tp_rank: int = 0,
     head_regions: bool = False,
+    first_head: int | None = None,
 ) -> KVLayout:
     """The :class:`KVLayout` of vLLM's per-layer KV tensors, without copying.
 
@@ -72,7 +73,9 @@ def describe_kv_caches(
     ``token_major_groups`` (blocks that chunk_mode or swa_window_mode cut into token
     ranges) are described so that inside every region a block is token-major: one
     region per (head, V) and per (head, K) (``Region.head``, the *global* KV head:
-    ``tp_rank * num_kv_heads + h`` on a tensor-parallel rank holding ``num_kv_heads``),
+    ``first_head + h``; by default ``tp_rank * num_kv_heads + h`` on a tensor-parallel
+    rank holding ``num_kv_heads``, which is wrong where heads are fewer than ranks:
+    there rank *r* holds head ``r // (tp_size / total heads)``, so pass ``first_head``),
     or, for an element-major K, one per (head, K, element) (``Region.lane``). Other
     layers are one region each and move whole blocks (``kv_layout`` ``"HND"`` unless a
     group is split), or with ``head_regions`` one region per head (its K and V parts of
@@ -105,12 +108,14 @@ def describe_kv_caches(
                         "this engine's CPU cache is unknown (its attention is not one "
                         "whose cache writes kvxfer probed): leave both modes off",
                     )
-                _split_heads(regions, t, layer, g, block_size, interior, tp_rank)
+                first = tp_rank * int(t.shape[1]) if first_head is None else first_head
+                _split_heads(regions, t, layer, g, block_size, interior, first)
                 continue
             if cpu_shape and head_regions:
                 heads = int(t.shape[1])
+                first = tp_rank * heads if first_head is None else first_head
                 for h in range(heads):
-                    regions.add(t[:, h], layer, KVPart.KV, g, head=tp_rank * heads + h)
+                    regions.add(t[:, h], layer, KVPart.KV, g, head=first + h)
                 continue
             regions.add(t, layer, KVPart.KV, g)
             continue
@@ -162,12 +167,12 @@ def _split_heads(
     group: int,
     block_size: int,
     interior: tuple[Interior, Interior],
-    tp_rank: int,
+    first: int,
 ) -> None:
-    """One CPU cache tensor as token-major regions (see :func:`describe_kv_caches`)."""
+    """One CPU cache tensor as token-major regions (see :func:`describe_kv_caches`);
+    ``first``: this rank's first global KV head."""
     nb, num_heads, _, two_hs = (int(d) for d in t.shape)
     hs = two_hs // 2
-    first = tp_rank * num_heads  # this rank's first global KV head
     for h in range(num_heads):
         for index, part in ((0, KVPart.K), (1, KVPart.V)):
             if interior[index] is Interior.TOKEN_MAJOR:

@@ -55,6 +55,7 @@ from kvxfer.adapters.vllm.startup import (
     positive_seconds,
     push_post,
     require_nixl_rbln,
+    tp_identity,
 )
 from kvxfer.adapters.vllm.stats import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.adapters.vllm.worker import WorkerSide
@@ -193,6 +194,10 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             agent_factory=self._agent_factory,
             tp_rank=self._tp_rank,
             tp_size=self._tp_size,
+            # Global index of this rank's first KV head (replicated heads included).
+            first_head=tp_identity(self._vllm_config, self._tp_rank)
+            .heads.heads_of(self._tp_rank)
+            .start,
             defer_registration=self.cfg.device_to_device,
             block_size=self.block_size,
             num_blocks=int(self._kv_cache_config.num_blocks),

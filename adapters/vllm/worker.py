@@ -151,6 +151,7 @@ class WorkerSide:
         kv_layout: str,
         tp_rank: int = 0,
         tp_size: int = 1,
+        first_head: int | None = None,
         defer_registration: bool = False,
         groups: Sequence[Group] | None = None,
         layer_groups: Mapping[str, int] | None = None,
@@ -161,8 +162,8 @@ class WorkerSide:
         """Describe vLLM's KV cache, build the Agent with ``agent_factory`` (in vLLM:
         :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve.
 
-        ``groups``, ``layer_groups``, ``interior`` and ``head_regions`` are as in
-        :func:`describe_kv_caches`; ``plan_options`` the Agent's. The descriptor table
+        ``groups``, ``layer_groups``, ``interior``, ``head_regions`` and ``first_head``
+        are as in :func:`describe_kv_caches`; ``plan_options`` the Agent's. The descriptor table
         is built here once, so a mode this layout cannot support fails now, at start-up
         (``ConfigError`` naming key, value and rule), even when device-to-device
         registration itself waits for the first step.
@@ -177,6 +178,7 @@ class WorkerSide:
             layer_groups=layer_groups,
             interior=interior,
             tp_rank=tp_rank,
+            first_head=first_head,
             head_regions=head_regions,
             token_major_groups=token_major_groups(
                 groups if groups is not None else (Group(kind=GroupKind.FULL),),

@@ -810,6 +810,38 @@ def test_head_regions_describe_one_region_per_global_head_that_tp_planning_accep
         region_heads(whole, HeadLayout(num_kv_heads=2 * HEADS, tp_size=2), 1)
 
 
+@pytest.mark.e2e
+def test_replicated_heads_are_numbered_by_the_head_a_rank_holds() -> None:
+    """Fewer KV heads than ranks: vLLM gives each rank one head, replicated on
+    tp_size / heads ranks (rank r holds head r // replicas). Numbering by
+    ``tp_rank * heads`` would name a head the model does not have; the connector passes
+    the rank's first head from its TP identity."""
+    from kvxfer.adapters.vllm.worker import describe_kv_caches
+    from kvxfer.heads import HeadLayout, region_heads
+
+    caches = {
+        name: t[:, :1].contiguous() for name, t in _caches(fill=False).items()
+    }  # one KV head per rank
+    heads = HeadLayout(num_kv_heads=2, tp_size=4)  # each head on two ranks
+    for rank in range(4):
+        layout = describe_kv_caches(
+            caches,
+            block_size=BS,
+            num_blocks=NUM_BLOCKS,
+            kv_layout="HND",
+            tp_rank=rank,
+            head_regions=True,
+            first_head=heads.heads_of(rank).start,
+        )
+        assert [r.head for r in layout.regions] == [rank // 2] * 2
+        assert region_heads(layout, heads, rank)[0] == range(rank // 2, rank // 2 + 1)
+    wrong = describe_kv_caches(
+        caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="HND", tp_rank=3, head_regions=True
+    )
+    with pytest.raises(KvxferError):
+        region_heads(wrong, heads, 3)
+
+
 def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
