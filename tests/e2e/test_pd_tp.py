@@ -11,8 +11,9 @@ involved (the all-reduce sums in another order), in float32 they agree.
 ``make test`` runs prefill TP1 -> decode TP2 (llm-d's direction: a small prefill
 feeding a wider decode), pull and push. ``KVXFER_E2E_TP_ALL=1`` adds prefill TP2 ->
 decode TP1 and the equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each
-pull and push (each pair starts three or four engine processes; about a minute each
-on two cores). Push runs the toy router's order here: prefill answers first, then
+pull and push, and the same unequal pairs of a model with one KV head, which a TP2
+instance replicates on both ranks (each pair starts three or four engine processes;
+about a minute each on two cores). Push runs the toy router's order here: prefill answers first, then
 decode registers and each producer rank writes its heads into the decode ranks that
 hold them.
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from .model import TinyModelSpec, build_tiny_model
 from .pd import PD_ENV, PDPair, decode, kv_config, prefill, prompt_ids, reference, through_pd
 from .servers import HttpError, VllmServer, free_port, start_server, wait_all_healthy
 from .test_unified_baseline import PROMPTS
@@ -38,10 +40,18 @@ pytestmark = pytest.mark.e2e
 SOURCE = "vllm:prompt_tokens_by_source_total"
 ALL = os.environ.get("KVXFER_E2E_TP_ALL") == "1"
 
-#: (prefill TP, decode TP, dtype, connector); the first two run in make test.
+#: (prefill TP, decode TP, dtype, connector, model KV heads); the first two run in
+#: make test. With one KV head a TP2 instance replicates it on both ranks (each decode
+#: rank receives the whole head; a TP2 producer's second replica is released unread).
 PAIRS = [
-    (p, d, dtype, mode)
-    for p, d, dtype in [(1, 2, "float32"), (2, 1, "float32"), (2, 2, "bfloat16")]
+    (p, d, dtype, mode, kv)
+    for p, d, dtype, kv in [
+        (1, 2, "float32", 2),
+        (2, 1, "float32", 2),
+        (2, 2, "bfloat16", 2),
+        (1, 2, "float32", 1),
+        (2, 1, "float32", 1),
+    ]
     for mode in ("pull", "push")
 ]
 
@@ -73,9 +83,9 @@ def _side_channel_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def unified_servers(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[dict[str, VllmServer]]:
-    """Unified reference instances by (TP, dtype), started on first use and shared by
-    the pull and the push pair that compare against them."""
+def unified_servers() -> Iterator[dict[str, VllmServer]]:
+    """Unified reference instances by (TP, dtype, model), started on first use and
+    shared by the pull and the push pair that compare against them."""
     started: dict[str, VllmServer] = {}
     yield started
     for s in started.values():
@@ -85,7 +95,7 @@ def unified_servers(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[dict[st
 def _unified(
     started: dict[str, VllmServer], tp: int, dtype: str, model: Path, logs: Path
 ) -> VllmServer:
-    name = f"unified-tp{tp}-{dtype}"
+    name = f"unified-tp{tp}-{dtype}-{model.name}"
     if name not in started:
         started[name] = start_server(name, model, logs, extra_args=_tp_args(tp, dtype), wait=False)
     return started[name]
@@ -94,7 +104,8 @@ def _unified(
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}") for p in PAIRS[: None if ALL else 2]
+        pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}-kv{p[4]}")
+        for p in PAIRS[: None if ALL else 2]
     ],
 )
 def tp_setup(
@@ -103,13 +114,14 @@ def tp_setup(
     e2e_log_dir: Path,
     unified_servers: dict[str, VllmServer],
 ) -> Iterator[tuple[PDPair, VllmServer]]:
-    p_tp, d_tp, dtype, mode = request.param
+    p_tp, d_tp, dtype, mode, kv = request.param
     ref_tp = p_tp if p_tp == d_tp else 1
-    tag = f"p{p_tp}-d{d_tp}-{dtype}-{mode}"
-    unified = _unified(unified_servers, ref_tp, dtype, tiny_model_dir, e2e_log_dir)
+    tag = f"p{p_tp}-d{d_tp}-{dtype}-{mode}-kv{kv}"
+    model = tiny_model_dir if kv == 2 else build_tiny_model(TinyModelSpec(num_key_value_heads=kv))
+    unified = _unified(unified_servers, ref_tp, dtype, model, e2e_log_dir)
     prefill = start_server(
         f"prefill-tp-{tag}",
-        tiny_model_dir,
+        model,
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
         kv_transfer_config=kv_config("kv_producer", mode, extra=_heads(p_tp)),
@@ -118,7 +130,7 @@ def tp_setup(
     )
     decode = start_server(
         f"decode-tp-{tag}",
-        tiny_model_dir,
+        model,
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
         kv_transfer_config=kv_config("kv_consumer", mode, extra=_heads(d_tp)),
