@@ -13,9 +13,9 @@ feeding a wider decode), pull and push. ``KVXFER_E2E_TP_ALL=1`` adds prefill TP2
 decode TP1 and the equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each
 pull and push, and the same unequal pairs of a model with one KV head, which a TP2
 instance replicates on both ranks (each pair starts three or four engine processes;
-about a minute each on two cores). Push runs the toy router's order here: prefill answers first, then
-decode registers and each producer rank writes its heads into the decode ranks that
-hold them.
+about a minute each on two cores). Push runs the toy router's order here: prefill
+answers first, then decode registers and each producer rank writes its heads into the
+decode ranks that hold them.
 """
 
 from __future__ import annotations
