@@ -145,7 +145,14 @@ class LeaseBook:
             self.held[request_id] = lease
         return lease
 
-    def arm(self, lease: Lease, capability: str = "", guard: tuple[int, int] | None = None) -> None:
+    def arm(
+        self,
+        lease: Lease,
+        capability: str = "",
+        guard: tuple[int, int] | None = None,
+        *,
+        pin: bool = True,
+    ) -> None:
         """The engine's hold(): the lease is ready; its capability and guard word are
         minted here, or given by the caller (a re-hold keeps both).
 
@@ -156,7 +163,7 @@ class LeaseBook:
         self._pending.discard(lease.request_id)
         if not lease.capability:
             lease.capability = capability or wire.new_capability()
-            lease.pinned = bool(capability)
+            lease.pinned = bool(capability) and pin
         self._bind_target(lease)
         if lease.guard is None and self.guard is not None:
             if guard is None:

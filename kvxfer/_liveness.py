@@ -120,12 +120,22 @@ class Liveness:
             return exc
 
     def _ask(self, t: Transfer, host: str, port: int, request_id: str) -> wire.Message | None:
+        """The peer's answer to a Ping; None when it is gone (``t`` failed) or alive
+        but too busy to answer in time (``t`` stays, its deadline still bounds it)."""
         refused = self._refused(host, port)
         try:
             if refused is not None:
                 raise PeerError(f"{host}:{port} refused the connection ({refused})")
             return self._ping(host, port, request_id, t.meta.capability, PING_TIMEOUT_S)
         except KvxferError as exc:
+            if refused is None and self._refused(host, port) is None:
+                # The port still accepts: the process lives (a dead one's port refuses,
+                # a dead host's connect times out). A producer starved of CPU (seen
+                # with vLLM on an overloaded host) can miss a Ping's deadline; failing
+                # its transfer then would be a false alarm. Asked again after QUIET_S.
+                log.debug("liveness probe of %s:%d unanswered, port open: %s", host, port, exc)
+                self._alive(t)
+                return None
             self._settler.fail(
                 t,
                 FailureKind.PEER_GONE,

@@ -366,6 +366,7 @@ class Agent:
         staged: bool = False,
         capability: str = "",
         guard: tuple[int, int] | None = None,
+        pin: bool = True,
     ) -> Ticket:
         """Hold a finished prompt's blocks for its consumer and return the ticket.
 
@@ -391,7 +392,9 @@ class Agent:
         scheduler does); by default the agent mints them (docs/RELIABILITY.md). On a
         push producer a given ``capability`` pins the hold: only a consumer whose
         registration shows it (its ``Ticket.for_push(capability=...)``) receives the
-        KV, so give it only when the router gave the consumer the same token.
+        KV, so give it only when the router gave the consumer the same token;
+        ``pin=False`` keeps the first registration's rule instead (a token the caller
+        minted only so that every TP rank's hold shares it).
 
         Raises:
             RegistrationError: no memory registered yet.
@@ -411,7 +414,7 @@ class Agent:
         with self._lock:
             lease = self._leases.lease(request_id, groups, num_tokens, expiry)
             lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
-            self._leases.arm(lease, capability, guard)  # its capability and guard word
+            self._leases.arm(lease, capability, guard, pin=pin)  # its token and guard word
             ticket = self._ticket(lease, host, port, guard)
             if self._leases.take_early(request_id):
                 # The consumer finished (or gave up) before the engine got here: freed

@@ -151,6 +151,10 @@ class HoldSpec(msgspec.Struct, frozen=True, kw_only=True):
     capability: str = ""
     guard_slot: int = -1
     generation: int = 0
+    #: Push: the capability is the router's (pinned: only decode's registration that
+    #: shows it receives the KV); one minted here only makes every rank's hold share a
+    #: token (a decode rank's Release of an unread replica shows it).
+    pinned: bool = True
 
 
 class StageSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -539,15 +543,18 @@ class SchedulerSide:
         groups = self.window_blocks(block_ids, num_tokens)
         if not any(s in status for s in _NORMAL_FINISH) or not any(groups):
             return False, None  # aborted or empty: free at once, hand out nothing
+        pinned = True
         if self.direction is Direction.PUSH:
             # Push: a token the router minted and gave decode too pins the hold to
-            # decode's registration; without one the Agent mints it (the first
-            # registration of the id wins).
+            # decode's registration; without one, one minted here is shared by every
+            # rank's hold unpinned (the first registration of the id wins).
             try:
                 capability = router_capability(params)
             except ConfigError as exc:
                 log.error("kvxfer: request %s not held for its consumer: %s", rid, exc)
                 return False, None
+            if not capability:
+                capability, pinned = wire.new_capability(), False
         else:
             capability = wire.new_capability()
         expiry = time.time() + self.lease_s
@@ -566,6 +573,7 @@ class SchedulerSide:
                 capability=capability,
                 guard_slot=slot,
                 generation=generation,
+                pinned=pinned,
             )
         )
         ticket = Ticket(

@@ -242,6 +242,7 @@ class WorkerSide:
                     staged=staged,
                     capability=hold.capability,
                     guard=(hold.guard_slot, hold.generation) if hold.generation else None,
+                    pin=hold.pinned,
                 )
             except Exception:
                 log.exception(

@@ -196,9 +196,11 @@ def test_producer_holds_normally_finished_requests_only() -> None:
     assert s.num_held == 0
 
 
-def test_push_producer_holds_under_the_routers_capability_or_lets_the_agent_mint() -> None:
+def test_push_producer_holds_under_the_routers_capability_or_one_unpinned_token() -> None:
     """Push: the router's token (also in decode's params) pins the hold; without one
-    the scheduler names none (the Agent mints it); a malformed one holds nothing."""
+    the scheduler mints one that every rank's hold shares, unpinned (the first
+    registration wins; a decode rank's Release of an unread replica shows it); a
+    malformed one holds nothing."""
     s = _side(Role.PRODUCER, Direction.PUSH)
     s.set_endpoint("10.0.0.1", 5601, [42])
     token = "0123456789abcdef" * 2
@@ -214,8 +216,11 @@ def test_push_producer_holds_under_the_routers_capability_or_lets_the_agent_mint
         out[rid] = s.request_finished(req, [[4, 5, 6]])
     holds = {h.request_id: h for h in s.build_step_plan().holds}
     assert holds["cmpl-r-0-abcdef12"].capability == token
+    assert holds["cmpl-r-0-abcdef12"].pinned
     assert out["cmpl-r-0-abcdef12"][1]["kvxfer_capability"] == token
-    assert holds["cmpl-n-0-abcdef12"].capability == ""
+    minted = holds["cmpl-n-0-abcdef12"]
+    assert len(minted.capability) == 32 and not minted.pinned
+    assert out["cmpl-n-0-abcdef12"][1]["kvxfer_capability"] == minted.capability
     assert out["cmpl-x-0-abcdef12"] == (False, None) and "cmpl-x-0-abcdef12" not in holds
 
 

@@ -20,15 +20,20 @@ decode ranks that hold them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvxfer.adapters.vllm.scheduler import base_request_id
+from kvxfer.heads import HeadLayout, needed_ranks
 
 from .model import TinyModelSpec, build_tiny_model
 from .pd import PD_ENV, PDPair, decode, kv_config, prefill, prompt_ids, reference, through_pd
@@ -82,6 +87,14 @@ def _side_channel_env() -> dict[str, str]:
     return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
 
 
+@dataclasses.dataclass
+class TPPair(PDPair):
+    """A pair and the decode side's TP size and the model's KV heads."""
+
+    decode_tp: int = 1
+    kv_heads: int = 2
+
+
 @pytest.fixture(scope="module")
 def unified_servers() -> Iterator[dict[str, VllmServer]]:
     """Unified reference instances by (TP, dtype, model), started on first use and
@@ -113,7 +126,7 @@ def tp_setup(
     tiny_model_dir: Path,
     e2e_log_dir: Path,
     unified_servers: dict[str, VllmServer],
-) -> Iterator[tuple[PDPair, VllmServer]]:
+) -> Iterator[tuple[TPPair, VllmServer]]:
     p_tp, d_tp, dtype, mode, kv = request.param
     ref_tp = p_tp if p_tp == d_tp else 1
     tag = f"p{p_tp}-d{d_tp}-{dtype}-{mode}-kv{kv}"
@@ -139,7 +152,7 @@ def tp_setup(
     )
     try:
         wait_all_healthy([unified, prefill, decode])
-        pair = PDPair(mode, prefill, decode)
+        pair = TPPair(mode, prefill, decode, decode_tp=d_tp, kv_heads=kv)
         through_pd(pair, "warm up the pair", "warm up the pair", max_tokens=2)
         unified.complete("warm up", max_tokens=2)
         yield pair, unified
@@ -149,7 +162,7 @@ def tp_setup(
 
 
 def test_output_equals_unified_and_every_prompt_token_came_over(
-    tp_setup: tuple[PDPair, VllmServer],
+    tp_setup: tuple[TPPair, VllmServer],
 ) -> None:
     pair, unified = tp_setup
     d = pair.decode
@@ -167,7 +180,7 @@ def test_output_equals_unified_and_every_prompt_token_came_over(
 
 
 def test_negative_control_decode_continues_the_transferred_prompt(
-    tp_setup: tuple[PDPair, VllmServer],
+    tp_setup: tuple[TPPair, VllmServer],
 ) -> None:
     """Decode asked for prompt A but given B's KV continues B: every decode rank used
     the heads it read from the producer ranks, not a recomputation of A."""
@@ -197,19 +210,36 @@ def _worker_pid(server: VllmServer, rank: int) -> int | None:
     return None
 
 
+def _ranks_read(pair: TPPair, params: dict[str, Any]) -> set[int]:
+    """The producer ranks the decode instance reads this request from (every rank
+    unless heads are replicated there: then one replica per head, salted by the id
+    the producer's agents hold it under, as kvxfer._tp picks it)."""
+    p_tp, d_tp, kv = int(params["tp_size"]), pair.decode_tp, pair.kv_heads
+    rid = str(params["remote_request_id"])
+    lease_id = base_request_id(rid) if pair.mode == "push" else rid
+    salt = zlib.crc32(lease_id.encode())
+    p_heads = HeadLayout(num_kv_heads=kv, tp_size=p_tp)
+    d_heads = HeadLayout(num_kv_heads=kv, tp_size=d_tp)
+    if p_tp == d_tp:
+        return set(range(p_tp))
+    return {p for r in range(d_tp) for p in needed_ranks(d_heads, r, p_heads, salt=salt)}
+
+
 def test_a_killed_producer_rank_fails_the_load_cleanly_and_decode_keeps_serving(
-    tp_setup: tuple[PDPair, VllmServer],
+    tp_setup: tuple[TPPair, VllmServer],
 ) -> None:
-    """Last in this module (it kills the pair's prefill): the producer's last rank dies
-    between prefill and decode's pull; decode's request fails (HTTP 500, vLLM's
-    default kv_load_failure_policy) well before transfer_timeout_s, and decode keeps
-    serving."""
+    """Last in this module (it kills the pair's prefill): a producer rank that decode
+    reads (the last such rank) dies between prefill and decode's pull or
+    registration; decode's request fails (HTTP 500, vLLM's default
+    kv_load_failure_policy) well before transfer_timeout_s, and decode keeps serving.
+    With replicated heads decode reads one replica of each head, chosen by the request
+    id: the rank killed is one it reads."""
     pair, _ = tp_setup
     d = pair.decode
     prompt = "A rank of the prefill group dies before decode reads its heads " * 2
     params = prefill(pair.prefill, prompt)
     tp = int(params["tp_size"])
-    pid = _worker_pid(pair.prefill, tp - 1) if tp > 1 else None
+    pid = _worker_pid(pair.prefill, max(_ranks_read(pair, params))) if tp > 1 else None
     if pid is not None:
         os.kill(pid, signal.SIGKILL)
     else:
