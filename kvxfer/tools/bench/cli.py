@@ -128,6 +128,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-planning", action="store_true", help="skip the planning-cost cases")
     p.add_argument(
+        "--tp",
+        nargs="?",
+        const="1:2,2:1",
+        metavar="P:D,...",
+        help="instead of the matrix, pulls across TP sizes: prefill TP P to decode TP D "
+        "(default 1:2,2:1), one decode rank and one process per prefill rank it reads; "
+        "--models --block-sizes --tokens --patterns select (qwen3-0.6b, 16, 4000 "
+        "(quick 1000), contiguous)",
+    )
+    p.add_argument(
         "--hybrid",
         action="store_true",
         help="print what vLLM's hybrid KV cache manager, swa_window_mode and chunk_mode "
@@ -330,6 +340,19 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
     return header, results
 
 
+def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
+    """The run's JSON header: when, where, how many reps, the command line."""
+    return {
+        "kind": "run",
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "cpus": os.cpu_count(),
+        "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "network": "two network namespaces (veth)" if args.netns else "loopback",
+        "reps": args.reps or (5 if args.quick else 7),
+        "argv": list(argv if argv is not None else sys.argv[1:]),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvxfer bench``; 0 when every case ran and verified (see ``--check``)."""
     args = parser().parse_args(argv)
@@ -352,6 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.tp:
+        from kvxfer.tools.bench.tp_runner import main_tp
+
+        return main_tp(args, _header(args, argv))
     if args.from_json:
         try:
             header, results = _load(args.from_json)
@@ -360,14 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         report.relate(results)
     else:
-        header = {
-            "kind": "run",
-            "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "cpus": os.cpu_count(),
-            "network": "two network namespaces (veth)" if args.netns else "loopback",
-            "reps": args.reps or (5 if args.quick else 7),
-            "argv": list(argv if argv is not None else sys.argv[1:]),
-        }
+        header = _header(args, argv)
         results = []
         try:
             run(args, results)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,89 @@ class RawNixl:
         if state != "DONE":
             raise RuntimeError(f"raw NIXL {op} ended in state {state}")
         return t2 - t0, t1 - t0
+
+    def xfer_many(
+        self,
+        op: str,
+        posts: Sequence[tuple[Any, npt.NDArray[np.int32], Any, npt.NDArray[np.int32]]],
+        notif: bytes,
+        timeout_s: float,
+    ) -> float:
+        """Post one transfer per ``(local, local_ids, remote, remote_ids)`` (one per
+        peer: a pull across TP sizes reads several producer ranks in one request), all
+        before polling any, then busy-poll them all to completion.
+
+        Returns:
+            seconds from the first ``make_prepped_xfer`` to the last DONE.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._idle.clear()
+        handles: list[Any] = []
+        try:
+            with self._lock:
+                t0 = time.perf_counter()
+                states = []
+                for local, local_ids, remote, remote_ids in posts:
+                    handles.append(
+                        self._nixl.make_prepped_xfer(
+                            op, local, local_ids, remote, remote_ids, notif
+                        )
+                    )
+                    states.append(self._nixl.transfer(handles[-1]))
+                while "PROC" in states and time.monotonic() < deadline:
+                    states = [
+                        self._nixl.check_xfer_state(h) if s == "PROC" else s
+                        for h, s in zip(handles, states)
+                    ]
+                t1 = time.perf_counter()
+                for h in handles:
+                    h.release()
+        finally:
+            self._idle.set()
+        if any(s != "DONE" for s in states):
+            raise RuntimeError(f"raw NIXL {op}s ended in states {states}")
+        return t1 - t0
+
+    def xfer_runs_many(
+        self, op: str, posts: Sequence[tuple[Any, str]], notif: bytes, timeout_s: float
+    ) -> float:
+        """Post pre-merged runs (``RankPlan.runs``), one ``initialize_xfer`` per
+        ``(runs, peer)``, all before polling any, and wait for them all.
+
+        Returns:
+            seconds from building the first lists to the last DONE.
+        """
+        deadline = time.monotonic() + timeout_s
+        self._idle.clear()
+        handles: list[Any] = []
+        try:
+            with self._lock:
+                t0 = time.perf_counter()
+                states = []
+                for runs, peer in posts:
+                    local = np.stack(
+                        [runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], 1
+                    )
+                    remote = np.stack(
+                        [runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], 1
+                    )
+                    ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), "DRAM")
+                    rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), "DRAM")
+                    handles.append(self._nixl.initialize_xfer(op, ld, rd, peer, notif))
+                    states.append(self._nixl.transfer(handles[-1]))
+                while "PROC" in states and time.monotonic() < deadline:
+                    states = [
+                        self._nixl.check_xfer_state(h) if s == "PROC" else s
+                        for h, s in zip(handles, states)
+                    ]
+                t1 = time.perf_counter()
+                for h in handles:
+                    h.release()
+        finally:
+            self._idle.set()
+        if any(s != "DONE" for s in states):
+            raise RuntimeError(f"raw NIXL {op}s of runs ended in states {states}")
+        return t1 - t0
 
     def time_request(
         self,

@@ -1,0 +1,332 @@
+"""One process of ``kvxfer bench --tp``: a prefill rank or the decode rank.
+
+Each process owns one TP rank's head-major KV cache (one region per (layer, K/V,
+head), carved from one allocation as an engine's pool is), a kvxfer pull Agent with
+that TP identity, and a :class:`~kvxfer.tools.bench.raw_nixl.RawNixl` on the same
+memory. Prefill rank *p* serves its side channel at the run's base port + *p*, under
+one engine id for the group, as pulls across TP sizes expect.
+
+The decode rank builds, once, the same :class:`~kvxfer.tp_plan.TPPlanner` its agent
+builds, and raw NIXL posts, per request, that planner's ids on prepared lists of the
+same tables: one READ per producer rank, posted together, as kvxfer's sub-transfers
+are. The parent drives the processes with ``(command, payload)`` tuples as
+:mod:`.worker` is driven.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+import kvxfer.tools.bench.cases as bc
+from kvxfer.tools.bench.data import MemcpyBench
+from kvxfer.tools.bench.measure import DONE_NOTICE
+from kvxfer.tools.bench.raw_nixl import RawNixl
+from kvxfer.tools.bench.tp_cases import TPCase
+
+__all__ = ["FILL_SEED", "TPRankProc", "tp_worker_main"]
+
+FILL_SEED = 17
+_SECRET = "kvxfer-bench-tp-secret"
+PREFILL_ENGINE = "bench-tp-prefill"
+
+
+def _tp_cache(case: TPCase, producer: bool, rank: int) -> Any:
+    """The rank's cache, its buffers carved out of one (huge-page backed) allocation,
+    filled with the provenance pattern on a prefill rank, pre-touched on decode."""
+    from kvxfer.testing.tp_kvcache import TPHostCache
+
+    heads = case.prefill_heads if producer else case.decode_heads
+    cache = TPHostCache(
+        heads,
+        rank,
+        layers=case.shape.layers,
+        head_bytes=case.head_bytes,
+        block_size=case.block_size,
+        num_blocks=bc.num_blocks_for(case.base),
+    )
+    first = next(iter(cache.buffers.values()))
+    size = first.nbytes
+    pool = np.zeros(size * len(cache.buffers), dtype=np.uint8)
+    for k, key in enumerate(list(cache.buffers)):
+        cache.buffers[key] = pool[k * size : (k + 1) * size].reshape(first.shape)
+    if producer:
+        every = np.arange(cache.num_blocks)
+        for (layer, part), buf in cache.buffers.items():
+            for i, h in enumerate(cache.held):
+                buf[:, i] = cache.pattern(FILL_SEED, layer, part, h, every)
+    else:
+        pool.fill(0)  # touch every page: no first-touch faults in the timings
+    return cache
+
+
+class TPRankProc:
+    """The commands of one TP rank's bench process."""
+
+    def __init__(self, conn: Connection, raw: RawNixl) -> None:
+        self.conn, self.raw = conn, raw
+        self.case: TPCase | None = None
+        self.producer = False
+        self.rank = 0
+        self.cache: Any = None
+        self.agent: Any = None
+        self.reg: Any = None
+        self.memcpy: MemcpyBench | None = None
+        self.planner: Any = None
+        self.dlists: tuple[Any, dict[int, Any]] | None = None
+        self.raw_peers: dict[int, str] = {}
+        self.blocks_mine: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self.blocks_theirs: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+    # -- set-up -----------------------------------------------------------------------
+    def cmd_cache(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Build the rank's cache and register it with raw NIXL."""
+        self.case = case = msgspec.convert(payload["case"], TPCase)
+        self.producer, self.rank = payload["role"] == "producer", int(payload["rank"])
+        self.cache = _tp_cache(case, self.producer, self.rank)
+        self.reg = self.raw.register(self.cache.layout())
+        mine, theirs = ("remote", "local") if self.producer else ("local", "remote")
+        self.blocks_mine = bc.case_blocks(case.base, mine)
+        self.blocks_theirs = bc.case_blocks(case.base, theirs)
+        if not self.producer:
+            nbytes = min(int(payload["nbytes"]), bc.MEMCPY_SCRATCH)
+            regions = [
+                b.reshape(b.shape[0], -1).view(np.uint16) for b in self.cache.buffers.values()
+            ]
+            self.memcpy = MemcpyBench(regions, nbytes)
+        return {"layout": msgspec.to_builtins(self.cache.layout()), "raw": self.raw.metadata()}
+
+    def cmd_agent(self, port: int) -> dict[str, Any]:
+        """A pull Agent with this rank's TP identity, serving at ``port`` (0: any)."""
+        from kvxfer.agent import Agent, AgentConfig
+        from kvxfer.compat import Fingerprint
+        from kvxfer.heads import TPRank
+        from kvxfer.types import Direction, Role
+
+        assert self.case is not None
+        self._close_agent()
+        heads = self.case.prefill_heads if self.producer else self.case.decode_heads
+        agent = Agent(
+            AgentConfig(
+                engine_id=PREFILL_ENGINE if self.producer else "bench-tp-decode",
+                fingerprint=Fingerprint(
+                    model=f"bench/{self.case.model}",
+                    dtype="bfloat16",
+                    kv_cache_dtype="bfloat16",
+                    attention_backend="bench",
+                    direction=Direction.PULL,
+                ),
+                role=Role.PRODUCER if self.producer else Role.CONSUMER,
+                direction=Direction.PULL,
+                backend=self.case.backend,
+                side_channel_host="127.0.0.1",
+                side_channel_port=port,
+                lease_s=300.0,
+                transfer_timeout_s=300.0,
+                auth_secret=_SECRET,
+                tp=TPRank(heads=heads, rank=self.rank),
+            )
+        )
+        self.agent = agent
+        agent.register(self.cache.layout())
+        host, bound = agent.serve()
+        return {"host": host, "port": bound, "incarnation": agent.incarnation}
+
+    def _close_agent(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    def cmd_peers(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Decode rank: the producer ranks' raw peers and tables, the planner kvxfer
+        builds, raw NIXL's prepared lists, and one timed handshake per rank."""
+        from kvxfer.descriptors import DescriptorTable, PlanOptions
+        from kvxfer.layout import KVLayout
+        from kvxfer.tp_plan import TPPlanner
+
+        case = self.case
+        assert case is not None and self.agent is not None
+        opts = PlanOptions()
+        local = DescriptorTable.build(self.cache.layout(), opts)
+        remotes: dict[int, Any] = {}
+        remote_dlists: dict[int, Any] = {}
+        handshake: dict[str, float] = {}
+        for key, prod in payload["producers"].items():
+            p = int(key)
+            remotes[p] = DescriptorTable.build(msgspec.convert(prod["layout"], KVLayout), opts)
+            self.raw_peers[p] = self.raw.add_peer(prod["raw"])
+            remote_dlists[p] = self.raw.prep(self.raw_peers[p], remotes[p])
+            t0 = time.perf_counter()
+            self.agent.connect(prod["host"], prod["port"], PREFILL_ENGINE)
+            handshake[key] = time.perf_counter() - t0
+        self.planner = TPPlanner.build(
+            local,
+            remotes,
+            local_heads=case.decode_heads,
+            remote_heads=case.prefill_heads,
+            local_rank=self.rank,
+        )
+        self.dlists = (self.raw.prep(None, local), remote_dlists)
+        return {"handshake_s": handshake}
+
+    # -- prefill ranks ----------------------------------------------------------------
+    def cmd_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Hold the request under the group's shared capability and guard word."""
+        assert self.case is not None
+        t0 = time.perf_counter()
+        ticket = self.agent.hold(
+            payload["rid"],
+            self.blocks_mine,
+            self.case.tokens,
+            capability=payload["capability"],
+            guard=tuple(payload["guard"]),
+        )
+        return {"ticket": msgspec.to_builtins(ticket), "hold_s": time.perf_counter() - t0}
+
+    def cmd_freed(self, payload: dict[str, Any]) -> bool:
+        """Wait until the request is freed. ``release``: other decode ranks read this
+        rank too and the bench runs one of them, so the bench releases their share."""
+        if payload["release"]:
+            self.agent.release(payload["rid"])
+        deadline = time.monotonic() + 30
+        while payload["rid"] not in self.agent.freed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    # -- decode rank ------------------------------------------------------------------
+    def _zero(self) -> None:
+        for buf in self.cache.buffers.values():
+            buf[self.blocks_mine] = 0
+
+    def _mismatches(self) -> int:
+        """Wrong (layer, K/V, head, block, token) rows in the landed blocks (0: exact)."""
+        bad = 0
+        for (layer, part), buf in self.cache.buffers.items():
+            for i, h in enumerate(self.cache.held):
+                want = self.cache.pattern(FILL_SEED, layer, part, h, self.blocks_theirs)
+                bad += int(np.count_nonzero((buf[self.blocks_mine, i] != want).any(axis=2)))
+        return bad
+
+    def cmd_pull(self, payload: dict[str, Any]) -> dict[str, Any]:
+        from kvxfer.agent import Ticket
+
+        if payload["verify"]:
+            self._zero()
+        ticket = msgspec.convert(payload["ticket"], Ticket)
+        t0 = time.perf_counter()
+        transfer = self.agent.pull(ticket, self.blocks_mine)
+        transfer.wait(300)
+        s = time.perf_counter() - t0
+        stats = transfer.stats
+        return {
+            "s": s,
+            "bytes": stats.bytes,
+            "descriptors": stats.descriptors,
+            "bad": self._mismatches() if payload["verify"] else None,
+            "handshakes": self.agent.stats().handshakes,
+        }
+
+    def cmd_raw_read(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Raw NIXL on identical descriptors, one READ per producer rank, the planner's
+        output computed on the clock (as a NIXL user must per request): its ids on
+        the prepared lists (what kvxfer posts), or with ``runs`` its merged address
+        runs as per-request lists (``initialize_xfer``)."""
+        assert self.case is not None and self.dlists is not None
+        if payload["verify"]:
+            self._zero()
+        local, remotes = self.dlists
+        t0 = time.perf_counter()
+        plans = self.planner.plan([self.blocks_mine], [self.blocks_theirs], self.case.tokens)
+        if payload.get("runs"):
+            merged = [(rp.runs(), self.raw_peers[rp.rank]) for rp in plans]
+            self.raw.xfer_runs_many("READ", merged, DONE_NOTICE, 300)
+        else:
+            posts = [
+                (
+                    local,
+                    rp.plan.local_ids.astype(np.int32),
+                    remotes[rp.rank],
+                    rp.plan.remote_ids.astype(np.int32),
+                )
+                for rp in plans
+            ]
+            self.raw.xfer_many("READ", posts, DONE_NOTICE, 300)
+        s = time.perf_counter() - t0
+        return {
+            "s": s,
+            "bytes": sum(rp.plan.nbytes for rp in plans),
+            "descriptors": sum(rp.plan.num_descriptors for rp in plans),
+            "descriptors_per_rank": {str(rp.rank): rp.plan.num_descriptors for rp in plans},
+            "runs": sum(len(rp.runs()) for rp in plans),
+            "bad": self._mismatches() if payload["verify"] else None,
+        }
+
+    def cmd_memcpy(self, nbytes: int) -> float:
+        assert self.memcpy is not None
+        return self.memcpy.run(nbytes)
+
+    def close(self) -> None:
+        """Drop the agent, raw lists and registration."""
+        if self.dlists is not None:
+            self.raw.release(self.dlists[0])
+            for d in self.dlists[1].values():
+                self.raw.release(d)
+            self.dlists = None
+        self._close_agent()
+        if self.reg is not None:
+            self.raw.deregister(self.reg)
+            self.reg = None
+        if self.memcpy is not None:
+            self.memcpy.close()
+            self.memcpy = None
+
+
+#: Commands on kvxfer's side of a rep: raw NIXL's poller pauses from one of them to
+#: this process's next other command (see RawNixl.pause).
+_KVXFER_TURN = frozenset({"hold", "pull"})
+
+
+def tp_worker_main(conn: Connection) -> None:
+    """Entry point of a TP bench process (``multiprocessing`` spawn target)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    try:
+        raw = RawNixl(f"bench-tp-raw-{os.getpid()}")
+        proc = TPRankProc(conn, raw)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", "ready"))
+    try:
+        while True:
+            try:
+                cmd, payload = conn.recv()
+            except EOFError:
+                break
+            if cmd == "stop":
+                break
+            handler = getattr(proc, f"cmd_{cmd}", None)
+            try:
+                if handler is None:
+                    raise ValueError(f"unknown bench command {cmd!r}")
+                if cmd in _KVXFER_TURN:
+                    raw.pause()
+                else:
+                    raw.resume()
+                conn.send(("ok", handler(payload)))
+            except Exception as exc:
+                detail = traceback.format_exc(limit=4)
+                conn.send(("error", f"{type(exc).__name__}: {exc}\n{detail}"))
+    finally:
+        try:
+            proc.close()
+        finally:
+            raw.close()

@@ -1,0 +1,124 @@
+"""``kvxfer bench --tp``: pulls across TP sizes in the bench (issue 18).
+
+The pure parts directly (the head algebra's bytes and descriptor counts, restated
+here from the model shape alone), then one tiny real run of both unequal cases through
+real processes and NIXL. No timing is asserted: timings only have to exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from kvxfer.tools.bench import cases as bc
+from kvxfer.tools.bench import tp_cases as tc
+from kvxfer.tools.bench.cli import main as bench_main
+
+QWEN = bc.SHAPES[bc.QWEN]  # 28 layers x 8 KV heads x 128, bf16
+
+
+def _case(p: int, d: int, tokens: int = 100, bs: int = 16) -> tc.TPCase:
+    return tc.TPCase(
+        model=bc.QWEN, block_size=bs, tokens=tokens, pattern="contiguous", prefill_tp=p, decode_tp=d
+    )
+
+
+def test_pairs_parse_and_refuse_what_cannot_run() -> None:
+    assert tc.parse_pairs(tc.DEFAULT_PAIRS) == [(1, 2), (2, 1)]
+    for bad in ("2", "1:1", "0:2", "a:b"):
+        with pytest.raises(ValueError):
+            tc.parse_pairs(bad)
+    sel: dict[str, Any] = {"models": [bc.QWEN], "block_sizes": [16], "tokens": [100]}
+    with pytest.raises(ValueError, match="tp_size"):  # 3 ranks cannot split 8 heads
+        tc.build_tp_cases(pairs=[(3, 1)], patterns=["contiguous"], **sel)
+    with pytest.raises(ValueError, match="replicates"):  # 16 ranks over 8 heads
+        tc.build_tp_cases(pairs=[(16, 1)], patterns=["contiguous"], **sel)
+    cases = tc.build_tp_cases(pairs=[(1, 2), (2, 1)], patterns=list(bc.PATTERNS), **sel)
+    assert [(c.prefill_tp, c.decode_tp, c.pattern) for c in cases] == [
+        (1, 2, "contiguous"),
+        (1, 2, "scattered"),
+        (2, 1, "contiguous"),
+        (2, 1, "scattered"),
+    ]
+
+
+@pytest.mark.parametrize(("p", "d", "ranks", "heads"), [(1, 2, 1, 4), (2, 1, 2, 8), (4, 2, 2, 4)])
+def test_bytes_and_descriptors_of_the_head_algebra(p: int, d: int, ranks: int, heads: int) -> None:
+    case = _case(p, d, tokens=1000)
+    blocks, regions = 63, 2 * QWEN.layers  # ceil(1000 / 16) blocks, K and V per layer
+    assert len(case.producer_ranks) == ranks
+    assert tc.expected_bytes(case) == blocks * regions * heads * 16 * QWEN.head_dim * 2
+    counts = tc.descriptor_counts(case)
+    assert counts["hnd_per_head"] == blocks * regions * heads
+    # token-major: a head slice is one descriptor per token, per producer rank read
+    assert counts["nhd_strided"] == blocks * regions * ranks * 16
+    assert counts["equal_tp"] == blocks * regions
+
+
+def test_failed_and_skipped_cases_are_reported() -> None:
+    row = tc.tp_failed(_case(1, 2), "needs 9 GiB", "skipped")
+    assert row["kind"] == "tp" and row["producer_ranks"] == [0]
+    assert "SKIPPED: needs 9 GiB" in tc.format_tp_table([row])
+
+
+@pytest.mark.parametrize("argv", [["--netns"], ["--backends", "host_bounce"], ["--tp", "2:2"]])
+def test_options_tp_does_not_take_are_refused(argv: list[str]) -> None:
+    assert bench_main(["--tp", *argv]) == 2
+
+
+def test_tiny_tp_cases_through_real_processes() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.cli",
+            "bench",
+            "--tp",
+            "--tokens",
+            "40",
+            "--reps",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    objs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert objs[0]["kind"] == "run" and objs[0]["tp"] == tc.DEFAULT_PAIRS
+    rows = {(o["prefill_tp"], o["decode_tp"]): o for o in objs if o["kind"] == "tp"}
+    assert sorted(rows) == [(1, 2), (2, 1)]
+    blocks, regions = 3, 2 * QWEN.layers  # ceil(40 / 16)
+    for (p, d), r in rows.items():
+        assert r["status"] == "ok", r
+        heads = 8 // d
+        assert r["producer_ranks"] == list(range(p))
+        assert r["bytes_moved"] == r["bytes_expected"] == tc.expected_bytes(_case(p, d, 40))
+        assert r["bytes_moved"] == blocks * regions * heads * 16 * QWEN.head_dim * 2
+        assert r["descriptors_posted"] == r["nixl_descriptors"] == blocks * regions * heads
+        assert sum(r["descriptors_per_rank"].values()) == r["descriptors_posted"]
+        # adjacent heads of a block merge: one run per block per region per rank read
+        assert r["runs"] == blocks * regions * p
+        assert r["descriptors_nhd_strided"] == blocks * regions * p * 16
+        assert r["verified"] is True
+        assert r["mismatches"] == {"kvxfer": 0, "nixl": 0, "nixl_runs": 0}
+        assert r["reps"] == 1 and r["handshakes_in_timed_reps"] == 0
+        assert sorted(r["handshake_s"]) == [str(q) for q in range(p)]
+        for key in (
+            "kvxfer_gbps",
+            "nixl_gbps",
+            "nixl_runs_gbps",
+            "memcpy_gbps",
+            "kvxfer_vs_nixl",
+            "kvxfer_vs_nixl_runs",
+            "kvxfer_vs_memcpy",
+            "first_transfer_s",
+        ):
+            assert r[key] > 0, key
+    table = tc.format_tp_table(list(rows.values()))
+    assert "TP1->TP2" in table and "TP2->TP1" in table
