@@ -1,7 +1,10 @@
 """Prefill and decode of different tensor-parallel sizes on real vLLM engines, through
 the pull connector (R-TP-4): greedy output equal to a unified instance, a negative
-control, decode's prompt tokens all over the connector, and a producer rank killed
-before decode's read failing that request cleanly while decode keeps serving.
+control, decode's prompt tokens all over the connector, the KV that landed in every
+decode rank's blocks equal byte for byte to the producer ranks' (per layer, K/V,
+global KV head and token: tests/e2e/verify_connector.py digests both sides inside the
+engines), and a producer rank killed before decode's read failing that request
+cleanly while decode keeps serving.
 
 Across TP sizes the unified reference and the pair run in float32: in bf16 a TP2 and
 a TP1 instance of the same random-weight model already disagree with no transfer
@@ -25,8 +28,16 @@ from typing import Any
 
 import pytest
 
+from . import kv_digests
 from .pd import PD_ENV, PDPair, decode, kv_config, prefill, prompt_ids, reference, through_pd
-from .servers import HttpError, VllmServer, free_port, start_server, wait_all_healthy
+from .servers import (
+    E2E_BLOCK_SIZE,
+    HttpError,
+    VllmServer,
+    free_port,
+    start_server,
+    wait_all_healthy,
+)
 from .test_unified_baseline import PROMPTS
 
 pytestmark = pytest.mark.e2e
@@ -36,6 +47,10 @@ ALL = os.environ.get("KVXFER_E2E_TP_ALL") == "1"
 
 #: (prefill TP, decode TP, dtype); the first runs in make test.
 PAIRS = [(1, 2, "float32"), (2, 1, "float32"), (2, 2, "bfloat16")]
+
+#: kvxfer's connectors plus the digests of the byte-level check (same behaviour, same
+#: class names); they write only where ``kv_digests.ENV`` is set.
+VERIFY_MODULE = "tests.e2e.verify_connector"
 
 
 def _tp_args(tp: int, dtype: str) -> list[str]:
@@ -64,12 +79,19 @@ def _side_channel_env() -> dict[str, str]:
     return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
 
 
+@pytest.fixture(scope="module")
+def kv_digest_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where both sides of every pair of this module write their KV digests (records
+    are keyed by transfer id, so pairs can share it)."""
+    return tmp_path_factory.mktemp("kv-digests")
+
+
 @pytest.fixture(
     scope="module",
     params=[pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}") for p in PAIRS[: 3 if ALL else 1]],
 )
 def tp_setup(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, e2e_log_dir: Path
+    request: pytest.FixtureRequest, tiny_model_dir: Path, e2e_log_dir: Path, kv_digest_dir: Path
 ) -> Iterator[tuple[PDPair, VllmServer]]:
     p_tp, d_tp, dtype = request.param
     ref_tp = p_tp if p_tp == d_tp else 1
@@ -86,8 +108,10 @@ def tp_setup(
         tiny_model_dir,
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
-        kv_transfer_config=kv_config("kv_producer", "pull", extra=_heads(p_tp)),
-        env=_side_channel_env(),
+        kv_transfer_config=kv_config(
+            "kv_producer", "pull", extra=_heads(p_tp), kv_connector_module_path=VERIFY_MODULE
+        ),
+        env={**_side_channel_env(), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
     decode = start_server(
@@ -95,8 +119,10 @@ def tp_setup(
         tiny_model_dir,
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
-        kv_transfer_config=kv_config("kv_consumer", "pull", extra=_heads(d_tp)),
-        env=_side_channel_env(),
+        kv_transfer_config=kv_config(
+            "kv_consumer", "pull", extra=_heads(d_tp), kv_connector_module_path=VERIFY_MODULE
+        ),
+        env={**_side_channel_env(), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
     servers = [unified, prefill, decode]
@@ -141,6 +167,68 @@ def test_negative_control_decode_continues_the_transferred_prompt(
     ref_a, ref_b = reference(unified, a), reference(unified, b)
     assert ref_a != ref_b, "the control needs prompts whose continuations differ"
     assert through_pd(pair, b, a) == ref_b, "decode did not use the transferred KV"
+
+
+def _transfer(pair: PDPair, prompt: str | list[int]) -> str:
+    """Prefill then decode ``prompt`` (two tokens: only the load matters here); the
+    transfer id both sides' digest records carry (pull: the producer's request id)."""
+    params = prefill(pair.prefill, prompt)
+    decode(pair.decode, prompt, params, max_tokens=2)
+    return str(params["remote_request_id"])
+
+
+def test_kv_bytes_landed_equal_the_producers_per_head_and_token(
+    tp_setup: tuple[PDPair, VllmServer], kv_digest_dir: Path
+) -> None:
+    """Issue 18: for every (layer, K/V, global KV head, token) decode loaded, the
+    bytes in the decode rank's blocks once the load completed equal the bytes in the
+    producer rank's blocks when it held them; the decode ranks together cover every
+    head of every transferred token exactly once; and the comparison can fail (the
+    negative control's two prompts give different digests)."""
+    pair, unified = tp_setup
+    d = pair.decode
+    heads = set(range(2))  # the tiny model's KV heads
+    prompts = {
+        "multi_block_partial": f"Byte for byte: {PROMPTS['multi_block_partial']}",
+        "long": f"Byte for byte: {PROMPTS['long']}",
+    }
+    for name, prompt in prompts.items():
+        ids = prompt_ids(unified, prompt)
+        remote0 = d.metric(SOURCE, source="external_kv_transfer")
+        tid = _transfer(pair, prompt)
+        remote = d.metric(SOURCE, source="external_kv_transfer") - remote0
+        prod, cons = kv_digests.wait_for_records(kv_digest_dir, tid)
+        assert {h for r in prod for h in r.heads} == heads, (name, [r.heads for r in prod])
+        assert {h for r in cons for h in r.heads} == heads, (name, [r.heads for r in cons])
+        result = kv_digests.compare(prod, cons)
+        assert result.ok, f"{name}: {result.summary()}"
+        start, end = result.token_range
+        # The digested range is the load's, and what vLLM counted as transferred.
+        assert start == 0 and len(ids) - 1 <= end <= len(ids), (name, result.token_range)
+        assert remote == end - start, (name, remote, result.token_range)
+        layers = {key[0] for r in prod for key in r.digests}
+        assert result.expected == len(layers) * 2 * len(heads) * (end - start) > 0
+        assert result.compared == result.expected, result.summary()
+    assert len(prompt_ids(unified, prompts["multi_block_partial"])) % E2E_BLOCK_SIZE
+
+    # Not vacuous: prompt B differs from A in its first token only; B's producer
+    # digests must not pass for A's landed KV (every later token of a later layer
+    # attends to token 0, so all of them differ).
+    a = prompt_ids(unified, "The byte check's control: islands remember the harbor " * 3)
+    b = [(a[0] + 1) % 500 or 1, *a[1:]]
+    tid_a, tid_b = _transfer(pair, a), _transfer(pair, b)
+    prod_a, cons_a = kv_digests.wait_for_records(kv_digest_dir, tid_a)
+    prod_b, _ = kv_digests.wait_for_records(kv_digest_dir, tid_b)
+    assert kv_digests.compare(prod_a, cons_a).ok
+    crossed = kv_digests.compare(prod_b, cons_a)
+    assert not crossed.ok and not crossed.missing and not crossed.repeated
+    last = list(prod_a[0].digests)[-1][0]  # records keep the engine's layer order
+    start, end = crossed.token_range
+    mismatched = set(crossed.mismatches)
+    for part in ("K", "V"):
+        for head in heads:
+            for token in range(start, end):
+                assert (last, part, head, token) in mismatched, (last, part, head, token)
 
 
 def _worker_pid(server: VllmServer, rank: int) -> int | None:
