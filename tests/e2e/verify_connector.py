@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,8 @@ class VerifyingConnector(kvxfer_connector._RblnNixlBase):
             "transfer_id": transfer_id,
             "tp_rank": self._tp_rank,
             "tp_size": self._tp_size,
+            # Wall time: lines up with the engines' logs when a pair is slow.
+            "wall": round(time.time(), 3),
         }
         try:
             if self._digests is None:
