@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvxfer.adapters.vllm.scheduler import base_request_id
+
 __all__ = [
     "ENV",
     "Comparison",
@@ -28,6 +30,7 @@ __all__ = [
     "Key",
     "compare",
     "read_records",
+    "transfer_id",
     "wait_for_records",
 ]
 
@@ -91,6 +94,15 @@ class DigestRecord:
         for (layer, part, head), values in self.digests.items():
             for i, value in enumerate(values):
                 yield (layer, part, head, self.start + i), value
+
+
+def transfer_id(params: dict[str, Any]) -> str:
+    """The id both sides' records of the transfer behind a producer's
+    ``kv_transfer_params`` carry: pull, the producer's request id; push, its base id
+    (vLLM's random suffix stripped: the producer holds and the consumer registers
+    under it)."""
+    rid = str(params["remote_request_id"])
+    return base_request_id(rid) if params.get("transfer_mode") == "push" else rid
 
 
 def read_records(directory: Path) -> list[DigestRecord]:

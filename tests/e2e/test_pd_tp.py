@@ -171,10 +171,10 @@ def test_negative_control_decode_continues_the_transferred_prompt(
 
 def _transfer(pair: PDPair, prompt: str | list[int]) -> str:
     """Prefill then decode ``prompt`` (two tokens: only the load matters here); the
-    transfer id both sides' digest records carry (pull: the producer's request id)."""
+    transfer id both sides' digest records carry."""
     params = prefill(pair.prefill, prompt)
     decode(pair.decode, prompt, params, max_tokens=2)
-    return str(params["remote_request_id"])
+    return kv_digests.transfer_id(params)
 
 
 def test_kv_bytes_landed_equal_the_producers_per_head_and_token(
