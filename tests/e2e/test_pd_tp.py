@@ -1,8 +1,10 @@
 """Prefill and decode of different tensor-parallel sizes on real vLLM engines, through
 the pull and the push connector (R-TP-4): greedy output equal to a unified instance, a
-negative control, decode's prompt tokens all over the connector, and a producer rank
-killed before decode's read (or registration) failing that request cleanly while
-decode keeps serving.
+negative control, decode's prompt tokens all over the connector, the KV that landed in
+every decode rank's blocks equal byte for byte to the producer ranks' (per layer, K/V,
+global KV head and token: tests/e2e/verify_connector.py digests both sides inside the
+engines), and a producer rank killed before decode's read (or registration) failing
+that request cleanly while decode keeps serving.
 
 Across TP sizes the unified reference and the pair run in float32: in bf16 a TP2 and
 a TP1 instance of the same random-weight model already disagree with no transfer
@@ -32,12 +34,19 @@ from typing import Any
 
 import pytest
 
-from kvxfer.adapters.vllm.scheduler import base_request_id
 from kvxfer.heads import HeadLayout, needed_ranks
 
+from . import kv_digests
 from .model import TinyModelSpec, build_tiny_model
 from .pd import PD_ENV, PDPair, decode, kv_config, prefill, prompt_ids, reference, through_pd
-from .servers import HttpError, VllmServer, free_port, start_server, wait_all_healthy
+from .servers import (
+    E2E_BLOCK_SIZE,
+    HttpError,
+    VllmServer,
+    free_port,
+    start_server,
+    wait_all_healthy,
+)
 from .test_unified_baseline import PROMPTS
 
 pytestmark = pytest.mark.e2e
@@ -59,6 +68,11 @@ PAIRS = [
     ]
     for mode in ("pull", "push")
 ]
+
+
+#: kvxfer's connectors plus the digests of the byte-level check (same behaviour, same
+#: class names); they write only where ``kv_digests.ENV`` is set.
+VERIFY_MODULE = "tests.e2e.verify_connector"
 
 
 def _tp_args(tp: int, dtype: str) -> list[str]:
@@ -85,6 +99,13 @@ def _side_channel_env() -> dict[str, str]:
     while base + 1 > 65535:
         base = free_port()
     return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
+
+
+@pytest.fixture(scope="module")
+def kv_digest_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where both sides of every pair of this module write their KV digests (records
+    are keyed by transfer id, so pairs can share it)."""
+    return tmp_path_factory.mktemp("kv-digests")
 
 
 @dataclasses.dataclass
@@ -126,6 +147,7 @@ def tp_setup(
     tiny_model_dir: Path,
     e2e_log_dir: Path,
     unified_servers: dict[str, VllmServer],
+    kv_digest_dir: Path,
 ) -> Iterator[tuple[TPPair, VllmServer]]:
     p_tp, d_tp, dtype, mode, kv = request.param
     ref_tp = p_tp if p_tp == d_tp else 1
@@ -137,8 +159,10 @@ def tp_setup(
         model,
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
-        kv_transfer_config=kv_config("kv_producer", mode, extra=_heads(p_tp)),
-        env=_side_channel_env(),
+        kv_transfer_config=kv_config(
+            "kv_producer", mode, extra=_heads(p_tp), kv_connector_module_path=VERIFY_MODULE
+        ),
+        env={**_side_channel_env(), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
     decode = start_server(
@@ -146,8 +170,10 @@ def tp_setup(
         model,
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
-        kv_transfer_config=kv_config("kv_consumer", mode, extra=_heads(d_tp)),
-        env=_side_channel_env(),
+        kv_transfer_config=kv_config(
+            "kv_consumer", mode, extra=_heads(d_tp), kv_connector_module_path=VERIFY_MODULE
+        ),
+        env={**_side_channel_env(), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
     try:
@@ -193,6 +219,70 @@ def test_negative_control_decode_continues_the_transferred_prompt(
     assert through_pd(pair, b, a) == ref_b, "decode did not use the transferred KV"
 
 
+def _transfer(pair: PDPair, prompt: str | list[int]) -> str:
+    """Prefill then decode ``prompt`` (two tokens: only the load matters here); the
+    transfer id both sides' digest records carry."""
+    params = prefill(pair.prefill, prompt)
+    decode(pair.decode, prompt, params, max_tokens=2)
+    return kv_digests.transfer_id(params)
+
+
+def test_kv_bytes_landed_equal_the_producers_per_head_and_token(
+    tp_setup: tuple[TPPair, VllmServer], kv_digest_dir: Path
+) -> None:
+    """Issue 18: for every (layer, K/V, global KV head, token) decode loaded, the
+    bytes in the decode rank's blocks once the load completed equal the bytes in the
+    producer rank's blocks when it held them; the decode ranks together cover every
+    head of every transferred token exactly once (as often as decode replicates it);
+    and the comparison can fail (the negative control's two prompts give different
+    digests)."""
+    pair, unified = tp_setup
+    d = pair.decode
+    heads = set(range(pair.kv_heads))
+    replicas = HeadLayout(num_kv_heads=pair.kv_heads, tp_size=pair.decode_tp).replicas
+    prompts = {
+        "multi_block_partial": f"Byte for byte: {PROMPTS['multi_block_partial']}",
+        "long": f"Byte for byte: {PROMPTS['long']}",
+    }
+    for name, prompt in prompts.items():
+        ids = prompt_ids(unified, prompt)
+        remote0 = d.metric(SOURCE, source="external_kv_transfer")
+        tid = _transfer(pair, prompt)
+        remote = d.metric(SOURCE, source="external_kv_transfer") - remote0
+        prod, cons = kv_digests.wait_for_records(kv_digest_dir, tid)
+        assert {h for r in prod for h in r.heads} == heads, (name, [r.heads for r in prod])
+        assert {h for r in cons for h in r.heads} == heads, (name, [r.heads for r in cons])
+        result = kv_digests.compare(prod, cons, replicas=replicas)
+        assert result.ok, f"{name}: {result.summary()}"
+        start, end = result.token_range
+        # The digested range is the load's, and what vLLM counted as transferred.
+        assert start == 0 and len(ids) - 1 <= end <= len(ids), (name, result.token_range)
+        assert remote == end - start, (name, remote, result.token_range)
+        layers = {key[0] for r in prod for key in r.digests}
+        assert result.expected == len(layers) * 2 * len(heads) * (end - start) > 0
+        assert result.compared == replicas * result.expected, result.summary()
+    assert len(prompt_ids(unified, prompts["multi_block_partial"])) % E2E_BLOCK_SIZE
+
+    # Not vacuous: prompt B differs from A in its first token only; B's producer
+    # digests must not pass for A's landed KV (every later token of a later layer
+    # attends to token 0, so all of them differ).
+    a = prompt_ids(unified, "The byte check's control: islands remember the harbor " * 3)
+    b = [(a[0] + 1) % 500 or 1, *a[1:]]
+    tid_a, tid_b = _transfer(pair, a), _transfer(pair, b)
+    prod_a, cons_a = kv_digests.wait_for_records(kv_digest_dir, tid_a)
+    prod_b, _ = kv_digests.wait_for_records(kv_digest_dir, tid_b)
+    assert kv_digests.compare(prod_a, cons_a, replicas=replicas).ok
+    crossed = kv_digests.compare(prod_b, cons_a, replicas=replicas)
+    assert not crossed.ok and not crossed.missing and not crossed.repeated
+    last = list(prod_a[0].digests)[-1][0]  # records keep the engine's layer order
+    start, end = crossed.token_range
+    mismatched = set(crossed.mismatches)
+    for part in ("K", "V"):
+        for head in heads:
+            for token in range(start, end):
+                assert (last, part, head, token) in mismatched, (last, part, head, token)
+
+
 def _worker_pid(server: VllmServer, rank: int) -> int | None:
     """The pid of tensor-parallel worker ``rank`` of ``server`` (vLLM titles its
     processes ``VLLM::Worker_TP<rank>``), found in the server's process group."""
@@ -215,9 +305,7 @@ def _ranks_read(pair: TPPair, params: dict[str, Any]) -> set[int]:
     unless heads are replicated there: then one replica per head, salted by the id
     the producer's agents hold it under, as kvxfer._tp picks it)."""
     p_tp, d_tp, kv = int(params["tp_size"]), pair.decode_tp, pair.kv_heads
-    rid = str(params["remote_request_id"])
-    lease_id = base_request_id(rid) if pair.mode == "push" else rid
-    salt = zlib.crc32(lease_id.encode())
+    salt = zlib.crc32(kv_digests.transfer_id(params).encode())
     p_heads = HeadLayout(num_kv_heads=kv, tp_size=p_tp)
     d_heads = HeadLayout(num_kv_heads=kv, tp_size=d_tp)
     if p_tp == d_tp:
