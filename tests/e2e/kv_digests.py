@@ -106,10 +106,12 @@ def transfer_id(params: dict[str, Any]) -> str:
 
 
 def read_records(directory: Path) -> list[DigestRecord]:
-    """Every record written so far under ``directory`` (all files, all ranks)."""
+    """Every record written so far under ``directory`` (all files, all ranks); a
+    line a rank is still writing (no newline yet) is left for the next read."""
     out: list[DigestRecord] = []
     for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
+        *lines, _partial = path.read_text().split("\n")
+        for line in lines:
             if line.strip():
                 out.append(DigestRecord.from_json(line))
     return out
