@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -257,12 +258,16 @@ def _bounce_pair(
     return producer, consumer, pcache, ccache, ptable, ctable
 
 
-def _settle(be: HostBounceBackend, handle: Any) -> XferStatus:
-    for _ in range(10_000):
+def _settle(be: HostBounceBackend, handle: Any, timeout_s: float = 10.0) -> XferStatus:
+    # By time, not by a count of polls: a first READ over UCX also wires the endpoint
+    # up, which outlasted 10,000 quick polls once in a CI run.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         state = be.status(handle)
         if state is not XferStatus.PENDING:
             return state
-    raise AssertionError("transfer never settled")
+        time.sleep(0.0005)
+    raise AssertionError(f"transfer never settled in {timeout_s:g}s")
 
 
 @pytest.mark.parametrize("slices", [1, 3, 8, 64])
