@@ -9,7 +9,6 @@ import itertools
 import random
 import time
 import zlib
-from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -18,84 +17,26 @@ from kvxfer import wire
 from kvxfer._guard import GuardBook
 from kvxfer._readers import ReaderCount
 from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
-from kvxfer.agent import Agent, AgentConfig, Ticket
-from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
+from kvxfer.agent import Ticket
 from kvxfer.errors import ConfigError, KvxferError, TransferError
-from kvxfer.heads import HeadLayout, TPRank, needed_ranks
-from kvxfer.testing.fake_backend import FakeBackend, Faults
-from kvxfer.testing.tp_kvcache import TPHostCache
+from kvxfer.heads import HeadLayout, needed_ranks
+from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import TransferState
-from kvxfer.types import Direction, Role
+from kvxfer.types import Direction
+from tests.tp_ranks import NUM_BLOCKS, Rank, consumers, producers
+from tests.tp_ranks import closing as closing  # the fixture, by name
 
-FP = Fingerprint(
-    model="m",
-    dtype="bfloat16",
-    kv_cache_dtype="bfloat16",
-    attention_backend="t",
-    direction=Direction.PULL,
-)
 SEED = 21
-NUM_BLOCKS = 12
-_names = itertools.count()
 # Guard slots, in turn (each test's agents are new; none holds 76 requests at once).
 _slots = (i % GuardBook.slots_for(NUM_BLOCKS) for i in itertools.count())
 
 
-class Rank:
-    def __init__(self, agent: Agent, backend: FakeBackend, cache: TPHostCache) -> None:
-        self.agent, self.backend, self.cache = agent, backend, cache
-
-
-def _rank(
-    engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int, seed: int | None
-) -> Rank:
-    cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
-    backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}"))
-    agent = Agent(
-        AgentConfig(
-            engine_id=engine_id,
-            fingerprint=FP,
-            role=role,
-            side_channel_port=port,
-            tp=TPRank(heads=heads, rank=rank),
-            transfer_timeout_s=2.0,
-            lease_s=30.0,
-        ),
-        backend=backend,
-    )
-    # Rank-local head indices: the agent places them (heads.place_heads).
-    agent.register(cache.layout(global_heads=False), keep=cache)
-    return Rank(agent, backend, cache)
-
-
 def _producers(heads: HeadLayout) -> list[Rank]:
-    """Producer ranks serving at base + rank (retrying another base if one is taken)."""
-    for _ in range(20):
-        base = random.randrange(20000, 60000)
-        ranks = [
-            _rank("prefill", Role.PRODUCER, heads, r, base + r, SEED) for r in range(heads.tp_size)
-        ]
-        try:
-            for r in ranks:
-                r.agent.serve()
-            return ranks
-        except KvxferError:
-            for r in ranks:
-                r.agent.close()
-    raise RuntimeError("no free consecutive ports")
+    return producers(heads, seed=SEED, direction=Direction.PULL, timeout_s=2.0)
 
 
 def _consumers(heads: HeadLayout) -> list[Rank]:
-    return [_rank("decode", Role.CONSUMER, heads, r, 0, None) for r in range(heads.tp_size)]
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Rank]]:
-    ranks: list[Rank] = []
-    yield ranks
-    for r in ranks:
-        r.agent.close()
+    return consumers(heads, direction=Direction.PULL, timeout_s=2.0)
 
 
 def _hold(producers: list[Rank], rid: str, block_ids: list[int], tokens: int) -> Ticket:

@@ -7,101 +7,29 @@ with every block invalid, and nothing hangs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import msgspec
 import pytest
 
 from kvxfer import wire
-from kvxfer.agent import Agent, AgentConfig, Ticket
-from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
-from kvxfer.errors import ConfigError, KvxferError, TransferError
-from kvxfer.heads import HeadLayout, TPRank
-from kvxfer.testing.fake_backend import FakeBackend, Faults
-from kvxfer.testing.tp_kvcache import TPHostCache
+from kvxfer.agent import Ticket
+from kvxfer.errors import ConfigError, TransferError
+from kvxfer.heads import HeadLayout
+from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
+from tests.tp_ranks import Rank, consumers, make_rank, producers
+from tests.tp_ranks import closing as closing  # the fixture, by name
 
-FP = Fingerprint(
-    model="m",
-    dtype="bfloat16",
-    kv_cache_dtype="bfloat16",
-    attention_backend="t",
-    direction=Direction.PUSH,
-)
 SEED = 33
-NUM_BLOCKS = 12
-
-
-class Rank:
-    def __init__(self, agent: Agent, backend: FakeBackend, cache: TPHostCache) -> None:
-        self.agent, self.backend, self.cache = agent, backend, cache
-
-    @property
-    def rank(self) -> int:
-        tp = self.agent.config.tp
-        assert tp is not None
-        return tp.rank
-
-
-_count = iter(range(10**6))
-
-
-def _rank(
-    engine_id: str, role: Role, heads: HeadLayout, rank: int, port: int, stream: bool = False
-) -> Rank:
-    seed = SEED if role is Role.PRODUCER else None
-    cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
-    backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_count)}"))
-    agent = Agent(
-        AgentConfig(
-            engine_id=engine_id,
-            fingerprint=FP,
-            role=role,
-            direction=Direction.PUSH,
-            side_channel_port=port,
-            tp=TPRank(heads=heads, rank=rank),
-            transfer_timeout_s=3.0,
-            lease_s=30.0,
-            push_stream=stream,
-        ),
-        backend=backend,
-    )
-    agent.register(cache.layout(global_heads=False), keep=cache)
-    return Rank(agent, backend, cache)
 
 
 def _producers(heads: HeadLayout, stream: bool = False) -> list[Rank]:
-    """Producer ranks serving at base + rank (retrying another base if one is taken)."""
-    import random
-
-    for _ in range(20):
-        base = random.randrange(20000, 60000)
-        ranks = [
-            _rank("prefill", Role.PRODUCER, heads, r, base + r, stream)
-            for r in range(heads.tp_size)
-        ]
-        try:
-            for r in ranks:
-                r.agent.serve()
-            return ranks
-        except KvxferError:
-            for r in ranks:
-                r.agent.close()
-    raise RuntimeError("no free consecutive ports")
+    return producers(heads, seed=SEED, direction=Direction.PUSH, timeout_s=3.0, stream=stream)
 
 
 def _consumers(heads: HeadLayout) -> list[Rank]:
-    return [_rank("decode", Role.CONSUMER, heads, r, 0) for r in range(heads.tp_size)]
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Rank]]:
-    ranks: list[Rank] = []
-    yield ranks
-    for r in ranks:
-        r.agent.close()
+    return consumers(heads, direction=Direction.PUSH, timeout_s=3.0)
 
 
 def _ticket(producers: list[Rank], rid: str, tokens: int, cap: str) -> Ticket:
@@ -251,7 +179,9 @@ def test_a_stranger_registering_for_a_rank_gets_nothing_when_the_hold_is_pinned(
 ) -> None:
     p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=1), HeadLayout(num_kv_heads=4, tp_size=2)
     (producer,), consumers = _producers(p_heads), _consumers(d_heads)
-    stranger = _rank("decode", Role.CONSUMER, d_heads, 1, 0)
+    stranger = make_rank(
+        "decode", Role.CONSUMER, d_heads, 1, 0, seed=None, direction=Direction.PUSH, timeout_s=3.0
+    )
     closing += [producer, *consumers, stranger]
     cap = wire.new_capability()
     good = _ticket([producer], "req-s", 8, cap)

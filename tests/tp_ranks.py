@@ -1,0 +1,133 @@
+"""In-process Agents of TP groups on the fake backend, for the tests across TP sizes
+(``test_agent_tp.py`` pulls, ``test_agent_tp_push.py`` pushes): each rank holds a
+:class:`~kvxfer.testing.tp_kvcache.TPHostCache` of its heads, registered with rank-local
+head indices (the agent places them, ``heads.place_heads``)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.agent import Agent, AgentConfig
+from kvxfer.backend import BackendOptions
+from kvxfer.compat import Fingerprint
+from kvxfer.errors import KvxferError
+from kvxfer.heads import HeadLayout, TPRank
+from kvxfer.testing.fake_backend import FakeBackend
+from kvxfer.testing.tp_kvcache import TPHostCache
+from kvxfer.types import Direction, Role
+
+NUM_BLOCKS = 12
+_names = itertools.count()
+
+
+class Rank:
+    """One rank: its Agent, its fake backend (faults), its cache."""
+
+    def __init__(self, agent: Agent, backend: FakeBackend, cache: TPHostCache) -> None:
+        self.agent, self.backend, self.cache = agent, backend, cache
+
+    @property
+    def rank(self) -> int:
+        tp = self.agent.config.tp
+        assert tp is not None
+        return tp.rank
+
+
+def make_rank(
+    engine_id: str,
+    role: Role,
+    heads: HeadLayout,
+    rank: int,
+    port: int,
+    *,
+    seed: int | None,
+    direction: Direction,
+    timeout_s: float,
+    stream: bool = False,
+) -> Rank:
+    """A registered rank (its cache filled from ``seed``, or empty with None)."""
+    cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
+    backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}"))
+    fingerprint = Fingerprint(
+        model="m",
+        dtype="bfloat16",
+        kv_cache_dtype="bfloat16",
+        attention_backend="t",
+        direction=direction,
+    )
+    agent = Agent(
+        AgentConfig(
+            engine_id=engine_id,
+            fingerprint=fingerprint,
+            role=role,
+            direction=direction,
+            side_channel_port=port,
+            tp=TPRank(heads=heads, rank=rank),
+            transfer_timeout_s=timeout_s,
+            lease_s=30.0,
+            push_stream=stream,
+        ),
+        backend=backend,
+    )
+    agent.register(cache.layout(global_heads=False), keep=cache)
+    return Rank(agent, backend, cache)
+
+
+def producers(
+    heads: HeadLayout, *, seed: int, direction: Direction, timeout_s: float, stream: bool = False
+) -> list[Rank]:
+    """Producer ranks serving at base + rank (retrying another base if one is taken)."""
+    for _ in range(20):
+        base = random.randrange(20000, 60000)
+        ranks = [
+            make_rank(
+                "prefill",
+                Role.PRODUCER,
+                heads,
+                r,
+                base + r,
+                seed=seed,
+                direction=direction,
+                timeout_s=timeout_s,
+                stream=stream,
+            )
+            for r in range(heads.tp_size)
+        ]
+        try:
+            for r in ranks:
+                r.agent.serve()
+            return ranks
+        except KvxferError:
+            for r in ranks:
+                r.agent.close()
+    raise RuntimeError("no free consecutive ports")
+
+
+def consumers(heads: HeadLayout, *, direction: Direction, timeout_s: float) -> list[Rank]:
+    """Consumer ranks with empty caches (not serving until they need to)."""
+    return [
+        make_rank(
+            "decode",
+            Role.CONSUMER,
+            heads,
+            r,
+            0,
+            seed=None,
+            direction=direction,
+            timeout_s=timeout_s,
+        )
+        for r in range(heads.tp_size)
+    ]
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Rank]]:
+    """Ranks to close after the test."""
+    ranks: list[Rank] = []
+    yield ranks
+    for r in ranks:
+        r.agent.close()
