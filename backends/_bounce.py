@@ -212,6 +212,15 @@ class Pipelined:
                 pending = True
             return XferStatus.PENDING if pending else XferStatus.DONE
 
+    def quiet(self, transport: Backend) -> bool:
+        """Whether no byte of the job can move any more: no slice's transfer is in
+        flight and no staging copy runs (a READ's stage-in writes the engine's blocks,
+        so it counts as much as the transport's bytes)."""
+        with self.lock:
+            if any(transport.status(h) is XferStatus.PENDING for h in self.handles):
+                return False
+            return all(f is None or f.done() for f in self.staged)
+
     def release(self, transport: Backend) -> None:
         """Release every slice's transport handle; the job reports FAILED from now on
         unless it already finished."""

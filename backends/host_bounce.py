@@ -432,6 +432,17 @@ class HostBounceBackend(Backend):
         else:
             job.release(self._transport)
 
+    def cancel(self, handle: XferHandle) -> bool:
+        """Over once every slice's transfer and staging copy ended (a slice that failed
+        does not stop the copies of the others)."""
+        job = self._jobs.get(handle)
+        if job is None:
+            return self._transport.cancel(handle)
+        if not job.quiet(self._transport):
+            return False
+        self.release(handle)
+        return True
+
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         self._transport.notify(peer, payload)
 

@@ -205,6 +205,20 @@ class Backend(ABC):
     def release(self, handle: XferHandle) -> None:
         """Release a transfer handle (done, failed or abandoned)."""
 
+    def cancel(self, handle: XferHandle) -> bool:
+        """Stop a transfer the agent gave up on (an abort, a failure, a deadline).
+
+        Returns True when no further byte of it can move (it completed or failed, or
+        the transport really cancelled it) and the handle is released. Returns False
+        while it may still move bytes (NIXL cannot cancel a request in flight, and a
+        UCX send or RDMA operation goes on regardless): the caller keeps the handle
+        and asks again; the transfer's local blocks stay quarantined meanwhile
+        (R-SAFE-5). The default trusts :meth:`status`: anything but PENDING is over."""
+        if self.status(handle) is XferStatus.PENDING:
+            return False
+        self.release(handle)
+        return True
+
     @abstractmethod
     def notify(self, peer: PeerHandle, payload: bytes) -> None:
         """Send a small message to a peer outside any transfer."""

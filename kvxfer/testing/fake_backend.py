@@ -105,6 +105,9 @@ class Faults(msgspec.Struct, kw_only=True):
             even when the peer is gone (a transport that has not noticed anything yet).
             Read at every status poll, so a test opens the gate when its schedule says:
             e.g. after the producer's engine reused the blocks being read.
+        uncancellable: :meth:`~FakeBackend.cancel` of a transfer still PENDING says
+            it may still move bytes (as NIXL over UCX does): the agent must keep
+            polling it, and its blocks stay quarantined until it moved or failed.
     """
 
     fail_post: bool = False
@@ -117,6 +120,7 @@ class Faults(msgspec.Struct, kw_only=True):
     complete_after_polls: int = 0
     reorder_notifications: bool = False
     stall: bool = False
+    uncancellable: bool = False
 
 
 class _Metadata(msgspec.Struct, frozen=True):
@@ -463,6 +467,18 @@ class FakeBackend(Backend):
         with _LOCK:
             self._xfers.pop(handle, None)
             self._guard_reads.pop(handle, None)
+
+    def cancel(self, handle: XferHandle) -> bool:
+        """Bytes move only inside :meth:`status`, so a released transfer moves no more:
+        the fake cancels for real, unless ``Faults.uncancellable`` models a transport
+        that cannot (NIXL over UCX): then it is over only once it completed or failed."""
+        with _LOCK:
+            xfer = self._xfers.get(handle)
+            uncancellable = xfer is not None and xfer.faults.uncancellable
+            if uncancellable and xfer is not None and xfer.state is XferStatus.PENDING:
+                return False
+        self.release(handle)
+        return True
 
     # -- guard table (fail-closed pulls; docs/RELIABILITY.md) -------------------------
     def register_guard(self, slots: int) -> npt.NDArray[np.uint64]:
