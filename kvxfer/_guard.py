@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["GEN_MASK", "FreeReason", "GuardBook", "verdict"]
+__all__ = ["GEN_MASK", "FreeReason", "GuardBook", "not_held_yet", "verdict"]
 
 #: The generation's bits; the top byte of a freed slot's word says why it was freed.
 GEN_MASK = (1 << 56) - 1
@@ -63,6 +63,17 @@ def verdict(word: int, generation: int) -> str | None:
         reason = _BY_CODE.get(word >> 56)
         return reason.text if reason is not None else "released"
     return "reused"
+
+
+def not_held_yet(word: int, generation: int) -> bool:
+    """Whether ``word`` may precede the hold of ``generation`` (a ticket minted before
+    its hold): the slot was never armed (0), or its last hold, another one, was freed
+    (a reason in the top byte). A live generation of another hold (top byte 0) says the
+    slot is someone else's now, and a freed word of ``generation`` that this hold has
+    ended: neither will ever turn into ``generation``."""
+    if word & GEN_MASK == generation & GEN_MASK:
+        return False
+    return word == 0 or word >> 56 != 0
 
 
 class GuardBook:

@@ -128,6 +128,10 @@ class LeaseBook:
         self._pending: set[str] = set()  # push registrations without their hold yet
         # request id -> (state, reason, capabilities that may ask)
         self._outcomes: dict[str, tuple[wire.HoldState, str, tuple[str, ...]]] = {}
+        #: Freed push leases with writes still in flight (NIXL cannot cancel them): a
+        #: probe hears WRITING until the last one ended, then the consumers are told
+        #: (kvxfer._push), so no consumer reuses blocks a late write lands in.
+        self.draining: dict[str, tuple[Lease, str]] = {}
 
     def __bool__(self) -> bool:
         """True while anything is held or remembered (a tick has work)."""
@@ -264,6 +268,12 @@ class LeaseBook:
         """How the hold of ``request_id`` stands, for a peer that shows its capability
         (UNKNOWN otherwise)."""
         lease = self.held.get(request_id)
+        if lease is None and request_id in self.draining:
+            lease = self.draining[request_id][0]
+            tokens = (lease.capability, *(t.register.capability for t in lease.targets.values()))
+            if any(wire.capability_matches(t, capability) for t in tokens if t):
+                return wire.HoldState.WRITING, "freed; a write is still ending"
+            lease = None
         if lease is not None:
             if not self.authorized(lease, capability):
                 return wire.HoldState.UNKNOWN, "no hold of that request for this capability"

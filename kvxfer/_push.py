@@ -365,12 +365,29 @@ class PushWriter:
         all its writes, or on failure (telling every consumer rank, which then stops
         waiting)."""
         rid = transfer.meta.lease
-        lease = self._leases.held.get(rid) if rid is not None else None
-        if rid is None or lease is None:
+        if rid is None:
+            return
+        draining = self._leases.draining.get(rid)
+        if draining is not None:
+            # A freed lease's write ended: once the last did, no byte of the request
+            # can land any more, and only now may its consumers reuse their blocks.
+            ended, why = draining
+            if not any(w.state is TransferState.PENDING for w in ended.writes):
+                del self._leases.draining[rid]
+                self._tell_failed(ended, why)
+            return
+        lease = self._leases.held.get(rid)
+        if lease is None:
             return
         if not ok:
-            self._tell_failed(lease, "a write failed")
+            # Freeing fails the other writes in flight; the consumers hear FAILED once
+            # none of them can land any more (on_free).
             self._leases.free(rid, FreeReason.RELEASED, wire.HoldState.FAILED)
+            draining = self._leases.draining.get(rid)
+            if draining is None:
+                self._tell_failed(lease, "a write failed")
+            else:
+                self._leases.draining[rid] = (lease, "a write failed")
             return
         if lease.all_written and all(w.state is TransferState.DONE for w in lease.writes):
             self._leases.free(rid, FreeReason.DONE, wire.HoldState.PUSHED)
@@ -398,8 +415,11 @@ class PushWriter:
 
     def on_free(self, lease: Lease, reason: FreeReason) -> None:
         """Under the lock, as a lease is freed (before the engine gets its blocks):
-        a write still in flight is cancelled (its handle released, so a transport that
-        can cancel moves no byte of blocks the engine reuses) and the consumer told."""
+        each write still in flight is failed. A transport that can cancel stops it at
+        once; over NIXL it goes on until it completes or fails, so the consumers are
+        told FAILED only when the last one ended (R-SAFE-5): that notice is their
+        proof that no byte of the request can land in their blocks any more. Probes
+        meanwhile hear WRITING."""
         pending = [w for w in lease.writes if w.state is TransferState.PENDING]
         if reason is FreeReason.DONE or not pending:
             return
@@ -410,7 +430,10 @@ class PushWriter:
                 TransferError(f"the hold of {lease.request_id} was {reason.text} mid-write"),
                 FailureStage.TRANSFER,
             )
-        self._tell_failed(lease, reason.text)
+        if any(w.state is TransferState.PENDING for w in lease.writes):
+            self._leases.draining[lease.request_id] = (lease, reason.text)
+        else:
+            self._tell_failed(lease, reason.text)
 
 
 def _same_consumer(a: wire.PushRegister, b: wire.PushRegister) -> bool:

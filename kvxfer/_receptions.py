@@ -63,6 +63,13 @@ class Receptions:
         with self._lock:
             return self.expected.pop((request_id, source), None)
 
+    def drop(self, transfer: Transfer) -> None:
+        """``transfer`` settled: no longer awaited (if it still was)."""
+        with self._lock:
+            key = (transfer.request_id, transfer.meta.push_source)
+            if self.expected.get(key) is transfer:
+                del self.expected[key]
+
     def of(self, notice: wire.Notice) -> Transfer | None:
         """The reception a PUSHED/FAILED notice is about, if awaited."""
         return self.expected.get((notice.request_id, notice.source))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvxfer import blocks
-from kvxfer._guard import verdict
+from kvxfer._guard import not_held_yet, verdict
 from kvxfer._leases import LeaseBook
 from kvxfer._liveness import Liveness
 from kvxfer._local import LocalEnd
@@ -44,14 +44,15 @@ __all__ = [
     "RECEPTION_TICK_S",
     "REREAD_DELAYS_S",
     "WAITED_TICK_S",
+    "ProbeVerdicts",
     "Runtime",
 ]
 
 log = logging.getLogger("kvxfer.agent")
 
-#: Waits before reading a guarded pull again whose guard word is not its hold's yet
-#: (see Runtime._read_again): ~0.3 s in all.
-REREAD_DELAYS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
+#: Waits before reading a guarded pull's guard word again while its hold has not come
+#: (see Runtime._read_again); the last one repeats until the deadline or the lease.
+REREAD_DELAYS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.1)
 
 # Progress interval while leases are held and nothing is in flight (see _run).
 LEASE_TICK_S = 0.001
@@ -67,6 +68,31 @@ WAITED_TICK_S = 0.005
 RECEPTION_TICK_S = 0.005
 # The progress thread's sleep when nothing is in flight (an idle agent costs nothing).
 IDLE_NAP_S = 0.05
+
+
+class ProbeVerdicts:
+    """What the liveness probes (:mod:`kvxfer._liveness`) settle transfers through.
+
+    A probe fails a transfer only on an answer or on evidence of death (a producer
+    that says its hold ended or failed, a refused port, another incarnation), so
+    for a push reception that failure is also proof that its producer writes no
+    more: it settles at once instead of waiting in quarantine (R-SAFE-5).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def fail(
+        self,
+        transfer: Transfer,
+        kind: FailureKind,
+        error: BaseException,
+        stage: FailureStage | None = None,
+    ) -> None:
+        self._runtime.fail(transfer, kind, error, stage, quiet=True)
+
+    def pushed(self, transfer: Transfer) -> None:
+        self._runtime.pushed(transfer)
 
 
 class Runtime:
@@ -114,7 +140,9 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
         self.liveness: Liveness | None = None  # probes quiet transfers (set by the agent)
-        self._notices = Notices(local, leases, receptions, stats, self.fail, self._readers)
+        # A producer's FAILED notice says its writes ended: quiet (R-SAFE-5).
+        quiet_fail = functools.partial(self.fail, quiet=True)
+        self._notices = Notices(local, leases, receptions, stats, quiet_fail, self._readers)
 
     def add_tick_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` at the end of every tick that finds leases (the push writer's
@@ -180,6 +208,7 @@ class Runtime:
             if plan is None:
                 plan = build_plan(table, peer.table, local, remote, num_tokens)
         except KvxferError as exc:
+            meta.posting = False
             self.fail(transfer, FailureKind.POST, exc)
             return
         t1 = time.perf_counter()
@@ -196,19 +225,27 @@ class Runtime:
                 op, peer.handle, plan.local_ids, plan.remote_ids, notif
             )
         except KvxferError as exc:
+            meta.posting = False
             self._peers.mark_suspect(peer)
             kind = FailureKind.PEER_GONE if isinstance(exc, PeerError) else FailureKind.POST
             self.fail(transfer, kind, exc, FailureStage.POST)
             return
         transfer.stats.post_s = time.perf_counter() - t1
         with self._lock:
-            if transfer.done:  # failed meanwhile (agent closed, deadline passed)
+            if transfer.done:  # settled meanwhile (the agent closed)
+                meta.posting = False
                 self._backend.release(handle)
                 return
             meta.peer = peer
             meta.handle = handle
             meta.posting = False
             meta.last_progress = time.monotonic()
+            doomed = meta.doomed is not None
+        if doomed:
+            # Failed while this post ran (an abort, the deadline): its bytes may still
+            # move, so the handle is what says when the blocks are free again.
+            self._finish(transfer)
+            return
         if self._backend.status(handle) is XferStatus.DONE:
             # Moved inside post (UCX over CMA copies synchronously): settle now rather
             # than hand the completion to the progress thread (a GIL hand-off per pull).
@@ -223,42 +260,109 @@ class Runtime:
         kind: FailureKind,
         error: BaseException,
         stage: FailureStage | None = None,
+        *,
+        quiet: bool = False,
     ) -> None:
-        """Settle ``transfer`` as FAILED (once), release its handle, count it, and tell
-        a pull's producer to release its blocks now (R-SAFE-4).
+        """Fail ``transfer``: it can never become DONE from now on, a pull's producer is
+        told to release its blocks now (R-SAFE-4), and it settles FAILED (counted, its
+        handle released) once no byte of it can land any more (R-SAFE-5):
+
+        - a transfer with a handle in flight keeps it until the transport says it ended
+          (:meth:`Backend.cancel <kvxfer.backend.Backend.cancel>`); NIXL cannot cancel
+          a request in flight, and its bytes would land in blocks the engine reused;
+        - a push reception waits until its producer said that its writes ended (a
+          PUSHED or FAILED notice, a probe's answer) or is proven gone: ``quiet`` says
+          the caller has that evidence.
+
+        Meanwhile it is *doomed* (:attr:`Transfer.doomed`) and its blocks quarantined.
+        Failing a doomed transfer again only re-checks (and applies ``quiet``).
 
         ``stage``: where it failed (default: the stage ``kind`` belongs to)."""
-        if transfer.done:
-            return
-        transfer.stats.failure = kind
-        transfer.stats.stage = stage = FailureStage.of(kind) if stage is None else stage
-        err = error if isinstance(error, KvxferError) else BackendError(str(error))
-        if kind is FailureKind.TIMEOUT and not isinstance(err, TransferTimeout):
-            err = TransferTimeout(str(err))
-        if settle(transfer, TransferState.FAILED, err):
-            meta = transfer.meta
-            handle, meta.handle = meta.handle, None
-            if handle is not None:
-                self._backend.release(handle)
+        meta = transfer.meta
+        release: Callable[[str], None] | None = None
+        with self._lock:
+            if transfer.done:
+                return
+            if quiet:
+                meta.writer_live = False
+            if meta.doomed is None:
+                where = FailureStage.of(kind) if stage is None else stage
+                err = error if isinstance(error, KvxferError) else BackendError(str(error))
+                if kind is FailureKind.TIMEOUT and not isinstance(err, TransferTimeout):
+                    err = TransferTimeout(str(err))
+                meta.doomed = (kind, err, where)
+                meta.doomed_at = time.monotonic()
+                release, meta.release = meta.release, None
+                why = f"{where.value}: {err}"
+        if release is not None and not self.closed:
+            release(why)
+        self._finish(transfer)
+
+    def _finish(self, transfer: Transfer) -> None:
+        """Settle a doomed transfer FAILED if no byte of it can land any more; else
+        keep it quarantined (the progress thread asks again each tick)."""
+        meta = transfer.meta
+        with self._lock:
+            if transfer.done or meta.doomed is None:
+                return
+            busy = meta.posting or meta.writer_live
+            handle = meta.handle
+        if not busy and handle is not None:
+            if self._backend.cancel(handle):
+                with self._lock:
+                    if meta.handle is handle:
+                        meta.handle = None
+            else:
+                busy = True
+        if busy and not self.closed:
             with self._lock:
-                self._transfers.pop(id(transfer), None)
-                self._receptions.forget(transfer)
-                self._stats.transfers_failed += 1
-                self._stats.failures[kind.value] = self._stats.failures.get(kind.value, 0) + 1
-                by_stage = self._stats.failures_by_stage
-                by_stage[stage.value] = by_stage.get(stage.value, 0) + 1
-                if meta.on_settled is not None:
-                    meta.on_settled(transfer, False)
-            if meta.release is not None and not self.closed:
-                meta.release(f"{stage.value}: {err}")
-            log.warning(
-                "transfer %s failed at %s (%s): %s; %s",
-                transfer.request_id,
-                stage.value,
-                kind.value,
-                err,
-                blocks.describe(transfer.invalid_blocks),
-            )
+                if not meta.quarantined and not transfer.done:
+                    meta.quarantined = True
+                    self._stats.quarantined += 1
+                    self._stats.quarantines += 1
+                    log.info(
+                        "%s: failed; its blocks stay quarantined until no byte of it can land (%s)",
+                        transfer,
+                        "its producer may still write" if meta.writer_live else "in flight",
+                    )
+            return
+        self._settle_failed(transfer)
+
+    def _settle_failed(self, transfer: Transfer) -> None:
+        meta = transfer.meta
+        assert meta.doomed is not None
+        kind, err, stage = meta.doomed
+        transfer.stats.failure = kind
+        transfer.stats.stage = stage
+        if not settle(transfer, TransferState.FAILED, err):
+            return
+        handle, meta.handle = meta.handle, None
+        if handle is not None:  # the agent closed with it in flight: abandoned
+            self._backend.release(handle)
+        with self._lock:
+            self._transfers.pop(id(transfer), None)
+            self._receptions.forget(transfer)
+            self._receptions.drop(transfer)
+            c = self._stats
+            c.transfers_failed += 1
+            c.failures[kind.value] = c.failures.get(kind.value, 0) + 1
+            c.failures_by_stage[stage.value] = c.failures_by_stage.get(stage.value, 0) + 1
+            if meta.quarantined:
+                meta.quarantined = False
+                c.quarantined -= 1
+                held = time.monotonic() - meta.doomed_at
+                c.quarantine_s_total += held
+                c.quarantine_s_max = max(c.quarantine_s_max, held)
+            if meta.on_settled is not None:
+                meta.on_settled(transfer, False)
+        log.warning(
+            "transfer %s failed at %s (%s): %s; %s",
+            transfer.request_id,
+            stage.value,
+            kind.value,
+            err,
+            blocks.describe(transfer.invalid_blocks),
+        )
 
     def landed(self, t: Transfer) -> None:
         """The backend reports every byte of ``t`` moved: check, then settle it."""
@@ -274,16 +378,17 @@ class Runtime:
             self.succeed(t)
 
     def _read_guard(self, t: Transfer) -> None:
-        """The data landed: read the hold's guard word back (R-SAFE-1), after it."""
+        """Read the hold's guard word back: after the data landed (R-SAFE-1), or alone
+        while the hold has not come yet (``meta.awaiting_hold``, no data handle)."""
         meta = t.meta
         assert meta.guard is not None and meta.peer is not None
         with self._lock:
-            if t.done or meta.guarding:
-                return  # another thread saw the data land first
+            if t.done or meta.doomed is not None or meta.guarding:
+                return  # another thread saw the data land first, or it failed
             meta.guarding = True
             data, meta.handle = meta.handle, None
         if data is not None:
-            self._backend.release(data)
+            self._backend.release(data)  # DONE: nothing of it moves any more
         t0 = time.perf_counter()
         try:
             handle = self._backend.post_guard_read(meta.peer.handle, meta.guard[0])
@@ -291,31 +396,32 @@ class Runtime:
             self.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
             return
         with self._lock:
-            if t.done:
-                self._backend.release(handle)
-                return
             meta.handle = handle
             self._stats.guard_reads += 1
+            failed = t.done or meta.doomed is not None
+        if failed:  # the 8-byte read lands in our own landing word: ended when it ends
+            self._finish(t)
+            return
         state = self._backend.status(handle)
         self._stats.guard_s_total += time.perf_counter() - t0
         if state is XferStatus.DONE:
             self._guard_read(t, handle)
 
     def _guard_read(self, t: Transfer, handle: object) -> None:
-        """The guard word arrived: DONE if it still is the ticket's generation."""
+        """The guard word arrived: DONE if it still is the ticket's generation (or, while
+        awaiting the hold, read the data again now that it came)."""
         meta = t.meta
         assert meta.guard is not None
         try:
             word = self._backend.guard_word(handle)  # type: ignore[arg-type]
         except KvxferError as exc:
-            if not t.done:
-                self.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
+            self.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
             return
         why = verdict(word, meta.guard[1])
-        if why is None:
+        if why is None and not meta.awaiting_hold:
             self.succeed(t)
             return
-        if why == "reused" and self._read_again(t, handle):
+        if self._read_again(t, handle, word):
             return
         with self._lock:
             self._stats.guard_failures += 1
@@ -324,41 +430,63 @@ class Runtime:
             FailureKind.LEASE_EXPIRED,
             TransferError(
                 f"the producer no longer held the blocks of {t.request_id} when they were "
-                f"read ({why}): they may be another request's; recompute"
+                f"read ({why or 'lease over'}): they may be another request's; recompute"
             ),
             FailureStage.LEASE,
         )
 
-    def _read_again(self, t: Transfer, handle: object) -> bool:
-        """The guard word is another hold's (or none yet): a ticket minted before its
-        hold (the vLLM scheduler hands tickets out before the worker's hold runs, which
-        on a tensor-parallel producer can come after decode's read) is read again, data
-        and word, a few times with growing waits (``REREAD_DELAYS_S``). A slot that is
-        really another hold's fails after them, ~0.3 s late. Returns False when no
-        read is left (``t`` then fails)."""
+    def _read_again(self, t: Transfer, handle: object, word: int) -> bool:
+        """A ticket minted before its hold (the vLLM scheduler hands tickets out a step
+        before the worker's hold runs; under load that step comes seconds later) finds
+        the slot's word not the ticket's yet: the word alone is read again, with
+        growing waits up to ``REREAD_DELAYS_S[-1]``, until the hold came; then data and
+        word are read again. The wait is bounded by the transfer's deadline and the
+        ticket's lease, not by a count. A slot that holds another live hold's
+        generation is really another hold's: that fails at once (returns False), and
+        so does a word saying this very hold was freed."""
         meta = t.meta
+        assert meta.guard is not None
+        came = word == meta.guard[1]
+        if not came and not not_held_yet(word, meta.guard[1]):
+            return False
         with self._lock:
-            if t.done:
+            if t.done or meta.doomed is not None:
                 return False
             if not meta.guarding or meta.handle is not handle:
                 return True  # another thread took this word and acts on it
-            if meta.repost is None or meta.reposts >= len(REREAD_DELAYS_S):
+            expiry = meta.lease_expiry
+            if meta.repost is None or (expiry is not None and self.lease_over(expiry)):
                 return False
-            delay = REREAD_DELAYS_S[meta.reposts]
-            meta.reposts += 1
             meta.guarding = False
             meta.handle = None
-            self._stats.guard_rereads += 1
+            if came:
+                meta.awaiting_hold = False
+                delay, then = 0.0, self._repost
+            else:
+                if not meta.awaiting_hold:
+                    self._stats.guard_rereads += 1
+                meta.awaiting_hold = True
+                delay = REREAD_DELAYS_S[min(meta.reposts, len(REREAD_DELAYS_S) - 1)]
+                then = self._poll_word
+            meta.reposts += 1
         self._backend.release(handle)  # type: ignore[arg-type]
-        log.debug("%s: not held yet by its producer; reading again in %.0f ms", t, delay * 1e3)
-        timer = threading.Timer(delay, self._repost, (t,))
+        if came:
+            log.debug("%s: its hold came; reading data and word again", t)
+        else:
+            log.debug("%s: not held yet; its guard word again in %.0f ms", t, delay * 1e3)
+        timer = threading.Timer(delay, then, (t,))
         timer.daemon = True
         timer.start()
         return True
 
+    def _poll_word(self, t: Transfer) -> None:
+        if not t.done and t.meta.doomed is None and not self.closed:
+            t.meta.last_progress = time.monotonic()
+            self._read_guard(t)
+
     def _repost(self, t: Transfer) -> None:
         repost = t.meta.repost
-        if repost is not None and not t.done and not self.closed:
+        if repost is not None and not t.done and t.meta.doomed is None and not self.closed:
             repost()
 
     def arm_guard(
@@ -418,7 +546,8 @@ class Runtime:
                 if t.request_id == request_id and t.meta.lease is None
             ]
             for t in mine:
-                self._receptions.unexpect(request_id, t.meta.push_source)
+                # A push reception stays expected: its producer's PUSHED or FAILED
+                # notice is what says its writes ended (R-SAFE-5).
                 t.meta.release = None  # the abort itself tells the producer
         for t in mine:
             self.fail(
@@ -431,8 +560,18 @@ class Runtime:
     def succeed(self, transfer: Transfer) -> None:
         """Settle ``transfer`` as DONE (once; a push reception copies in first)."""
         meta = transfer.meta
+        if meta.doomed is not None:
+            # It failed meanwhile (an abort, the deadline) and never becomes DONE; what
+            # brought it here says its bytes ended: settle the failure.
+            with self._lock:
+                meta.writer_live = False
+            self._finish(transfer)
+            return
         if self._stages and meta.stage_in:
             self._backend.stage_in([np.asarray(g, dtype=np.int64) for g in transfer.local_blocks])
+        if meta.doomed is not None:  # failed during the stage-in
+            self._finish(transfer)
+            return
         if settle(transfer, TransferState.DONE):
             handle, meta.handle = meta.handle, None
             if handle is not None:
@@ -486,9 +625,14 @@ class Runtime:
                 return False
             self.closed = True
             for t in list(self._transfers.values()):
+                # Closing ends every transfer now, quarantined or not: the backend
+                # releases every handle next and the engine stops using the blocks.
+                t.meta.writer_live = t.meta.posting = False
                 self.fail(
                     t, FailureKind.ABORTED, TransferError("agent closed"), FailureStage.TRANSFER
                 )
+                if not t.done:
+                    self._settle_failed(t)
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -585,6 +729,9 @@ class Runtime:
         for t, handle in polled:
             if t.done:
                 continue
+            if t.meta.doomed is not None:
+                self._finish(t)  # quarantined: ask whether its bytes ended
+                continue
             if handle is not None:
                 state = self._backend.status(handle)
                 if t.done or t.meta.handle != handle:
@@ -612,6 +759,17 @@ class Runtime:
                     )
                     continue
             if now > t.deadline:
+                if t.meta.awaiting_hold:
+                    self.fail(
+                        t,
+                        FailureKind.LEASE_EXPIRED,
+                        TransferError(
+                            f"the producer did not hold {t.request_id} within "
+                            f"{self._config.transfer_timeout_s:g}s of the pull"
+                        ),
+                        FailureStage.LEASE,
+                    )
+                    continue
                 self.fail(
                     t,
                     FailureKind.TIMEOUT,

@@ -204,6 +204,7 @@ class TPReceiver:
             sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
             sub.stats.bytes = nbytes * share[p] // max(1, len(sources))
             self._receptions.expect(sub)
+            sub.meta.writer_live = True  # from the registration on (R-SAFE-5)
         host, port = address
         for p, sub in subs.items():
             msg = wire.PushRegister(

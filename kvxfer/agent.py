@@ -61,7 +61,7 @@ from kvxfer._peers import Peer, PeerCache
 from kvxfer._push import PushWriter, Write
 from kvxfer._readers import ReaderCount
 from kvxfer._receptions import Receptions
-from kvxfer._runtime import Runtime
+from kvxfer._runtime import ProbeVerdicts, Runtime
 from kvxfer._side_channel import SideChannel
 from kvxfer._tp import TPPuller
 from kvxfer._tp_push import TPReceiver
@@ -164,7 +164,7 @@ class Agent:
             self._runtime.add_tick_hook(self._push.resume)
         self._io_pool = IoPool(8, "kvxfer-io")
         self._runtime.liveness = Liveness(
-            self._side.ping, self._io_pool.submit, self._runtime, self._count_probe
+            self._side.ping, self._io_pool.submit, ProbeVerdicts(self._runtime), self._count_probe
         )
         # Pulls of tickets from a producer of another TP size (several producer ranks).
         self._tp = TPPuller(
@@ -777,6 +777,7 @@ class Agent:
             runtime.fail(transfer, FailureKind.POST, exc)
             return transfer
         self._receptions.expect(transfer)
+        transfer.meta.writer_live = True  # from the registration on (R-SAFE-5)
         host, port = self.address
         msg = wire.PushRegister(
             request_id=ticket.request_id,
@@ -803,8 +804,15 @@ class Agent:
         try:
             reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
-            self._receptions.unexpect(ticket.request_id, transfer.meta.push_source)
-            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION)
+            # Refused: the producer will never write. No answer: it may have taken the
+            # registration all the same, so the reception stays quarantined until a
+            # probe of its hold says no write can come (R-SAFE-5).
+            refused = isinstance(exc, HandshakeRejected)
+            if not refused:
+                transfer.meta.push_from = (ticket.host, ticket.port)
+            self._runtime.fail(
+                transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION, quiet=refused
+            )
             return
         if isinstance(reply, wire.Ack) and reply.notice:
             self._receptions.learn_final_notice(transfer, reply.notice)

@@ -159,6 +159,13 @@ class AgentStats(msgspec.Struct, kw_only=True):
     #: Guard-word reads posted and their total time (the fail-closed check's cost).
     guard_reads: int = 0
     guard_s_total: float = 0.0
+    #: Failed transfers whose bytes may still land, their blocks held back from the
+    #: engine until they cannot (R-SAFE-5): how many now (a gauge), how many ever,
+    #: and how long they were held (total and longest, seconds).
+    quarantined: int = 0
+    quarantines: int = 0
+    quarantine_s_total: float = 0.0
+    quarantine_s_max: float = 0.0
 
     def failure_accounting(self) -> dict[str, object]:
         """The failure counters (issue 16) as one JSON-able dict (``demo/bench --json``)."""
@@ -173,6 +180,9 @@ class AgentStats(msgspec.Struct, kw_only=True):
             "unguarded_pulls": self.unguarded_pulls,
             "liveness_probes": self.liveness_probes,
             "guard_reads": self.guard_reads,
+            "quarantined": self.quarantined,
+            "quarantines": self.quarantines,
+            "quarantine_s_max": round(self.quarantine_s_max, 4),
             "guard_us_per_read": (
                 round(1e6 * self.guard_s_total / self.guard_reads, 2) if self.guard_reads else None
             ),

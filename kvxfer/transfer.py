@@ -3,7 +3,10 @@
 A :class:`Transfer` is what :meth:`Agent.pull <kvxfer.agent.Agent.pull>` and the push
 calls return. Its state only moves forward (PENDING → DONE | FAILED); DONE means every
 byte landed (the backend reported completion, and for host bounce the staging copy-in
-finished); FAILED carries the exact local blocks that are not valid.
+finished); FAILED carries the exact local blocks that are not valid. Either is final
+only when no byte of the transfer can land any more (R-SAFE-5): a transfer that failed
+while its bytes may still move stays PENDING, :attr:`Transfer.doomed`, and its blocks
+stay with it until then.
 """
 
 from __future__ import annotations
@@ -131,6 +134,17 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         repost: A guarded pull: posts it again (same plan), when its guard word says the
             producer has not held the request yet.
         reposts: How often it was posted again.
+        doomed: Its failure, decided but not yet final (R-SAFE-5): bytes of it may
+            still land, so its blocks stay quarantined with it until they cannot; it
+            then settles FAILED with this (kind, error, stage). It never becomes DONE.
+        doomed_at: Monotonic time it was doomed (the quarantine's length).
+        quarantined: Doomed and waiting for its bytes to stop (counted in
+            ``AgentStats.quarantined`` until it settles).
+        writer_live: A push reception: its producer may be writing into its blocks
+            (from the registration's send until the producer said its writes ended,
+            or is proven gone).
+        awaiting_hold: A guarded pull whose guard word says its hold has not come yet:
+            only the word is read again until it does, then data and word.
     """
 
     posting: bool = False
@@ -156,6 +170,11 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     producer_at: tuple[str, int] | None = None
     repost: Callable[[], None] | None = None
     reposts: int = 0
+    doomed: tuple[FailureKind, KvxferError, FailureStage] | None = None
+    doomed_at: float = 0.0
+    quarantined: bool = False
+    writer_live: bool = False
+    awaiting_hold: bool = False
 
 
 class Transfer:
@@ -206,6 +225,14 @@ class Transfer:
     def done(self) -> bool:
         """True once DONE or FAILED."""
         return self._state is not TransferState.PENDING
+
+    @property
+    def doomed(self) -> bool:
+        """True once it is sure to end FAILED while bytes of it may still land: an
+        aborted or failed transfer whose transport is still moving bytes, or a push
+        reception whose producer has not said its writes ended (R-SAFE-5). Its blocks
+        stay with it (quarantined) until it settles; engines need not act on this."""
+        return self.meta.doomed is not None and self._state is TransferState.PENDING
 
     @property
     def error(self) -> KvxferError | None:
