@@ -46,9 +46,18 @@ class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
     shards: int = 1
     tp_size: int = 0  # > 0: a TP rank (kvxfer.heads.TPRank), head-major per-head cache
     tp_rank: int = 0
+    netns: str = ""  # a network namespace the child enters first (a host of its own)
+    host: str = "127.0.0.1"  # the side channel's address (the namespace's own)
+    ucx_tls: str = ""  # UCX_TLS for the child ("tcp": over the veth, not CMA)
 
 
 def _serve(conn: Connection, spec: ProcSpec) -> None:
+    if spec.netns:
+        from kvxfer.tools.bench.netns import enter_netns
+
+        enter_netns(spec.netns)  # first, before any socket or thread exists
+    if spec.ucx_tls:
+        os.environ["UCX_TLS"] = spec.ucx_tls
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if spec.rbln_emulated:
         os.environ["KVXFER_RBLN_ADAPTER"] = "emulated"
@@ -100,6 +109,7 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             role=Role(spec.role),
             direction=direction,
             backend=spec.backend,
+            side_channel_host=spec.host,
             side_channel_port=spec.port,
             lease_s=spec.lease_s,
             transfer_timeout_s=spec.transfer_timeout_s,
@@ -185,6 +195,23 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             elif cmd == "abort":
                 agent.abort(msgspec.convert(args, Ticket))
                 value = None
+            elif cmd == "abort_and_reuse":
+                # An engine that aborts a request `delay` s from now and, the moment its
+                # transfer is final, gives the blocks to another request (a sentinel).
+                ticket_raw, delay, local, sentinel = args
+                value = _abort_and_reuse(
+                    agent,
+                    cache,
+                    transfers[ticket_raw["request_id"]],
+                    msgspec.convert(ticket_raw, Ticket),
+                    delay,
+                    local,
+                    sentinel,
+                )
+            elif cmd == "changed":
+                # elements of the listed blocks that are not the sentinel any more
+                local, sentinel = args
+                value = sum(int((r[list(local)] != sentinel).sum()) for r in cache.regions)
             elif cmd == "stats":
                 value = msgspec.to_builtins(agent.stats())
             elif cmd == "zero" and spec.tp_size:
@@ -204,6 +231,36 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
             conn.send(("ok", value))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _abort_and_reuse(
+    agent: Any,
+    cache: Any,
+    transfer: Any,
+    ticket: Any,
+    delay: float,
+    local: list[int],
+    sentinel: int,
+) -> dict[str, Any]:
+    time.sleep(delay)
+    t0 = time.monotonic()
+    agent.abort(ticket)
+    returned = time.monotonic() - t0
+    doomed = getattr(transfer, "doomed", None)
+    while not transfer.done and time.monotonic() - t0 < 120:
+        transfer.poll()
+        time.sleep(0.0005)
+    final = time.monotonic() - t0
+    for r in cache.regions:  # the engine reuses the blocks at once
+        r[list(local)] = sentinel
+    return {
+        "state": transfer.state.value,
+        "abort_returned_s": returned,
+        "abort_to_final_s": final,
+        "doomed_after_abort": doomed,
+        "bytes": transfer.stats.bytes,
+        "stats": msgspec.to_builtins(agent.stats()),
+    }
 
 
 def _token_map(cache: Any, local: list[int], remote: list[int], seed: int) -> list[Any]:

@@ -34,6 +34,8 @@ class NetnsPair(msgspec.Struct, frozen=True, kw_only=True):
     consumer_ns: str
     producer_addr: str
     consumer_addr: str
+    producer_dev: str = ""  # the veth end inside each namespace
+    consumer_dev: str = ""
 
 
 def netns_unavailable() -> str | None:
@@ -66,6 +68,8 @@ def netns_pair(tag: str | None = None) -> Iterator[NetnsPair]:
         consumer_ns=cons,
         producer_addr=f"10.77.{subnet}.1",
         consumer_addr=f"10.77.{subnet}.2",
+        producer_dev=veth_p,
+        consumer_dev=veth_c,
     )
     made: list[str] = []
     try:
