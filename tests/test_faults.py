@@ -154,6 +154,30 @@ def test_abort_during_the_callers_own_pull_fails_it_at_once(
     assert t.poll() is TransferState.FAILED  # never turned into success later
 
 
+def test_an_aborted_pull_that_the_transport_cannot_cancel_stays_quarantined(
+    pull: tuple[Side, Engine, Side],
+) -> None:
+    """R-SAFE-5 on the fake: a READ that cannot be cancelled (as over NIXL) keeps the
+    aborted pull pending (doomed, never DONE, counted as quarantined) until the READ
+    ended; only then is it FAILED and its blocks the engine's again."""
+    _, engine, consumer = pull
+    ticket = engine.hold("q", [1, 2, 3])
+    consumer.faults(stall=True, uncancellable=True)  # in flight, nothing moved yet
+    t = consumer.agent.pull(ticket, [5, 6, 7])
+    assert until(lambda: t.meta.handle is not None, 5) is not None  # posted (handshake)
+    consumer.agent.abort(ticket)
+    time.sleep(0.2)
+    assert t.poll() is TransferState.PENDING and t.doomed
+    stats = consumer.agent.stats()
+    assert (stats.quarantined, stats.quarantines) == (1, 1)
+    consumer.faults(uncancellable=True)  # the transport finishes the READ now
+    settle(t, 2)
+    assert t.state is TransferState.FAILED and t.invalid_blocks == (5, 6, 7)
+    stats = consumer.agent.stats()
+    assert (stats.quarantined, stats.quarantines) == (0, 1)
+    assert stats.quarantine_s_max >= 0.2
+
+
 # -- block ids: integers only, no repeats, any size out of range is a kvxfer error ------
 
 # Deliberately not block ids (typed Any: handing them to the Agent is the point).

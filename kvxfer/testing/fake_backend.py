@@ -474,8 +474,9 @@ class FakeBackend(Backend):
         that cannot (NIXL over UCX): then it is over only once it completed or failed."""
         with _LOCK:
             xfer = self._xfers.get(handle)
+            # As NIXL's status(): asking drives the transfer on.
             uncancellable = xfer is not None and xfer.faults.uncancellable
-            if uncancellable and xfer is not None and xfer.state is XferStatus.PENDING:
+            if uncancellable and self.status(handle) is XferStatus.PENDING:
                 return False
         self.release(handle)
         return True
