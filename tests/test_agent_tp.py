@@ -282,7 +282,7 @@ def test_every_ranks_incarnation_survives_kv_transfer_params() -> None:
     )
     # the vLLM adapter's params.py is the one place tickets become kv_transfer_params
     params = ticket_params(ticket, direction=Direction.PULL, incarnations=ticket.incarnations)
-    assert params["remote_incarnations"] == [5, 9]
+    assert params["remote_incarnations"] == ["0000000000000005", "0000000000000009"]
     rank1 = remote_ticket(params, tp_rank=1, transfer_id="r", local_blocks=((3, 4),))
     assert (rank1.port, rank1.incarnation) == (7001, 9)
 

@@ -5,7 +5,8 @@ part of vLLM's OpenAI surface the proxy uses (``/v1/completions``,
 ``/v1/chat/completions``, ``/health``, ``/v1/models``) and record what they received.
 A fake prefill answers ``kv_transfer_params`` like vLLM's producer; a fake decode
 streams tokens, and in push mode waits until "its" prefill (same X-Request-Id)
-finished, as a push receiver waits for the producer's writes.
+finished, as a push receiver waits for the producer's writes. A fake may stand behind
+a float64 JSON router (Go, JavaScript): what it reads and answers went through one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 from aiohttp import web
 
 from kvxfer.adapters.vllm import proxy as proxy_mod
+from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.adapters.vllm.proxy import Proxy, start_proxy
 from kvxfer.adapters.vllm.proxy.dispatch import (
     PREFILL_PARAMS,
@@ -55,8 +57,10 @@ from kvxfer.adapters.vllm.proxy.routing import (
     TokenEstimator,
     extract_prompt,
 )
+from kvxfer.agent import Ticket
 from kvxfer.errors import ConfigError
 from kvxfer.types import Direction
+from tests.float64_json import float64_router
 
 EST = TokenEstimator(4.0)
 LONG = "The quick brown fox jumps over the lazy dog. " * 40  # ~1800 chars, 7 blocks
@@ -364,6 +368,10 @@ class FakeEngine:
         self.tokens = ["Hel", "lo", " wor", "ld"]
         self.token_gap_s = 0.0
         self.aborted: list[str] = []
+        self.ticket: dict[str, Any] | None = None  # the producer's kv_transfer_params
+        # Behind a Go/JavaScript router (llm-d's sidecar is in front of decode): what it
+        # reads and what it answers went through a float64 JSON parser (tests.float64_json).
+        self.float64 = False
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -398,6 +406,8 @@ class FakeEngine:
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.float64:
+            body = float64_router(body)  # as the router in front of it passed it on
         rid = request.headers.get("X-Request-Id", "")
         self.seen.append(Seen(request.path, body, request.headers.copy(), time.monotonic()))
         self.cluster.log.append((self.name, rid))
@@ -424,22 +434,22 @@ class FakeEngine:
         chat = request.path.endswith("/chat/completions")
         if params.get("do_remote_decode"):  # producer: one token and a ticket
             self.cluster.ready(rid).set()
-            return web.json_response(
-                {
-                    "id": f"cmpl-{rid}",
-                    "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                    "kv_transfer_params": {
-                        "do_remote_prefill": True,
-                        "do_remote_decode": False,
-                        "remote_engine_id": f"engine-{self.name}",
-                        "remote_host": "127.0.0.1",
-                        "remote_port": self.side_port,
-                        "remote_block_ids": [[1, 2, 3]],
-                        "remote_request_id": f"cmpl-{rid}-0-abcdef12",
-                        "tp_size": 1,
-                    },
-                }
-            )
+            answer = {
+                "id": f"cmpl-{rid}",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": self.ticket
+                or {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": f"engine-{self.name}",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": self.side_port,
+                    "remote_block_ids": [[1, 2, 3]],
+                    "remote_request_id": f"cmpl-{rid}-0-abcdef12",
+                    "tp_size": 1,
+                },
+            }
+            return web.json_response(float64_router(answer) if self.float64 else answer)
         if params.get("do_remote_prefill") and params.get("remote_block_ids") is None:
             # push receiver: nothing to emit before the producer wrote the KV
             await asyncio.wait_for(self.cluster.ready(rid).wait(), 5)
@@ -944,6 +954,60 @@ def test_push_mode_prefill_failure_aborts_decode() -> None:
 
 
 # -- observability ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [Direction.PULL, Direction.PUSH])
+def test_tickets_pass_float64_routers_around_the_proxy_exactly(mode: Direction) -> None:
+    """A Go/JavaScript router on each side of the proxy (prefill's answer and decode's
+    request pass one, which parses JSON numbers as float64): decode still reads the
+    producer's ticket exactly, its 64-bit incarnations and 56-bit generation included
+    (as JSON integers they came back rounded and every load was refused)."""
+    incarnations = (0x13E0F7F3125A8DA4, 2**64 - 1)  # issue 26's, and the largest
+    produced = Ticket(
+        engine_id="engine-P0",
+        host="127.0.0.1",
+        port=5600,
+        request_id="cmpl-r1-0-abcdef12",
+        block_ids=((1, 2, 3),),
+        num_tokens=48,
+        incarnation=incarnations[0],
+        lease_expiry=time.time() + 30.0,
+        tp_size=2,
+        capability="c0" * 16,
+        guard_slot=3,
+        generation=2**56 - 1,
+    )
+
+    async def body() -> None:
+        async with (
+            engines(1, 1) as (ps, ds, _),
+            Proxy(_config(ps, ds, mode=mode, push_gate_s=2.0)) as px,
+            aiohttp.ClientSession() as s,
+        ):
+            ps[0].ticket = ticket_params(produced, direction=mode, incarnations=incarnations)
+            ps[0].float64 = ds[0].float64 = True
+            for rid in ("r1", "r2"):  # push: r1 prefills first (endpoint unknown), r2 not
+                status, out, _ = await post(
+                    s, px.url, {"prompt": LONG}, headers={"X-Request-Id": rid}
+                )
+                assert status == 200 and out["choices"][0]["text"] == "Hello world"
+            first, second = (d.body["kv_transfer_params"] for d in ds[0].seen)
+            for rank in (0, 1):
+                t = remote_ticket(first, tp_rank=rank, transfer_id="t", local_blocks=((7, 8),))
+                assert (t.incarnation, t.incarnations) == (incarnations[rank], incarnations)
+                assert (t.port, t.tp_size, t.block_ids) == (5600 + rank, 2, ((1, 2),))
+                assert (t.generation, t.guard_slot) == (2**56 - 1, 3)
+                assert (t.lease_expiry, t.capability) == (produced.lease_expiry, "c0" * 16)
+                # push: the endpoint the proxy learnt from r1, handed to decode before r2's
+                # prefill ran, names the producer's incarnations exactly too
+                t2 = remote_ticket(second, tp_rank=rank, transfer_id="t", local_blocks=((7, 8),))
+                assert (t2.incarnation, t2.incarnations) == (incarnations[rank], incarnations)
+                assert t2.port == 5600 + rank
+            if mode is Direction.PUSH:
+                assert second["remote_block_ids"] is None and second["transfer_mode"] == "push"
+                assert second["kvxfer_capability"] != "c0" * 16  # the proxy's own token
+
+    run(body())
 
 
 def test_metrics_stats_and_health_endpoints() -> None:

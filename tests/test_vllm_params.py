@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+import subprocess
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvxfer.adapters.vllm.params import (
     across_tp,
@@ -18,6 +25,7 @@ from kvxfer.adapters.vllm.params import (
 from kvxfer.agent import Ticket
 from kvxfer.errors import ConfigError
 from kvxfer.types import Direction
+from tests.float64_json import as_float64, float64_router, numbers
 
 PRODUCED = Ticket(
     engine_id="prefill-0",
@@ -50,7 +58,9 @@ def test_upstream_keys_and_kvxfer_extras() -> None:
     assert p["remote_request_id"] == "cmpl-a-0-0123abcd"
     assert p["remote_block_ids"] == [[4, 5, 6, 7]] and p["tp_size"] == 2
     assert p["transfer_mode"] == "pull" and p["remote_num_tokens"] == 120
-    assert p["remote_incarnations"] == [11, 12] and p["lease_expiry"] == 1234.5
+    assert p["remote_incarnations"] == ["000000000000000b", "000000000000000c"]
+    assert p["remote_incarnation"] == "000000000000000b" and p["lease_expiry"] == 1234.5
+    assert p["kvxfer_generation"] == "000000000000004d" and p["kvxfer_guard_slot"] == 0
     assert is_remote_prefill(p, Direction.PULL)
 
 
@@ -100,13 +110,28 @@ def test_a_flat_block_list_is_one_group_and_push_tickets_may_carry_none() -> Non
         ({"remote_engine_id": 7}, "remote_engine_id", "non-empty string"),
         ({"remote_port": True}, "remote_port", "integer >= 1"),
         ({"remote_port": 65535}, "remote_port", "> 65535"),
-        ({"remote_incarnations": ["a"]}, "remote_incarnations", "list of integers"),
+        ({"remote_port": 5600.5}, "remote_port", "integer >= 1"),
+        ({"remote_incarnations": ["a"]}, "remote_incarnations", "16 lowercase hex digits"),
+        ({"remote_incarnations": 11}, "remote_incarnations", "must be a list"),
+        ({"remote_incarnations": [11, True]}, "remote_incarnations", "rank 1's entry True"),
+        ({"remote_incarnation": "0B" * 8}, "remote_incarnation", "16 lowercase hex digits"),
+        ({"remote_incarnation": -1}, "remote_incarnation", "an integer >= 0"),
         ({"remote_num_tokens": 1.5}, "remote_num_tokens", "integer >= 0"),
+        ({"remote_num_tokens": "120"}, "remote_num_tokens", "integer >= 0"),
         ({"tp_size": 0}, "tp_size", "integer >= 1"),
-        ({"lease_expiry": "soon"}, "lease_expiry", "must be a number"),
+        ({"tp_size": 2.5}, "tp_size", "integer >= 1"),
+        ({"lease_expiry": "soon"}, "lease_expiry", "must be a finite number"),
+        ({"lease_expiry": True}, "lease_expiry", "must be a finite number"),
+        ({"lease_expiry": float("inf")}, "lease_expiry", "must be a finite number"),
+        ({"lease_expiry": 10**400}, "lease_expiry", "below 2**53"),
         ({"kvxfer_capability": "XYZ"}, "kvxfer_capability", "lowercase hex"),
         ({"kvxfer_guard_slot": -2}, "kvxfer_guard_slot", "integer >= -1"),
-        ({"kvxfer_generation": "7"}, "kvxfer_generation", "integer >= 0"),
+        ({"kvxfer_guard_slot": 0.5}, "kvxfer_guard_slot", "integer >= -1"),
+        ({"kvxfer_generation": "7"}, "kvxfer_generation", "16 lowercase hex digits"),
+        ({"kvxfer_generation": "0100000000000000"}, "kvxfer_generation", "below 2**56"),
+        ({"kvxfer_generation": 7.5}, "kvxfer_generation", "16 lowercase hex digits"),
+        ({"remote_block_ids": [[4, 5.5]]}, "remote_block_ids", "must be an integer"),
+        ({"remote_block_ids": [[4, 2**53]]}, "remote_block_ids", "id >= 2**53"),
     ],
 )
 def test_bad_params_name_key_value_and_rule(over: dict[str, Any], key: str, rule: str) -> None:
@@ -141,3 +166,178 @@ def test_release_ticket_names_the_producer_rank() -> None:
     assert (t.port, t.request_id, t.block_ids) == (5601, "t-9", ((),))
     with pytest.raises(ConfigError, match="remote_port"):
         release_ticket(_params(remote_port=None), tp_rank=0, transfer_id="t")
+
+
+# -- float64 routers (Go, JavaScript) ---------------------------------------------------
+
+#: A producer's incarnation from issue 26's refused loads ("producer ... restarted
+#: (incarnation 13e0f7f3125a8df8 -> 13e0f7f3125a8da4)"): a Go or JavaScript router
+#: writes it back as 1432417304860855800, which is ROUNDED_INCARNATION.
+ISSUE_INCARNATION = 0x13E0F7F3125A8DA4
+ROUNDED_INCARNATION = 0x13E0F7F3125A8DF8
+
+
+def _router_ticket(incarnations: tuple[int, ...], generation: int) -> Ticket:
+    return msgspec.structs.replace(
+        PRODUCED,
+        incarnation=incarnations[0],
+        tp_size=len(incarnations),
+        generation=generation,
+    )
+
+
+def test_a_float64_router_keeps_every_incarnation_and_the_generation() -> None:
+    """The producer's 64-bit incarnations and 56-bit generation reach decode exactly
+    through a Go/JavaScript router (before: as JSON integers, rounded; decode then
+    refused every load as if the producer had restarted)."""
+    incarnations = (ISSUE_INCARNATION, 2**64 - 1)
+    produced = _router_ticket(incarnations, 2**56 - 1)
+    params = ticket_params(produced, direction=Direction.PULL, incarnations=incarnations)
+    assert float64_router([ISSUE_INCARNATION]) == [ROUNDED_INCARNATION]  # what went wrong
+    for routed in (float64_router(params), as_float64(params)):
+        for rank in (0, 1):
+            t = remote_ticket(routed, tp_rank=rank, transfer_id="t", local_blocks=((5, 6, 7),))
+            assert t.incarnation == incarnations[rank] and t.incarnations == incarnations
+            assert t.generation == 2**56 - 1 and t.guard_slot == 0
+            assert t.port == 5600 + rank and t.block_ids == ((4, 5, 6),)
+            assert t.lease_expiry == 1234.5 and t.tp_size == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_incarnation", ISSUE_INCARNATION),  # an older producer's, unrounded
+        ("remote_incarnation", ROUNDED_INCARNATION),  # ... and as a router wrote it
+        ("remote_incarnation", 2**53),
+        ("remote_incarnation", float(ISSUE_INCARNATION)),  # a float64 parser's view
+        ("remote_incarnations", [11, ISSUE_INCARNATION]),
+        ("kvxfer_generation", 2**55 + 1),
+    ],
+)
+def test_an_older_producers_big_integers_are_refused_naming_the_key(key: str, value: Any) -> None:
+    """A JSON number >= 2**53 may be a rounded one: refused (never compared, which
+    would blame a producer restart), naming the key, the value and the rule."""
+    with pytest.raises(ConfigError) as err:
+        remote_ticket(_params(**{key: value}), tp_rank=0, transfer_id="t", local_blocks=((1,),))
+    assert err.value.key == f"kv_transfer_params.{key}" and err.value.value == value
+    assert "2**53" in err.value.rule and "float64" in err.value.rule
+    assert "16-hex-digit string" in err.value.rule
+    assert f"kv_transfer_params.{key}=" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_port", 2**53),
+        ("remote_port", float(2**60)),
+        ("remote_num_tokens", 2**53 + 2),
+        ("kvxfer_guard_slot", 2**62),
+        ("tp_size", float(2**53)),
+    ],
+)
+def test_numbers_a_float64_parser_may_have_rounded_are_refused(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        remote_ticket(_params(**{key: value}), tp_rank=0, transfer_id="t", local_blocks=((1,),))
+    assert err.value.key == f"kv_transfer_params.{key}" and err.value.value == value
+    assert "below 2**53" in err.value.rule and "float64" in err.value.rule
+
+
+def test_a_nan_lease_is_refused_and_small_integers_read_as_before() -> None:
+    with pytest.raises(ConfigError, match=r"lease_expiry=nan: must be a finite number"):
+        remote_ticket(
+            _params(lease_expiry=math.nan), tp_rank=0, transfer_id="t", local_blocks=((1,),)
+        )
+    # Hand-made tickets (and older producers' small values) are exact: still read.
+    old = _params(remote_incarnation=11, remote_incarnations=[11, 12], kvxfer_generation=77)
+    t = remote_ticket(old, tp_rank=1, transfer_id="t", local_blocks=((1,),))
+    assert (t.incarnation, t.incarnations, t.generation) == (12, (11, 12), 77)
+    # A float64 parser's integral floats are the integers the producer sent.
+    assert remote_block_groups({"remote_block_ids": [[3.0, 4.0], [5.0]]}) == ((3, 4), (5,))
+    assert across_tp({"tp_size": 2.0}, 1) and not across_tp({"tp_size": 1.0}, 1)
+
+
+_HEX = "0123456789abcdef"
+
+
+@st.composite
+def _tickets(draw: st.DrawFn) -> tuple[Ticket, tuple[int, ...], int]:
+    """A producer's ticket over the full value ranges, its ranks' incarnations and a
+    consumer rank."""
+    tp = draw(st.integers(1, 8))
+    incarnations = tuple(draw(st.lists(st.integers(0, 2**64 - 1), min_size=tp, max_size=tp)))
+    ids = st.integers(0, 2**31 - 1)
+    groups = draw(
+        st.lists(st.lists(ids, min_size=1, max_size=6, unique=True), min_size=1, max_size=3)
+    )
+    ticket = Ticket(
+        engine_id=draw(st.text(min_size=1, max_size=12)),
+        host=draw(st.text(min_size=1, max_size=12)),
+        port=draw(st.integers(1, 65536 - tp)),
+        request_id=draw(st.text(max_size=12)),
+        block_ids=tuple(tuple(g) for g in groups),
+        num_tokens=draw(st.integers(0, 2**40)),
+        incarnation=incarnations[0],
+        lease_expiry=draw(st.floats(0, 4e9, allow_nan=False, allow_infinity=False)),
+        tp_size=tp,
+        capability=draw(st.text(_HEX, max_size=64)),
+        guard_slot=draw(st.integers(-1, 2**20)),
+        generation=draw(st.integers(0, 2**56 - 1)),
+    )
+    return ticket, incarnations, draw(st.integers(0, tp - 1))
+
+
+@given(_tickets(), st.sampled_from([Direction.PULL, Direction.PUSH]))
+def test_tickets_survive_float64_json_round_trips(
+    case: tuple[Ticket, tuple[int, ...], int], direction: Direction
+) -> None:
+    """Property: whatever the producer's ticket, the consumer reads the same one back
+    from ``kv_transfer_params`` that went through a float64 JSON parser, whether it
+    hands on Python floats or writes them back as Go and JavaScript do."""
+    ticket, incarnations, rank = case
+    params = ticket_params(ticket, direction=direction, incarnations=incarnations)
+    # Every number kvxfer writes is one float64 holds exactly.
+    assert all(float(n) == n for n in numbers(params))
+    local = tuple(tuple(range(len(g))) for g in ticket.block_ids)
+    want = msgspec.structs.replace(
+        ticket,
+        port=ticket.port + rank,
+        request_id="t",
+        block_ids=ticket.block_ids,
+        num_tokens=7,
+        incarnation=incarnations[rank],
+        incarnations=incarnations,
+    )
+    for routed in (params, as_float64(params), float64_router(params)):
+        got = remote_ticket(routed, tp_rank=rank, transfer_id="t", local_blocks=local, num_tokens=7)
+        assert got == want
+        assert release_ticket(routed, tp_rank=rank, transfer_id="t") == msgspec.structs.replace(
+            want,
+            block_ids=((),),
+            num_tokens=0,
+            incarnation=0,
+            lease_expiry=0.0,
+            guard_slot=-1,
+            generation=0,
+        )
+        assert across_tp(routed, ticket.tp_size + 1) and not across_tp(routed, ticket.tp_size)
+        assert is_remote_prefill(routed, direction)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node (a real float64 parser)")
+def test_a_javascript_router_passes_the_ticket_unchanged() -> None:
+    """The same through a real float64 parser: node's JSON.parse and JSON.stringify."""
+    incarnations = (ISSUE_INCARNATION, 2**63 + 12345)
+    params = ticket_params(
+        _router_ticket(incarnations, 2**56 - 3), direction=Direction.PULL, incarnations=incarnations
+    )
+    relay = (
+        "let s='';process.stdin.on('data',d=>s+=d).on('end',()=>"
+        "process.stdout.write(JSON.stringify(JSON.parse(s))))"
+    )
+    out = subprocess.run(
+        ["node", "-e", relay], input=json.dumps(params), capture_output=True, text=True, check=True
+    ).stdout
+    routed = json.loads(out)
+    assert routed == float64_router(params)  # the emulation is what node does
+    t = remote_ticket(routed, tp_rank=1, transfer_id="t", local_blocks=((1,),))
+    assert (t.incarnation, t.incarnations, t.generation) == (2**63 + 12345, incarnations, 2**56 - 3)

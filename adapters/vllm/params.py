@@ -19,19 +19,38 @@ Keys, upstream's first::
     remote_num_tokens                     kvxfer: tokens the held blocks end at
     transfer_mode                         kvxfer: "pull" or "push" (which connector)
     remote_incarnation(s)                 kvxfer: rank 0's / every rank's incarnation
+                                          (64-bit: 16-hex-digit string(s))
     lease_expiry                          kvxfer: wall-clock end of the producer's lease
+                                          (seconds since the epoch, a finite number)
     kvxfer_capability                     kvxfer: the hold's token (frees / asks about it);
                                           push: minted by the router, sent to both
                                           instances, pins the hold to decode's
                                           registration
     kvxfer_guard_slot, kvxfer_generation  kvxfer: the hold's guard word (fail-closed
-                                          pulls, docs/RELIABILITY.md); same on every rank
+                                          pulls, docs/RELIABILITY.md); same on every rank;
+                                          the generation (56-bit) a 16-hex-digit string
+
+Routers parse JSON: one written in Go (llm-d's routing sidecar and EPP) or JavaScript
+reads every number as a float64 and writes back the nearest one, so an integer at or
+above 2**53 may come back changed (a producer's incarnation off by a few hundred, and
+the consumer refuses the load as if the producer had restarted). Every value here
+therefore survives a float64 round trip exactly: the integers are small (upstream's
+keys, ``remote_num_tokens``, ``kvxfer_guard_slot``; below 2**53), ``lease_expiry`` is a
+float64 already, and the 64-bit values (incarnations, generation) are lowercase
+16-hex-digit strings. The read side takes back what such a router may write: an
+integral float (``5600.0``) for an integer below 2**53. It refuses, naming the key: a
+JSON number at or above 2**53 where an integer is read (an older producer's integer
+incarnation: a float64 parser may have rounded it, so it cannot be trusted), a
+fractional, infinite or NaN number where an integer is, and a NaN or infinite
+``lease_expiry``.
 
 No vLLM or torch imports.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,11 +84,35 @@ PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 
 _WHERE = "kv_transfer_params"
 
+#: Every integer of magnitude below this is a float64 exactly, so a Go or JavaScript
+#: router's JSON round trip gives it back unchanged; at 2**53 and above neighbours
+#: collapse (2**53 + 1 reads as 2**53), so a value received there may be a rounded one.
+_EXACT_LIMIT = 2**53
+#: Bits of an incarnation (the Agent draws 63) and of a guard generation (_guard.py).
+_INCARNATION_BITS = 64
+_GENERATION_BITS = 56
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_ROUNDED = (
+    "is a JSON number >= 2**53, which a float64 JSON parser (a Go or JavaScript "
+    "router) may have rounded; kvxfer producers send it as a 16-hex-digit string "
+    "(an older producer sent an integer: upgrade it)"
+)
+
+
+def _hex16(value: int) -> str:
+    # Zero-padded, so every value has one spelling (logs print incarnations the same
+    # way: "inc=%016x").
+    return f"{value:016x}"
+
 
 def ticket_params(
     ticket: Ticket, *, direction: Direction, incarnations: Sequence[int] = ()
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` a producer returns for ``ticket``.
+
+    Every value survives a float64 JSON parser (a Go or JavaScript router) exactly:
+    incarnations and the guard generation are 16-hex-digit strings, every number is
+    an integer below 2**53 or ``lease_expiry``'s float.
 
     Args:
         ticket: Rank 0's ticket (its port and incarnation are rank 0's).
@@ -89,12 +132,13 @@ def ticket_params(
         "tp_size": ticket.tp_size,
         "pp_size": 1,
         "transfer_mode": direction.value,
-        "remote_incarnation": ticket.incarnation,
-        "remote_incarnations": list(incarnations),
+        # Strings: a float64 router would round these 64- and 56-bit values.
+        "remote_incarnation": _hex16(ticket.incarnation),
+        "remote_incarnations": [_hex16(i) for i in incarnations],
         "lease_expiry": ticket.lease_expiry,
         "kvxfer_capability": ticket.capability,
         "kvxfer_guard_slot": ticket.guard_slot,
-        "kvxfer_generation": ticket.generation,
+        "kvxfer_generation": _hex16(ticket.generation),
     }
 
 
@@ -118,22 +162,88 @@ def _required(params: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+def _is_big(value: Any) -> bool:
+    """A JSON number at or beyond 2**53 in magnitude (a float64 may have rounded it)."""
+    if type(value) is float:
+        return math.isfinite(value) and abs(value) >= _EXACT_LIMIT
+    return type(value) is int and abs(value) >= _EXACT_LIMIT
+
+
+def _exact(value: Any) -> int | None:
+    """``value`` as the integer it is when a float64 JSON round trip cannot have
+    changed it, else None.
+
+    An integral float counts (a float64 router may write ``5600`` back as
+    ``5600.0``); ``bool`` does not (JSON ``true`` is not a number).
+    """
+    kind = type(value)
+    if kind is int:
+        return value if -_EXACT_LIMIT < value < _EXACT_LIMIT else None
+    if kind is float and value.is_integer() and -_EXACT_LIMIT < value < _EXACT_LIMIT:
+        return int(value)
+    return None
+
+
 def _int(params: Mapping[str, Any], key: str, default: int, *, minimum: int = 0) -> int:
     value = params.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if _is_big(value):
+        raise _bad(
+            key,
+            value,
+            f"must be an integer >= {minimum} below 2**53: a float64 JSON parser (a Go "
+            "or JavaScript router) rounds larger ones",
+        )
+    exact = _exact(value)
+    if exact is None or exact < minimum:
         raise _bad(key, value, f"must be an integer >= {minimum}")
-    return value
+    return exact
 
 
 def _float(params: Mapping[str, Any], key: str) -> float:
     value = params.get(key)
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(key, value, "must be a number")
-    return float(value)
+    if type(value) is int:
+        # An integer beyond 2**53 is not the number the producer meant (and one beyond
+        # float's range does not convert at all).
+        if _exact(value) is None:
+            raise _bad(key, value, "must be a finite number below 2**53")
+        return float(value)
+    if type(value) is not float or not math.isfinite(value):
+        # An infinite lease would never expire; NaN compares false with every clock.
+        raise _bad(key, value, "must be a finite number")
+    return value
+
+
+def _u64(value: Any, bits: int) -> int | str:
+    """A 64-bit value (``bits`` wide) as the producer sent it, or why not (a rule).
+
+    kvxfer writes 16 lowercase hex digits; an integer below 2**53 (a hand-made ticket,
+    an older producer's small value) is exact and taken as is.
+    """
+    if type(value) is str:
+        if not _HEX16.fullmatch(value):
+            return f"must be 16 lowercase hex digits (a {bits}-bit value)"
+        number = int(value, 16)
+        return number if number < 1 << bits else f"must be below 2**{bits}"
+    if _is_big(value):
+        return _ROUNDED
+    exact = _exact(value)
+    if exact is None or exact < 0:
+        return f"must be 16 lowercase hex digits (a {bits}-bit value), or an integer >= 0"
+    return exact
+
+
+def _hex_key(params: Mapping[str, Any], key: str, bits: int) -> int:
+    value = params.get(key)
+    if value is None:
+        return 0
+    got = _u64(value, bits)
+    if isinstance(got, str):
+        raise _bad(key, value, got)
+    return got
 
 
 def _str(params: Mapping[str, Any], key: str) -> str:
@@ -153,11 +263,48 @@ def remote_block_groups(params: Mapping[str, Any]) -> WireGroups:
     if raw is None or (isinstance(raw, list | tuple) and not raw):
         return ()
     nested = isinstance(raw, list | tuple) and isinstance(raw[0], list | tuple)
+    num_groups = len(raw) if nested else 1
     try:
-        groups = block_groups(raw, len(raw) if nested else 1, side="remote")
+        groups = block_groups(raw, num_groups, side="remote")
     except PlanError as exc:
-        raise _bad("remote_block_ids", raw, str(exc)) from None
+        # Only a refused list pays for the second pass: ids a float64 router wrote
+        # back as integral floats (``12.0``) are the ids the producer sent.
+        ints = _integral_ids(raw, nested)
+        if ints is None:
+            raise _bad("remote_block_ids", raw, str(exc)) from None
+        try:
+            groups = block_groups(ints, num_groups, side="remote")
+        except PlanError as again:
+            raise _bad("remote_block_ids", raw, str(again)) from None
+    for g, ids in enumerate(groups):
+        if ids.size and int(ids.max()) >= _EXACT_LIMIT:
+            raise _bad(
+                "remote_block_ids",
+                raw,
+                f"group {g} has an id >= 2**53, which a float64 JSON parser (a Go or "
+                "JavaScript router) may have rounded",
+            )
     return to_wire(groups)
+
+
+def _integral_ids(raw: Any, nested: bool) -> list[Any] | None:
+    """``raw`` with every integral float below 2**53 made an int (None when it holds
+    no float: nothing to retry)."""
+    if not isinstance(raw, list | tuple):
+        return None
+    rows = raw if nested else [raw]
+    if not all(isinstance(r, list | tuple) for r in rows):
+        return None
+    if not any(type(i) is float for r in rows for i in r):
+        return None
+    out = [[_from_float(i) for i in r] for r in rows]
+    return out if nested else out[0]
+
+
+def _from_float(item: Any) -> Any:
+    # Anything else stays as it was, for block_groups to name in its refusal.
+    exact = _exact(item) if type(item) is float else None
+    return item if exact is None else exact
 
 
 def remote_num_tokens(params: Mapping[str, Any]) -> int | None:
@@ -189,27 +336,34 @@ def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int)
 
 
 def across_tp(params: Mapping[str, Any], tp_size: int) -> bool:
-    """Whether the producer's ``tp_size`` differs from this instance's ``tp_size``."""
-    remote_tp = params.get("tp_size")
-    return isinstance(remote_tp, int) and not isinstance(remote_tp, bool) and remote_tp != tp_size
+    """Whether the producer's ``tp_size`` differs from this instance's ``tp_size``
+    (a float64 router's ``2.0`` is 2; a malformed one is refused by :func:`remote_ticket`)."""
+    remote_tp = _exact(params.get("tp_size"))
+    return remote_tp is not None and remote_tp != tp_size
 
 
 def _incarnations(params: Mapping[str, Any]) -> tuple[int, ...]:
     many = params.get("remote_incarnations")
     if many is None:
         return ()
-    if not isinstance(many, list | tuple) or any(
-        isinstance(i, bool) or not isinstance(i, int) for i in many
-    ):
-        raise _bad("remote_incarnations", many, "must be a list of integers, one per rank")
-    return tuple(int(i) for i in many)
+    if not isinstance(many, list | tuple):
+        raise _bad("remote_incarnations", many, "must be a list, one incarnation per rank")
+    out = []
+    for rank, value in enumerate(many):
+        got = _u64(value, _INCARNATION_BITS)
+        if isinstance(got, str):
+            raise _bad("remote_incarnations", many, f"rank {rank}'s entry {value!r} {got}")
+        out.append(got)
+    return tuple(out)
 
 
 def _rank_incarnation(params: Mapping[str, Any], tp_rank: int) -> int:
     many = _incarnations(params)
+    # Checked on every rank: a bad rank-0 value is the same ticket's fault everywhere.
+    first = _hex_key(params, "remote_incarnation", _INCARNATION_BITS)
     if tp_rank < len(many):
         return many[tp_rank]
-    return _int(params, "remote_incarnation", 0) if tp_rank == 0 else 0
+    return first if tp_rank == 0 else 0
 
 
 def _address(params: Mapping[str, Any], tp_rank: int) -> tuple[str, str, int]:
@@ -296,7 +450,7 @@ def remote_ticket(
         incarnations=_incarnations(params),
         capability=_capability(params),
         guard_slot=_int(params, "kvxfer_guard_slot", -1, minimum=-1),
-        generation=_int(params, "kvxfer_generation", 0),
+        generation=_hex_key(params, "kvxfer_generation", _GENERATION_BITS),
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,9 @@ def test_producer_holds_normally_finished_requests_only() -> None:
     assert params["remote_engine_id"] == "kv_producer-0"
     assert params["remote_request_id"] == "p-1" and params["remote_num_tokens"] == 70
     assert params["tp_size"] == 1 and params["transfer_mode"] == "pull"
-    assert params["remote_incarnations"] == [42, 43] and params["lease_expiry"] > time.time()
+    # 64-bit values as hex strings: a float64 router (Go, JavaScript) keeps them exact
+    assert params["remote_incarnations"] == [f"{42:016x}", f"{43:016x}"]
+    assert params["remote_incarnation"] == f"{42:016x}" and params["lease_expiry"] > time.time()
     aborted = FakeRequest("p-2", {"do_remote_decode": True}, 70, 10, "FINISHED_ABORTED")
     assert s.request_finished(aborted, [[7]]) == (False, None)
     (hold,) = s.build_step_plan().holds
@@ -237,9 +240,11 @@ def test_producer_mints_capability_and_guard_slots_reused_only_once_freed() -> N
     a, b = params["a"], params["b"]
     assert (a["kvxfer_guard_slot"], b["kvxfer_guard_slot"]) == (0, 1)
     assert a["kvxfer_capability"] != b["kvxfer_capability"] and len(a["kvxfer_capability"]) == 32
-    assert a["kvxfer_generation"] > 0 and a["kvxfer_generation"] != b["kvxfer_generation"]
+    gen_a, gen_b = int(a["kvxfer_generation"], 16), int(b["kvxfer_generation"], 16)
+    assert re.fullmatch(r"[0-9a-f]{16}", a["kvxfer_generation"])  # 56 bits, as hex
+    assert gen_a > 0 and gen_a != gen_b
     holds = {h.request_id: h for h in s.build_step_plan().holds}
-    assert (holds["a"].guard_slot, holds["a"].generation) == (0, a["kvxfer_generation"])
+    assert (holds["a"].guard_slot, holds["a"].generation) == (0, gen_a)
     assert holds["a"].capability == a["kvxfer_capability"]
     s.update_connector_output({"a"}, set())  # every rank freed "a": its slot comes back
     c = FakeRequest("c", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED")
@@ -552,6 +557,9 @@ def test_a_load_that_cannot_start_is_a_failed_load_not_an_exception() -> None:
         ("remote_block_ids", [True, 2]),
         ("remote_num_tokens", "40"),
         ("remote_port", "5600"),
+        # an older producer's integers, which a float64 router (Go, JS) may have rounded
+        ("remote_incarnation", 0x13E0F7F3125A8DF8),
+        ("kvxfer_generation", 2**55 + 1),
     ],
 )
 def test_bad_kv_transfer_params_fail_that_request_and_name_the_key(
