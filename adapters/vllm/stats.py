@@ -30,6 +30,9 @@ class SeriesKind(enum.Enum):
 
     COUNTER = "counter"  # incremented by the interval's number
     HISTOGRAM = "histogram"  # one observation per entry of the interval's list
+    # A level (how many now), shipped as its change over the interval: changes add up
+    # across ranks and steps as vLLM aggregates them, and the gauge moves by their sum.
+    GAUGE = "gauge"
 
 
 class Series(NamedTuple):
@@ -44,7 +47,7 @@ class Series(NamedTuple):
     key: str
 
 
-_C, _H = SeriesKind.COUNTER, SeriesKind.HISTOGRAM
+_C, _H, _G = SeriesKind.COUNTER, SeriesKind.HISTOGRAM, SeriesKind.GAUGE
 
 #: kvxfer's Prometheus series, labelled like vLLM's own (model, engine).
 SERIES: tuple[Series, ...] = (
@@ -126,6 +129,19 @@ SERIES: tuple[Series, ...] = (
         "Side-channel probes of transfers gone quiet.",
         "num_liveness_probes",
     ),
+    Series(
+        "vllm:kvxfer_quarantined",
+        _G,
+        "Failed transfers whose bytes may still land: their blocks are held back from "
+        "vLLM until no byte can (R-SAFE-5). Returns to 0 once the transports settle.",
+        "delta_quarantined",
+    ),
+    Series(
+        "vllm:kvxfer_quarantines",
+        _C,
+        "Failed transfers that were quarantined until their bytes stopped (R-SAFE-5).",
+        "num_quarantines",
+    ),
     *(
         Series(
             f"vllm:kvxfer_failed_transfers_{stage}",
@@ -175,20 +191,23 @@ class KvxferConnectorStats(KVConnectorStats):  # type: ignore[misc]
             if seconds > 0:
                 out["avg_MiB_per_s"] = round(float(d.get("bytes", 0)) / 2**20 / seconds, 1)
         for key in sorted(d):
-            if key.startswith(("failed_", "num_leases_", "num_handshakes", "num_push_")) or key in (
+            if key.startswith(
+                ("failed_", "num_leases_", "num_handshakes", "num_push_", "delta_")
+            ) or key in (
                 "num_failed_notifications",
                 "num_capability_rejects",
                 "num_guard_failures",
                 "num_guard_reads",
                 "num_unguarded_pulls",
                 "num_liveness_probes",
+                "num_quarantines",
             ):
                 out[key] = int(d[key])
         return out
 
     def is_empty(self) -> bool:
         return not any(
-            v for k, v in self.data.items() if k.startswith("num_") or k.startswith("failed_")
+            v for k, v in self.data.items() if k.startswith(("num_", "failed_", "delta_"))
         )
 
 
@@ -210,6 +229,14 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 histogram: Any = self._histogram_cls
                 metric = histogram(
                     name=s.name, documentation=s.help, buckets=_TIME_BUCKETS, labelnames=labelnames
+                )
+            elif s.kind is SeriesKind.GAUGE:
+                gauge: Any = self._gauge_cls
+                metric = gauge(
+                    name=s.name,
+                    documentation=s.help,
+                    labelnames=labelnames,
+                    multiprocess_mode="sum",
                 )
             else:
                 counter: Any = self._counter_cls

@@ -425,6 +425,9 @@ _PRODUCER_COUNTERS = {
     "guard_reads": "num_guard_reads",
     "unguarded_pulls": "num_unguarded_pulls",
     "liveness_probes": "num_liveness_probes",
+    # R-SAFE-5: quarantined transfers (a level, shipped as its change) and how many ever
+    "quarantined": "delta_quarantined",
+    "quarantines": "num_quarantines",
 }
 
 

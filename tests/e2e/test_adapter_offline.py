@@ -775,6 +775,44 @@ def test_stats_aggregate_across_ranks_and_reduce() -> None:
 
 
 @pytest.mark.e2e
+def test_the_quarantine_gauge_moves_by_the_summed_changes_of_ranks_and_steps() -> None:
+    """R-SAFE-5's gauge: each rank ships how its quarantined count changed; vLLM sums
+    ranks and steps, and the gauge moves by the sum (back to 0 once all ended)."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from kvxfer.adapters.vllm.stats import KvxferPromMetrics, SeriesKind
+    from kvxfer.adapters.vllm.worker import _Interval
+
+    class _Quarantine:
+        def __init__(self) -> None:
+            self.quarantined = self.quarantines = 0
+
+    ranks = [_Interval(), _Interval()]
+    agents = [_Quarantine(), _Quarantine()]
+    registry = CollectorRegistry()
+
+    def gauge(**kw: Any) -> Any:
+        kw.pop("multiprocess_mode", None)
+        return Gauge(registry=registry, **kw)
+
+    metrics = KvxferPromMetrics.__new__(KvxferPromMetrics)
+    metrics.series = {
+        "delta_quarantined": (SeriesKind.GAUGE, {0: gauge(name="q", documentation="q")})
+    }
+    shown = []
+    for levels in ((2, 1), (1, 1), (0, 0)):
+        merged: dict[str, Any] = {}
+        for interval, agent, level in zip(ranks, agents, levels):
+            agent.quarantined = level
+            interval.producer(agent)
+            for key, value in (interval.take() or {}).items():
+                merged[key] = merged.get(key, 0) + value
+        metrics.observe(merged)
+        shown.append(registry.get_sample_value("q"))
+    assert shown == [3.0, 2.0, 0.0]
+
+
+@pytest.mark.e2e
 def test_cpu_kv_cache_shape_describes_as_one_region_per_layer() -> None:
     from kvxfer.adapters.vllm.worker import describe_kv_caches
 
