@@ -1,8 +1,8 @@
 """A bad ``--kv-transfer-config`` stops a real ``vllm serve`` at start-up with the key,
 value and rule in its log (R-VLLM-2).
 
-The cheapest real start-up: every bad server starts at once (they overlap their
-import time) and each test waits only for its own server's exit. kvxfer's checks run
+Each test waits for its own server's exit; the next test's server starts meanwhile
+(two start-ups at a time, see ``_Staggered``). kvxfer's checks run
 in the connector's constructor, the first connector code vLLM runs in the engine
 core, before any KV memory is allocated or registered; ``kv_role`` is vLLM's own
 check, in the API server while it parses arguments.
@@ -58,32 +58,53 @@ BAD: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 }
 
 
+class _Staggered:
+    """The bad servers, started in test order with at most ``ahead`` starting at once:
+    the current test's and the next one's. Six vLLM start-ups at once (two processes
+    each, ~30 s of CPU apiece) left each of them a third of a core on these 2 cores,
+    and on a loaded host some outlasted their timeout; two at a time keeps each one's
+    start-up near its own cost while the next one overlaps it."""
+
+    def __init__(self, tiny_model_dir: Path, log_dir: Path, ahead: int = 2) -> None:
+        self._model, self._logs, self._ahead = tiny_model_dir, log_dir, ahead
+        self._names = list(BAD)
+        self.servers: dict[str, VllmServer] = {}
+
+    def _start(self, name: str) -> None:
+        if name not in self.servers:
+            self.servers[name] = start_server(
+                f"bad-{name}",
+                self._model,
+                self._logs,
+                kv_transfer_config=BAD[name][0],
+                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                wait=False,
+            )
+
+    def get(self, name: str) -> VllmServer:
+        i = self._names.index(name)
+        for ahead in self._names[i : i + self._ahead]:
+            self._start(ahead)
+        return self.servers[name]
+
+
 @pytest.fixture(scope="module")
-def bad_servers(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[dict[str, VllmServer]]:
-    servers = {
-        name: start_server(
-            f"bad-{name}",
-            tiny_model_dir,
-            e2e_log_dir,
-            kv_transfer_config=cfg,
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-            wait=False,
-        )
-        for name, (cfg, _) in BAD.items()
-    }
+def bad_servers(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[_Staggered]:
+    pool = _Staggered(tiny_model_dir, e2e_log_dir)
     try:
-        yield servers
+        yield pool
     finally:
-        for server in servers.values():
+        for server in pool.servers.values():
             server.stop(grace_s=3.0)
 
 
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_config_stops_the_server_with_key_value_and_rule(
-    name: str, bad_servers: dict[str, VllmServer]
+    name: str, bad_servers: _Staggered
 ) -> None:
-    server = bad_servers[name]
-    status = server.wait_exit(timeout_s=180)
+    server = bad_servers.get(name)
+    # Generous: a start-up's own cost is ~30-60 s here; the bound only catches a hang.
+    status = server.wait_exit(timeout_s=420)
     assert status != 0
     log = server.log_text()
     for fragment in BAD[name][1]:
