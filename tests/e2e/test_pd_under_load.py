@@ -1,6 +1,8 @@
-"""A prefill instance killed under load through ``kvxfer proxy`` (R-SAFE-4): requests
-fail fast or succeed with the unified instance's output, none waits for a timeout,
-and decode keeps serving.
+"""Load through ``kvxfer proxy``: a steady load ends with no error (issue 25: the
+scheduler hands a ticket out a step before the worker's hold, and under load that
+step came later than the guard word's re-reads allowed), and a prefill instance killed
+under load (R-SAFE-4) leaves requests that fail fast or succeed with the unified
+instance's output, none waiting for a timeout, and decode serving on.
 
 Before the liveness probes, one run in three had requests hang 15–30 s after the kill:
 one in handshake retries towards the dead producer, one until ``transfer_timeout_s``
@@ -132,3 +134,67 @@ def test_prefill_killed_under_load_fails_fast_and_never_wrong(
         f"under load: {len(ok)} answered, {len(failed)} failed fast, slowest "
         f"{max(t1 - t0 for *_, t0, t1 in results):.2f} s; {len(late)} answered after the kill"
     )
+
+
+STEADY_REQUESTS = 150
+STEADY_PROMPTS = 30  # distinct prompts (each its unified reference), five times each
+
+
+def _steady_prompt(i: int) -> str:
+    """About 16-400 tokens of the tiny model's tokenizer (three per word), spread over
+    the prompts; the engines' context is 512."""
+    words = 3 + (i * 373) % 128
+    return f"Steady {i}: " + " ".join(f"w{(i * 7 + k) % 97}" for k in range(words))
+
+
+def test_a_steady_load_through_the_proxy_ends_with_no_error(
+    pull_pair: PDPair, unified_server: VllmServer
+) -> None:
+    """150 requests at concurrency 8, prompts of 16-400 tokens, pull through
+    ``kvxfer proxy``: every request answered (31 of 150 failed with HTTP 502 on an
+    AVX2-only host before the pull waited for its hold), each with the unified
+    instance's output, and no guard failure on decode."""
+    url, stop = start_proxy(
+        [pull_pair.prefill.url],
+        [pull_pair.decode.url],
+        mode="pull",
+        health_interval_s=0.5,
+        short_prompt_tokens=0,  # every request through P/D
+    )
+    prompts = [_steady_prompt(i % STEADY_PROMPTS) for i in range(STEADY_REQUESTS)]
+    results: list[tuple[str, int, list[int]]] = []
+    lock = threading.Lock()
+    todo = iter(prompts)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                prompt = next(todo, None)
+            if prompt is None:
+                return
+            status, got = _post(url, prompt)
+            with lock:
+                results.append((prompt, status, got))
+
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert not any(t.is_alive() for t in threads), "requests still running after 600 s"
+    finally:
+        stop()
+    failed = [(p[:20], s) for p, s, _ in results if s != 200]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
+    assert len(results) == STEADY_REQUESTS
+    expected = {p: reference(unified_server, p) for p in set(prompts)}
+    wrong = [p[:20] for p, _, got in results if got != expected[p]]
+    assert not wrong, f"{len(wrong)} outputs differ from unified: {wrong[:3]}"
+    metrics = urllib.request.urlopen(pull_pair.decode.url + "/metrics", timeout=10).read()
+    guard_failures = [
+        line
+        for line in metrics.decode().splitlines()
+        if line.startswith("vllm:kvxfer_guard_failures_total") and not line.endswith(" 0.0")
+    ]
+    assert not guard_failures, guard_failures
