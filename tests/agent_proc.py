@@ -49,6 +49,7 @@ class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
     netns: str = ""  # a network namespace the child enters first (a host of its own)
     host: str = "127.0.0.1"  # the side channel's address (the namespace's own)
     ucx_tls: str = ""  # UCX_TLS for the child ("tcp": over the veth, not CMA)
+    env: tuple[tuple[str, str], ...] = ()  # more environment for the child
 
 
 def _serve(conn: Connection, spec: ProcSpec) -> None:
@@ -58,6 +59,7 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
         enter_netns(spec.netns)  # first, before any socket or thread exists
     if spec.ucx_tls:
         os.environ["UCX_TLS"] = spec.ucx_tls
+    os.environ.update(dict(spec.env))
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if spec.rbln_emulated:
         os.environ["KVXFER_RBLN_ADAPTER"] = "emulated"

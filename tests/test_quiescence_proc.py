@@ -69,7 +69,7 @@ def link() -> Iterator[NetnsPair]:
     why = netns_unavailable()
     if why is not None:  # CI runs as root with iproute2: a missing piece is a failure
         pytest.fail(f"two-host tests need network namespaces: {why}")
-    with netns_pair("q") as pair:
+    with netns_pair() as pair:  # named after this process: runs side by side never clash
         _shape_link(pair)
         yield pair
 
