@@ -55,11 +55,6 @@ _LAZY: dict[str, str] = {
     # engine-neutral vocabulary
     "Role": "kvxfer.types",
     "Direction": "kvxfer.types",
-    # the vLLM adapter's kv_transfer_config parser (loads no vLLM; kept here for
-    # existing callers: the core itself never imports the adapter)
-    "TransferConfig": "kvxfer.adapters.vllm.kv_transfer_config",
-    "BufferDevice": "kvxfer.adapters.vllm.kv_transfer_config",
-    "parse_kv_transfer_config": "kvxfer.adapters.vllm.kv_transfer_config",
     # runtime
     "Agent": "kvxfer.agent",
     "AgentConfig": "kvxfer.agent",
@@ -94,11 +89,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
     # "X as X": an explicit re-export, so `from kvxfer import Agent` passes
     # mypy --strict (no_implicit_reexport) in the user's code.
-    from kvxfer.adapters.vllm.kv_transfer_config import BufferDevice as BufferDevice
-    from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig as TransferConfig
-    from kvxfer.adapters.vllm.kv_transfer_config import (
-        parse_kv_transfer_config as parse_kv_transfer_config,
-    )
     from kvxfer.agent import Agent as Agent
     from kvxfer.agent import AgentConfig as AgentConfig
     from kvxfer.agent import PushPost as PushPost

@@ -79,7 +79,7 @@ from kvxfer.errors import (
     RegistrationError,
 )
 from kvxfer.heads import place_heads
-from kvxfer.layout import GroupKind, KVLayout
+from kvxfer.layout import GroupKind, KVLayout, take_tensors
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
@@ -210,11 +210,14 @@ class Agent:
     def register(self, layout: KVLayout, *, defer: bool = False, keep: object = None) -> None:
         """Register the KV cache memory described by ``layout`` (R-REG-1, R-REG-2).
 
-        A layout records addresses, not tensors. ``keep`` (for example the list of
-        tensors the layout was built from) is referenced by the agent until
-        :meth:`close`, so that memory is not collected while peers may still read or
-        write it; without ``keep`` the caller must keep it alive. Either way the memory
-        must stay in place: a re-allocated pool is not seen by the agent.
+        A layout records addresses, not tensors. The tensors a layout was built from
+        (:meth:`KVLayout.from_kv_caches <kvxfer.layout.KVLayout.from_kv_caches>`,
+        ``from_tensors``) pass to the agent, which references them until
+        :meth:`close`, so that
+        memory is not collected while peers may still read or write it; ``keep``
+        names what to keep instead, for a layout described by addresses (without it
+        the caller must keep that memory alive). Either way the memory must stay in
+        place: a re-allocated pool is not seen by the agent.
         :meth:`register_tensors` builds the layout and keeps the tensors in one call.
 
         With ``defer=True`` only the layout is kept; call :meth:`complete_registration`
@@ -227,7 +230,8 @@ class Agent:
         with self._lock:
             if self._local.layout is not None or self._local.deferred is not None:
                 raise RegistrationError("this agent already has a registered layout")
-            self._kept = keep
+            sources = take_tensors(layout)  # from now on the agent's to keep
+            self._kept = keep if keep is not None else sources
             if defer:
                 self._local.deferred = layout
                 log.info("%sdeferring registration until the engine is warmed up", self._log_prefix)

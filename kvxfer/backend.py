@@ -271,8 +271,3 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release every handle in dependency order; idempotent."""
-
-
-def check_mem_kind(caps: Capabilities, kind: MemKind) -> bool:
-    """Whether a backend can register memory of ``kind``."""
-    return kind in caps.mem_kinds

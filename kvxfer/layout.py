@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "Region",
     "SplitAxis",
     "split_kv",
+    "tensors_of",
 ]
 
 _ADDR_LIMIT = 1 << 64
@@ -174,7 +176,7 @@ def _default_groups() -> tuple[Group, ...]:
     return (Group(kind=GroupKind.FULL),)
 
 
-class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
     """The shape and placement of a registered paged KV cache.
 
     Attributes:
@@ -434,7 +436,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                     lane=int(lanes[i]) if lanes is not None else 0,
                 )
             )
-        return cls(
+        layout = cls(
             block_size=block_size,
             regions=tuple(regions),
             split_axis=split_axis,
@@ -445,6 +447,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         )
+        _keep_sources(layout, tensors)
+        return layout
 
     @classmethod
     def from_kv_caches(
@@ -505,6 +509,32 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             num_kv_heads=heads,
             head_dim=head_dim,
         )
+
+
+# The tensors a layout was built from, while the layout object lives: a layout records
+# addresses only, and registering one whose tensors were collected would hand NIXL
+# freed memory. Keyed by id() and dropped by a finalizer when the layout is collected.
+_SOURCES: dict[int, tuple[Any, ...]] = {}
+
+
+def _keep_sources(layout: KVLayout, tensors: Sequence[Any]) -> None:
+    key = id(layout)
+    _SOURCES[key] = tuple(tensors)
+    weakref.finalize(layout, _SOURCES.pop, key, None)
+
+
+def tensors_of(layout: KVLayout) -> tuple[Any, ...] | None:
+    """The tensors ``layout`` was built from (:meth:`KVLayout.from_tensors` and
+    :meth:`KVLayout.from_kv_caches` keep them while the layout lives), or None for a
+    layout described by addresses or whose tensors were taken."""
+    return _SOURCES.get(id(layout))
+
+
+def take_tensors(layout: KVLayout) -> tuple[Any, ...] | None:
+    """Hand the tensors ``layout`` was built from to the caller, which keeps them from
+    now on (:meth:`Agent.register <kvxfer.agent.Agent.register>` does, until it
+    closes: then they are the engine's again, whoever still holds the layout)."""
+    return _SOURCES.pop(id(layout), None)
 
 
 #: Where the token and head dimensions sit in a 4-d K or V view, by in-block order.

@@ -106,6 +106,26 @@ def test_register_tensors_keeps_the_tensors_alive_until_close() -> None:
     assert all(r() is None for r in refs)  # deregistered: the tensors are collectable
 
 
+def test_a_layout_built_from_tensors_keeps_them_registered_without_keep() -> None:
+    """``register(KVLayout.from_kv_caches(...))`` with no ``keep=``: the documented
+    constructor's tensors stay alive while registered (issue 28: they were collected
+    while NIXL still held their addresses)."""
+    torch = pytest.importorskip("torch")
+    from kvxfer.layout import KVLayout, tensors_of
+
+    pools = [torch.zeros(2, NUM_BLOCKS, 16, 2, 8) for _ in range(2)]
+    refs = [weakref.ref(p) for p in pools]
+    agent = _agent(Role.PRODUCER, None)
+    agent.register(KVLayout.from_kv_caches(pools, block_size=16))  # no keep=
+    del pools
+    gc.collect()
+    assert all(r() is not None for r in refs)  # the agent holds them through the layout
+    assert agent.layout is not None and tensors_of(agent.layout) is None  # taken
+    agent.close()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_register_keep_holds_any_object_until_close() -> None:
     class Pool:
         pass
