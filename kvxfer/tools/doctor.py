@@ -58,7 +58,8 @@ import json, os, sys
 out = {}
 try:
     from importlib import metadata
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvxfer.backends.ucx import import_nixl  # kvxfer's one NIXL edge
+    nixl_agent, nixl_agent_config = import_nixl()
     version = ""
     for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
         try:

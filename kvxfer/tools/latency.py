@@ -167,9 +167,10 @@ class _RawNixl:
     """A bare NIXL agent (UCX) on the same memory, polled by a thread when passive."""
 
     def __init__(self, name: str, layout: Any, poll_s: float | None) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        from kvxfer.backends.ucx import import_nixl
         from kvxfer.descriptors import DescriptorTable
+
+        nixl_agent, nixl_agent_config = import_nixl()
 
         conf = nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]

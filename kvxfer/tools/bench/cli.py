@@ -23,6 +23,7 @@ from typing import Any
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.report as report
 from kvxfer.agent import PushPost
+from kvxfer.errors import MissingDependency
 
 __all__ = [
     "DESCRIPTION",
@@ -197,10 +198,12 @@ def _strs(text: str) -> list[str]:
 def unavailable_backends(names: Sequence[str]) -> dict[str, str]:
     """Backends of the selection that cannot run here, with the reason."""
     out: dict[str, str] = {}
+    from kvxfer.backends.ucx import import_nixl  # kvxfer's one NIXL edge
+
     try:
-        importlib.import_module("nixl._api")
-    except ImportError as exc:
-        return {n: f"NIXL is not importable ({exc}): pip install 'kvxfer[nixl]'" for n in names}
+        import_nixl()
+    except MissingDependency as exc:
+        return {n: f"NIXL is not importable ({exc})" for n in names}
     for name in names:
         try:
             importlib.import_module(f"kvxfer.backends.{name}")
