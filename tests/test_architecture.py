@@ -94,3 +94,11 @@ def test_no_import_cycle_in_kvxfer(graph: grimp.ImportGraph) -> None:
         for c in cycles
     ]
     assert cycles == [], "import cycles:\n" + "\n".join(described)
+
+
+def test_nixl_is_imported_by_the_one_edge_only() -> None:
+    """kvxfer.backends._nixl is the one module that imports NIXL (its errors mapped
+    there); tools and backends reach NIXL through it (issue 28)."""
+    external = grimp.build_graph("kvxfer", include_external_packages=True, cache_dir=None)
+    importers = external.find_modules_that_directly_import("nixl")
+    assert importers == {"kvxfer.backends._nixl"}, sorted(importers)
