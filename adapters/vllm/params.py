@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvxfer.agent import Ticket
-from kvxfer.blocks import block_groups, to_wire
+from kvxfer.blocks import block_groups, from_wire, pair_remote, to_wire
 from kvxfer.errors import ConfigError, PlanError
 from kvxfer.types import Direction
 
@@ -424,11 +424,7 @@ def remote_ticket(
         remote_tokens = remote_num_tokens(params)
         if block_size > 0 and num_tokens > 0 and remote_tokens:
             blocks = _by_block_index(
-                params,
-                remote,
-                local_blocks,
-                -(-remote_tokens // block_size),
-                -(-num_tokens // block_size),
+                params, remote, local_blocks, remote_tokens, num_tokens, block_size, transfer_id
             )
         else:
             blocks = tuple(
@@ -458,28 +454,28 @@ def _by_block_index(
     params: Mapping[str, Any],
     remote: WireGroups,
     local: WireGroups,
-    remote_end: int,
-    local_end: int,
+    remote_tokens: int,
+    num_tokens: int,
+    block_size: int,
+    transfer_id: str,
 ) -> WireGroups:
-    """Pair each group's remote and local lists by the request's block index.
-
-    A list ends at its request's last block (``remote_end`` / ``local_end`` blocks in
-    all); a list longer than that (a producer that does not cut) starts at block 0.
-    """
-    out = []
-    for g, (r, mine) in enumerate(zip(remote, local, strict=True)):
-        remote_first = max(remote_end - len(r), 0)
-        local_first = local_end - len(mine)
-        offset = local_first - remote_first
-        if offset < 0 or offset + len(mine) > len(r):
-            raise _bad(
-                "remote_block_ids",
-                params.get("remote_block_ids"),
-                f"group {g} holds the request's blocks [{remote_first}, "
-                f"{remote_first + len(r)}) but this load needs [{local_first}, {local_end})",
-            )
-        out.append(r[offset : offset + len(mine)])
-    return tuple(out)
+    """Pair each group's remote and local lists by the request's block index, with the
+    core's one pairing routine (:func:`kvxfer.blocks.pair_remote`): both lists end at
+    their request's last block. A remote list longer than the prompt's blocks (a
+    producer that does not cut: it decoded further) starts at block 0."""
+    held = -(-remote_tokens // block_size)
+    try:
+        paired = pair_remote(
+            from_wire(local),
+            from_wire(tuple(r[:held] for r in remote)),
+            num_tokens=num_tokens,
+            remote_num_tokens=remote_tokens,
+            block_size=block_size,
+            request_id=transfer_id,
+        )
+    except PlanError as exc:
+        raise _bad("remote_block_ids", params.get("remote_block_ids"), str(exc)) from exc
+    return to_wire(paired)
 
 
 def router_capability(params: Mapping[str, Any]) -> str:
