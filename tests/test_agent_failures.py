@@ -55,7 +55,11 @@ def test_producer_killed_mid_transfer_fails_in_bounded_time() -> None:
 
 
 def test_restarted_producer_is_rehandshaken() -> None:
-    first = AgentProc(ProcSpec(engine_id="p-restart", role="kv_producer", fill_seed=SEED))
+    # A long lease: on a loaded host the restart below can take longer than the
+    # default 30 s, and the stale ticket must fail for the restart, not its lease.
+    first = AgentProc(
+        ProcSpec(engine_id="p-restart", role="kv_producer", fill_seed=SEED, lease_s=600.0)
+    )
     port = first.port
     cons = AgentProc(ProcSpec(engine_id="d-restart", role="kv_consumer"))
     second = None
