@@ -49,11 +49,11 @@ def test_transformers_engine_example_pull_and_push() -> None:
     decoding without the transferred KV differs (the example checks and prints both)."""
     env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "engine" / "disagg.py"), "--prompts", "4"],
+        [sys.executable, str(ROOT / "examples" / "engine" / "disagg.py"), "--prompts", "2"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=180,
+        timeout=600,  # a hang bound only: ~80-170 s on 2 loaded cores
     )
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
@@ -61,8 +61,8 @@ def test_transformers_engine_example_pull_and_push() -> None:
     results = {r["direction"]: r for r in map(json.loads, lines[:-2])}
     assert set(results) == {"pull", "push"}
     for r in results.values():
-        assert r["equal"] == r["differ_without_kv"] == r["prompts"] == 4, r
-        assert r["same_block_ids"] < 4 and r["recomputed"] == 0, r
+        assert r["equal"] == r["differ_without_kv"] == r["prompts"] == 2, r
+        assert r["same_block_ids"] < 2 and r["recomputed"] == 0, r
 
 
 def test_paged_allocator_properties_example() -> None:
