@@ -396,9 +396,14 @@ class Runtime:
             self.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
             return
         with self._lock:
-            meta.handle = handle
+            settled = t.done
+            if not settled:
+                meta.handle = handle
             self._stats.guard_reads += 1
-            failed = t.done or meta.doomed is not None
+            failed = settled or meta.doomed is not None
+        if settled:  # closed meanwhile: nothing polls this read any more
+            self._backend.release(handle)
+            return
         if failed:  # the 8-byte read lands in our own landing word: ended when it ends
             self._finish(t)
             return
