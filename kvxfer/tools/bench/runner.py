@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.netns import NetnsPair
+from kvxfer.tools.bench.procs import BenchError, Children
 from kvxfer.tools.bench.worker import worker_main
 
 __all__ = ["RESULT_FIELDS", "BenchError", "Runner", "assemble", "failed"]
@@ -69,14 +68,6 @@ RESULT_FIELDS = (
 )
 
 
-class BenchError(RuntimeError):
-    """A bench process failed a command (alive) or died (``dead``)."""
-
-    def __init__(self, message: str, *, dead: bool = False) -> None:
-        super().__init__(message)
-        self.dead = dead
-
-
 class Runner:
     """Two bench processes (optionally each in its own network namespace)."""
 
@@ -99,75 +90,40 @@ class Runner:
         self.planning = planning
         self.timeout_s = timeout_s
         self.netns = netns
-        self._procs: dict[str, Any] = {}
-        self._conns: dict[str, Connection] = {}
+        self._children = Children(timeout_s)
         self._rid = itertools.count()
         self._done: set[bc.Case] = set()
 
     # -- processes ----------------------------------------------------------------------
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        children = self._children
         for side in ("producer", "consumer"):
             ns = host = None
             if self.netns is not None:
                 p = side == "producer"
                 ns = self.netns.producer_ns if p else self.netns.consumer_ns
                 host = self.netns.producer_addr if p else self.netns.consumer_addr
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(child, side, ns, host or "127.0.0.1"),
-                name=f"kvxfer-bench-{side}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self._procs[side], self._conns[side] = proc, parent
-        for side in self._conns:
-            self._recv(side, 120)
-        for side in self._conns:
+            children.start(side, worker_main, side, ns, host or "127.0.0.1")
+        for side in ("producer", "consumer"):
+            children.recv(side, 120)
+        for side in ("producer", "consumer"):
             self.call(side, "options", self.options)
 
     def close(self) -> None:
-        for conn in self._conns.values():
-            with contextlib.suppress(OSError):
-                conn.send(("stop", None))
-        for proc in self._procs.values():
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self._conns.values():
-            conn.close()
-        self._procs, self._conns = {}, {}
+        self._children.close()
 
     def restart(self) -> None:
         self.close()
         self.start()
 
     def _recv(self, side: str, timeout: float | None = None) -> Any:
-        conn = self._conns[side]
-        limit = self.timeout_s if timeout is None else timeout
-        if not conn.poll(limit):
-            raise BenchError(f"the {side} process did not answer within {limit:g}s", dead=True)
-        try:
-            status, value = conn.recv()
-        except (EOFError, OSError):
-            code = self._procs[side].exitcode
-            raise BenchError(f"the {side} process exited (status {code})", dead=True) from None
-        if status != "ok":
-            raise BenchError(f"{side}: {value}")
-        return value
+        return self._children.recv(side, timeout)
 
     def _send(self, side: str, cmd: str, payload: Any = None) -> None:
-        try:
-            self._conns[side].send((cmd, payload))
-        except OSError as exc:
-            raise BenchError(f"the {side} process is gone: {exc}", dead=True) from None
+        self._children.send(side, cmd, payload)
 
     def call(self, side: str, cmd: str, payload: Any = None) -> Any:
-        self._send(side, cmd, payload)
-        return self._recv(side)
+        return self._children.call(side, cmd, payload)
 
     # -- cases --------------------------------------------------------------------------
     def run(self, cases: Sequence[bc.Case], on_result: Callable[[dict[str, Any]], None]) -> None:
@@ -242,7 +198,7 @@ class Runner:
         finally:
             for side in ("producer", "consumer"):
                 with contextlib.suppress(BenchError):
-                    if self._procs[side].is_alive():
+                    if self._children.alive(side):
                         self.call(side, "close_agents")
 
     # one transfer of each kind -----------------------------------------------------------

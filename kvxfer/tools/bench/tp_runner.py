@@ -13,23 +13,20 @@ verified per (layer, K/V, head, block, token) and kept out of the medians.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import multiprocessing as mp
 import random
 import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.tp_cases as tc
-from kvxfer.tools.bench.runner import BenchError
+from kvxfer.tools.bench.procs import BenchError, Children
 from kvxfer.tools.bench.tp_worker import tp_worker_main
 
 __all__ = ["TPRunner", "main_tp", "plan_tp_cases"]
@@ -40,57 +37,24 @@ class TPRunner:
 
     def __init__(self, *, reps: int, timeout_s: float) -> None:
         self.reps, self.timeout_s = reps, timeout_s
-        self._procs: dict[str, Any] = {}
-        self._conns: dict[str, Connection] = {}
+        self._children = Children(timeout_s)
         self._rid = itertools.count()
 
     # -- processes ----------------------------------------------------------------------
     def _start(self, names: Sequence[str]) -> None:
-        ctx = mp.get_context("spawn")
         for name in names:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=tp_worker_main, args=(child,), name=f"kvxfer-bench-{name}", daemon=True
-            )
-            proc.start()
-            child.close()
-            self._procs[name], self._conns[name] = proc, parent
+            self._children.start(name, tp_worker_main)
         for name in names:
-            self._recv(name, 120)
+            self._children.recv(name, 120)
 
     def _close(self) -> None:
-        for conn in self._conns.values():
-            with contextlib.suppress(OSError):
-                conn.send(("stop", None))
-        for proc in self._procs.values():
-            proc.join(20)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in self._conns.values():
-            conn.close()
-        self._procs, self._conns = {}, {}
+        self._children.close()
 
     def _recv(self, name: str, timeout: float | None = None) -> Any:
-        conn = self._conns[name]
-        limit = self.timeout_s if timeout is None else timeout
-        if not conn.poll(limit):
-            raise BenchError(f"{name} did not answer within {limit:g}s", dead=True)
-        try:
-            status, value = conn.recv()
-        except (EOFError, OSError):
-            code = self._procs[name].exitcode
-            raise BenchError(f"{name} exited (status {code})", dead=True) from None
-        if status != "ok":
-            raise BenchError(f"{name}: {value}")
-        return value
+        return self._children.recv(name, timeout)
 
     def call(self, name: str, cmd: str, payload: Any = None) -> Any:
-        try:
-            self._conns[name].send((cmd, payload))
-        except OSError as exc:
-            raise BenchError(f"{name} is gone: {exc}", dead=True) from None
-        return self._recv(name)
+        return self._children.call(name, cmd, payload)
 
     # -- one case -----------------------------------------------------------------------
     def run(self, case: tc.TPCase) -> dict[str, Any]:
