@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["BenchError", "Children"]
+__all__ = ["BenchError", "Children", "serve_commands"]
 
 
 class BenchError(RuntimeError):
@@ -94,3 +95,35 @@ class Children:
         for conn in self._conns.values():
             conn.close()
         self._procs, self._conns = {}, {}
+
+
+Handler = Callable[[Any], Any]
+
+
+def serve_commands(
+    conn: Connection,
+    handler_for: Callable[[str], Handler | None],
+    before: Callable[[str, Any], Any] | None = None,
+) -> None:
+    """A child's side of :class:`Children`: say it is ready, then answer each command
+    with its handler's value (``("ok", value)``) or the error (``("error", text)``)
+    until "stop" or the parent goes away. ``before(cmd, payload)`` runs first and
+    returns the payload the handler gets (a conversion, a pause of a poller)."""
+    conn.send(("ok", "ready"))
+    while True:
+        try:
+            cmd, payload = conn.recv()
+        except EOFError:
+            return
+        if cmd == "stop":
+            return
+        handler = handler_for(cmd)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown bench command {cmd!r}")
+            if before is not None:
+                payload = before(cmd, payload)
+            conn.send(("ok", handler(payload)))
+        except Exception as exc:
+            detail = traceback.format_exc(limit=4)
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{detail}"))

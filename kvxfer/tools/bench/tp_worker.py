@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,6 +27,7 @@ import numpy.typing as npt
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.data import MemcpyBench
 from kvxfer.tools.bench.measure import DONE_NOTICE
+from kvxfer.tools.bench.procs import serve_commands
 from kvxfer.tools.bench.raw_nixl import RawNixl
 from kvxfer.tools.bench.tp_cases import TPCase
 
@@ -304,27 +304,16 @@ def tp_worker_main(conn: Connection) -> None:
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ok", "ready"))
+
+    def before(cmd: str, payload: Any) -> Any:
+        if cmd in _KVXFER_TURN:
+            raw.pause()
+        else:
+            raw.resume()
+        return payload
+
     try:
-        while True:
-            try:
-                cmd, payload = conn.recv()
-            except EOFError:
-                break
-            if cmd == "stop":
-                break
-            handler = getattr(proc, f"cmd_{cmd}", None)
-            try:
-                if handler is None:
-                    raise ValueError(f"unknown bench command {cmd!r}")
-                if cmd in _KVXFER_TURN:
-                    raw.pause()
-                else:
-                    raw.resume()
-                conn.send(("ok", handler(payload)))
-            except Exception as exc:
-                detail = traceback.format_exc(limit=4)
-                conn.send(("error", f"{type(exc).__name__}: {exc}\n{detail}"))
+        serve_commands(conn, lambda cmd: getattr(proc, f"cmd_{cmd}", None), before)
     finally:
         try:
             proc.close()

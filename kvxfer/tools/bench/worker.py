@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.data import MemcpyBench, fill_regions
 from kvxfer.tools.bench.measure import Measure
+from kvxfer.tools.bench.procs import serve_commands
 from kvxfer.tools.bench.side import BenchSide
 
 __all__ = ["Worker", "worker_main"]
@@ -346,29 +346,19 @@ def worker_main(conn: Connection, side: str, netns: str | None, host: str) -> No
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ok", "ready"))
+
+    def handler_for(cmd: str) -> Any:
+        return getattr(worker, f"cmd_{cmd}", None) or getattr(measure, f"cmd_{cmd}", None)
+
+    def before(cmd: str, payload: Any) -> Any:
+        if cmd in _KVXFER_TRANSFER:
+            state.raw.pause()  # until this process's next other command
+        else:
+            state.raw.resume()
+        return msgspec.convert(payload, bc.Case) if cmd in ("cache", "agents") else payload
+
     try:
-        while True:
-            try:
-                cmd, payload = conn.recv()
-            except EOFError:
-                break
-            if cmd == "stop":
-                break
-            handler = getattr(worker, f"cmd_{cmd}", None) or getattr(measure, f"cmd_{cmd}", None)
-            try:
-                if handler is None:
-                    raise ValueError(f"unknown bench command {cmd!r}")
-                if cmd in ("cache", "agents"):
-                    payload = msgspec.convert(payload, bc.Case)
-                if cmd in _KVXFER_TRANSFER:
-                    state.raw.pause()  # until this process's next other command
-                else:
-                    state.raw.resume()
-                conn.send(("ok", handler(payload)))
-            except Exception as exc:
-                detail = traceback.format_exc(limit=4)
-                conn.send(("error", f"{type(exc).__name__}: {exc}\n{detail}"))
+        serve_commands(conn, handler_for, before)
     finally:
         try:
             worker.cmd_close_cache(None)
