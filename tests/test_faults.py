@@ -23,6 +23,7 @@ import pytest
 import zmq
 
 from kvxfer import wire
+from kvxfer.agent import Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError
@@ -210,6 +211,20 @@ def test_a_caller_minted_guard_whose_slot_is_taken_fails_closed(
     assert ok.state is TransferState.DONE and landed_intact(consumer, [5], [1])
 
 
+def _minted_before_hold(
+    producer: Side, request_id: str, capability: str, slot: int, generation: int
+) -> Ticket:
+    """A ticket of blocks 1-2 as the vLLM scheduler mints it, before the worker's hold."""
+    return replace(
+        stub(producer, request_id),
+        block_ids=((1, 2),),
+        num_tokens=2 * BLOCK,
+        capability=capability,
+        guard_slot=slot,
+        generation=generation,
+    )
+
+
 def test_a_pull_of_a_ticket_minted_before_its_hold_waits_for_the_hold(
     pull: tuple[Side, Engine, Side],
 ) -> None:
@@ -218,14 +233,7 @@ def test_a_pull_of_a_ticket_minted_before_its_hold_waits_for_the_hold(
     is not the ticket's yet is read again, data and word, and the pull is DONE once
     the hold is in place, with the producer's bytes."""
     producer, engine, consumer = pull
-    ticket = replace(
-        stub(producer, "early"),
-        block_ids=((1, 2),),
-        num_tokens=2 * BLOCK,
-        capability="cc" * 16,
-        guard_slot=7,
-        generation=0xABC,
-    )
+    ticket = _minted_before_hold(producer, "early", "cc" * 16, 7, 0xABC)
     t = consumer.agent.pull(ticket, [5, 6])
     time.sleep(0.03)  # the read (and its first guard read) before the hold
     engine.hold("early", [1, 2], capability="cc" * 16, guard=(7, 0xABC))
@@ -244,14 +252,7 @@ def test_a_hold_that_comes_seconds_after_its_ticket_still_serves_the_pull(
     waits for the hold, bounded by its deadline, not by a count of re-reads, reading
     only the 8-byte word meanwhile (not the request's data again and again)."""
     producer, engine, consumer = pull
-    ticket = replace(
-        stub(producer, "late"),
-        block_ids=((1, 2),),
-        num_tokens=2 * BLOCK,
-        capability="dd" * 16,
-        guard_slot=9,
-        generation=0xBEEF,
-    )
+    ticket = _minted_before_hold(producer, "late", "dd" * 16, 9, 0xBEEF)
     t = consumer.agent.pull(ticket, [5, 6])
     t0 = time.monotonic()
     while time.monotonic() - t0 < 2.0:  # the hold comes 2 s late

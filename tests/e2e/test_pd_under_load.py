@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,42 @@ def _post(url: str, prompt: str) -> tuple[int, list[int]]:
         return err.code, []
 
 
+def _load(
+    url: str,
+    prompts: list[str],
+    *,
+    join_s: float,
+    on_done: Callable[[int], None] | None = None,
+) -> list[tuple[str, int, list[int], float, float]]:
+    """Post every prompt from CONCURRENCY client threads; per request (prompt, status,
+    tokens, start, end). ``on_done(n)`` runs (under the results lock) after the n-th."""
+    results: list[tuple[str, int, list[int], float, float]] = []
+    lock = threading.Lock()
+    todo = iter(prompts)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                prompt = next(todo, None)
+            if prompt is None:
+                return
+            t0 = time.monotonic()
+            status, got = _post(url, prompt)
+            t1 = time.monotonic()
+            with lock:
+                results.append((prompt, status, got, t0, t1))
+                if on_done is not None:
+                    on_done(len(results))
+
+    threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=join_s)
+    assert not any(t.is_alive() for t in threads), f"requests still running after {join_s} s"
+    return results
+
+
 def test_prefill_killed_under_load_fails_fast_and_never_wrong(
     doomed: VllmServer, pull_pair: PDPair, unified_server: VllmServer
 ) -> None:
@@ -83,33 +119,15 @@ def test_prefill_killed_under_load_fails_fast_and_never_wrong(
     )
     names = list(PROMPTS)
     prompts = [f"Load {i}: {PROMPTS[names[i % len(names)]]}" for i in range(REQUESTS)]
-    results: list[tuple[str, int, list[int], float, float]] = []
-    lock = threading.Lock()
-    todo = iter(prompts)
     killed_at: list[float] = []
 
-    def worker() -> None:
-        while True:
-            with lock:
-                prompt = next(todo, None)
-            if prompt is None:
-                return
-            t0 = time.monotonic()
-            status, got = _post(url, prompt)
-            t1 = time.monotonic()
-            with lock:
-                results.append((prompt, status, got, t0, t1))
-                if len(results) == KILL_AFTER and not killed_at:
-                    killed_at.append(time.monotonic())
-                    doomed.kill()  # the server and its engine, mid-load
+    def kill_after(done: int) -> None:
+        if done == KILL_AFTER and not killed_at:
+            killed_at.append(time.monotonic())
+            doomed.kill()  # the server and its engine, mid-load
 
     try:
-        threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not any(t.is_alive() for t in threads), "requests still running after 300 s"
+        results = _load(url, prompts, join_s=300, on_done=kill_after)
         assert killed_at and len(results) == REQUESTS
         # The proxy takes the dead instance out within its health checks: requests sent
         # well after the kill are answered (decode-only), each with its own output.
@@ -162,27 +180,8 @@ def test_a_steady_load_through_the_proxy_ends_with_no_error(
         short_prompt_tokens=0,  # every request through P/D
     )
     prompts = [_steady_prompt(i % STEADY_PROMPTS) for i in range(STEADY_REQUESTS)]
-    results: list[tuple[str, int, list[int]]] = []
-    lock = threading.Lock()
-    todo = iter(prompts)
-
-    def worker() -> None:
-        while True:
-            with lock:
-                prompt = next(todo, None)
-            if prompt is None:
-                return
-            status, got = _post(url, prompt)
-            with lock:
-                results.append((prompt, status, got))
-
     try:
-        threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=600)
-        assert not any(t.is_alive() for t in threads), "requests still running after 600 s"
+        results = [(p, s, got) for p, s, got, _, _ in _load(url, prompts, join_s=600)]
     finally:
         stop()
     failed = [(p[:20], s) for p, s, _ in results if s != 200]
