@@ -46,7 +46,9 @@ from .servers import HttpError, VllmServer, start_server
 from .sidecar import PREFILL_HEADER
 from .test_unified_baseline import PROMPTS
 
-pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+# Three engines start with the first test of each mode (~30 s on a quiet host, ~110 s
+# seen on a loaded one); the link-down test can wait for the link's return.
+pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.timeout(600)]
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
 TIMEOUT_S = float(PD_EXTRA["transfer_timeout_s"])
@@ -72,7 +74,7 @@ def site(
     unified32: VllmServer,
 ) -> Iterator[Site]:
     mode = str(request.param)
-    with two_hosts("h" + mode[1]) as hosts:
+    with two_hosts({"pull": "hl", "push": "hs"}[mode]) as hosts:
         s = start_site(mode, tiny_model_dir, e2e_log_dir, hosts, also_wait=[unified32])
         try:
             # One-off costs (first handshake, UCX wire-up, kernel selection) first.
