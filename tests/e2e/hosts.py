@@ -36,6 +36,9 @@ SIDE_CHANNEL_PORT = 5600  # llm-d's
 PREFILL_PORT = 8000
 DECODE_PORT = 8200
 SIDECAR_PORT = 8000
+#: The engines' ``transfer_timeout_s``: twice the other e2e pairs' 10 s, as a shaped veth
+#: and a loaded host make a load under concurrency take several seconds (7.4 s seen).
+TRANSFER_TIMEOUT_S = 20
 #: Float32 (the test bed's float32 tiny model): AVX2-only hosts have no bf16 kernels.
 DTYPE_ARGS = ("--dtype", "float32")
 
@@ -207,7 +210,9 @@ def start_site(
                 log_dir,
                 port=PREFILL_PORT,
                 extra_args=extra_args,
-                kv_transfer_config=kv_config("kv_producer", mode),
+                kv_transfer_config=kv_config(
+                    "kv_producer", mode, extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S}
+                ),
                 env=_engine_env(hosts.prefill_addr),
                 wait=False,
                 netns=hosts.prefill_ns,
@@ -221,7 +226,9 @@ def start_site(
                 log_dir,
                 port=DECODE_PORT,
                 extra_args=extra_args,
-                kv_transfer_config=kv_config("kv_consumer", mode),
+                kv_transfer_config=kv_config(
+                    "kv_consumer", mode, extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S}
+                ),
                 env=_engine_env(hosts.decode_addr),
                 wait=False,
                 netns=hosts.decode_ns,

@@ -15,7 +15,7 @@ against a unified float32 instance on the test host:
 - the link taken down mid-transfer (bytes already crossing a veth shaped to a few
   Mbit/s) fails that request with an HTTP error within ``transfer_timeout_s``; decode
   keeps serving; with the link back up the next request through the sidecar succeeds,
-  nothing restarted;
+  nothing restarted (pull: a strict expected failure on main, it waits for the link);
 - clients that hang up while their KV moves, interleaved with normal requests at
   concurrency 8 for a bounded time: every completed request equals unified, none
   hangs, and decode's ``vllm:kvxfer_quarantined`` is back at 0.
@@ -40,8 +40,15 @@ from typing import Any
 import pytest
 
 from . import netns_http
-from .hosts import DTYPE_ARGS, Site, start_site, through_sidecar, two_hosts
-from .pd import MAX_TOKENS, PD_EXTRA, decode, prefill, prompt_ids, reference
+from .hosts import (
+    DTYPE_ARGS,
+    TRANSFER_TIMEOUT_S,
+    Site,
+    start_site,
+    through_sidecar,
+    two_hosts,
+)
+from .pd import MAX_TOKENS, decode, prefill, prompt_ids, reference
 from .servers import HttpError, VllmServer, start_server
 from .sidecar import PREFILL_HEADER
 from .test_unified_baseline import PROMPTS
@@ -51,7 +58,7 @@ from .test_unified_baseline import PROMPTS
 pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.timeout(600)]
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
-TIMEOUT_S = float(PD_EXTRA["transfer_timeout_s"])
+TIMEOUT_S = float(TRANSFER_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +187,9 @@ PULL_HANGS_WHILE_THE_LINK_IS_DOWN = pytest.mark.xfail(
 def test_link_down_mid_transfer_fails_in_time_and_recovers(
     site: Site, unified32: VllmServer, request: pytest.FixtureRequest
 ) -> None:
+    # Push passes, but too early for the right reason: decode takes the producer's
+    # unreachable side channel for a dead producer and settles the load while the write
+    # is in flight (tests/test_link_down_proc.py shows the late bytes at Agent level).
     if site.mode == "pull":
         request.applymarker(PULL_HANGS_WHILE_THE_LINK_IS_DOWN)
     hosts, d = site.hosts, site.decode
@@ -255,7 +265,11 @@ def test_link_down_mid_transfer_fails_in_time_and_recovers(
         raise FailedLate(f"the request failed {took:.1f} s after the link went down")
 
 
-def _wait_quarantine_empty(d: VllmServer, timeout_s: float = 60.0) -> float:
+def _wait_quarantine_empty(d: VllmServer, timeout_s: float = 90.0) -> float:
+    """Seconds until decode holds no quarantined load. A push reception waits for its
+    producer's word; an aborted one whose release did not reach the producer waits for
+    the producer's lease to expire (30 s): 37.5 s after the load was seen on a loaded
+    host."""
     t0 = time.monotonic()
     while d.metric("vllm:kvxfer_quarantined") != 0:
         assert time.monotonic() - t0 < timeout_s, "transfers still quarantined"
@@ -343,7 +357,7 @@ def test_clients_hanging_up_while_kv_moves(site: Site, unified32: VllmServer) ->
                 done.append((prompt, got, time.monotonic() - t0))
 
     t_start = time.monotonic()
-    with hosts.shaped("8mbit"):
+    with hosts.shaped("16mbit"):
         threads = [
             threading.Thread(target=worker, args=(t_start + SOAK_S,)) for _ in range(CONCURRENCY)
         ]
