@@ -210,6 +210,22 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
                     local,
                     sentinel,
                 )
+            elif cmd == "final_and_reuse":
+                # An engine that waits for the transfer to be final and at once gives its
+                # blocks to another request (a sentinel), as vLLM does after finished_recving.
+                rid, local, sentinel, timeout = args
+                t = transfers[rid]
+                t0 = time.monotonic()
+                while not t.done and time.monotonic() - t0 < timeout:
+                    t.poll()
+                    time.sleep(0.0005)
+                for r in cache.regions:
+                    r[list(local)] = sentinel
+                value = {
+                    "state": t.state.value,
+                    "final_s": time.monotonic() - t0,
+                    "failure": t.stats.failure.value if t.stats.failure else None,
+                }
             elif cmd == "changed":
                 # elements of the listed blocks that are not the sentinel any more
                 local, sentinel = args

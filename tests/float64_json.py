@@ -14,12 +14,43 @@ import json
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["as_float64", "float64_router", "numbers"]
+__all__ = ["as_float64", "float64_router", "go_marshal", "numbers", "parse_float64"]
 
 
 def as_float64(doc: Any) -> Any:
     """``doc`` as a float64 parser holds it: every JSON number a Python float."""
     return json.loads(json.dumps(doc), parse_int=float, parse_float=float)
+
+
+def parse_float64(text: str | bytes) -> Any:
+    """Parse JSON as Go's ``encoding/json`` does into ``any``: every number a float64."""
+    return json.loads(text, parse_int=float, parse_float=float)
+
+
+_GO_ESCAPES = (
+    ("<", "\\u003c"),
+    (">", "\\u003e"),
+    ("&", "\\u0026"),
+    ("\u2028", "\\u2028"),
+    ("\u2029", "\\u2029"),
+)
+
+
+def go_marshal(doc: Any) -> bytes:
+    """``doc`` (as :func:`parse_float64` gives it) written as Go's ``json.Marshal``
+    writes a ``map[string]any``: keys sorted, no spaces, float64 values without a
+    fraction when integral (below 1e21), UTF-8 as is, and ``<``, ``>``, ``&``, U+2028
+    and U+2029 escaped (those characters occur only inside strings)."""
+    text = json.dumps(
+        _as_written(doc),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+    for char, escaped in _GO_ESCAPES:
+        text = text.replace(char, escaped)
+    return text.encode()
 
 
 def float64_router(doc: Any) -> Any:

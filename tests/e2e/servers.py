@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .netns_http import urlopen
+
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,10 +137,18 @@ class VllmServer:
     proc: subprocess.Popen[bytes]
     started_at: float
     ready_s: float | None = None
+    #: The address its clients use, and the network namespace ("host") it runs in:
+    #: the tests' HTTP to it is made from inside that namespace (tests/e2e/netns_http.py).
+    host: str = "127.0.0.1"
+    netns: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    def open(self, req: urllib.request.Request, timeout: float) -> Any:
+        """``urlopen`` as a client next to the server (inside its namespace, if any)."""
+        return urlopen(self.netns, req, timeout)
 
     @property
     def pid(self) -> int:
@@ -187,7 +197,7 @@ class VllmServer:
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
         req = urllib.request.Request(self.url + path, method="GET")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with self.open(req, timeout=timeout) as resp:
                 return int(resp.status), resp.read()
         except urllib.error.HTTPError as e:
             return int(e.code), e.read()
@@ -207,7 +217,7 @@ class VllmServer:
             headers={"Content-Type": "application/json", **(headers or {})},
         )
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with self.open(req, timeout=timeout) as resp:
                 out: dict[str, Any] = json.loads(resp.read())
                 return out
         except urllib.error.HTTPError as e:
@@ -251,7 +261,7 @@ class VllmServer:
         t0 = time.perf_counter()
         first: float | None = None
         chunks = 0
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with self.open(req, timeout=timeout) as resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -410,6 +420,12 @@ def _stop_all() -> None:
         server.stop(grace_s=3.0)
 
 
+def adopt(server: VllmServer) -> VllmServer:
+    """Stop ``server`` (any process made like these) at interpreter exit if still up."""
+    _LIVE.add(server)
+    return server
+
+
 def start_server(
     name: str,
     model: str | Path,
@@ -422,8 +438,14 @@ def start_server(
     kv_transfer_config: Mapping[str, Any] | None = None,
     wait: bool = True,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    netns: str | None = None,
+    host: str = "127.0.0.1",
 ) -> VllmServer:
     """Spawn a server on a free port (or ``port``) and, by default, wait for health.
+
+    ``netns``: run it inside that network namespace (``ip netns exec``, which also
+    gives it that namespace's ``/sys``, so UCX sees only its devices), listening on
+    ``host`` (``0.0.0.0``: every address of the namespace, as in a pod).
 
     ``env`` is layered over the current environment and :data:`BASE_ENV`; pass
     ``VLLM_NIXL_SIDE_CHANNEL_PORT`` etc. there. ``block_size=None`` keeps vLLM's
@@ -436,6 +458,7 @@ def start_server(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     args = [
+        *(["ip", "netns", "exec", netns] if netns else []),
         sys.executable,
         "-m",
         SERVER_MODULE,
@@ -447,6 +470,7 @@ def start_server(
         str(port),
         *BASE_ARGS,
     ]
+    args[args.index("--host") + 1] = host
     if block_size is not None:
         args += ["--block-size", str(block_size)]
     if kv_transfer_config is not None:
@@ -479,6 +503,8 @@ def start_server(
         log_path=log_path,
         proc=proc,
         started_at=time.monotonic(),
+        host="127.0.0.1" if host == "0.0.0.0" else host,
+        netns=netns,
     )
     _LIVE.add(server)
     if wait:
