@@ -304,8 +304,17 @@ class AgentBackend(Backend):
             if prepared is None or agent is None:
                 return
             for handle, (xfer, owner) in list(self._xfers.items()):
-                if owner == peer:
+                if owner != peer:
+                    continue
+                try:
+                    in_flight = agent.state(xfer) is XferStatus.PENDING
+                except Exception:  # failed: nothing of it moves any more
+                    in_flight = False
+                if not in_flight:
                     self._release_locked(handle, xfer)
+                # A transfer still in flight stays known: its handle holds the
+                # connection, and status()/cancel() must keep saying whether its bytes
+                # can still land (R-SAFE-5) until it ends.
             guard = self._peer_guards.pop(peer, None)
             if guard is not None:
                 self._quietly(

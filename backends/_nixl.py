@@ -71,6 +71,10 @@ __all__ = [
 ]
 
 
+#: UCX's TCP keepalive for kvxfer's agents (see :func:`import_nixl`).
+_UCX_TCP_KEEPALIVE = {"UCX_TCP_KEEPIDLE": "2s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "3"}
+
+
 def import_nixl() -> Any:
     """Import NIXL's Python API: ``(nixl_agent, nixl_agent_config)``.
 
@@ -81,6 +85,14 @@ def import_nixl() -> Any:
     # noise in an engine's output. Warnings and errors stay; a NIXL_LOG_LEVEL the
     # user set wins. Read by NIXL's Python logger and its C++ library at import.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    # UCX over TCP (hosts without RDMA) notices a dead link only by TCP keepalive, which
+    # the kernel's defaults start after 2 hours: a READ or WRITE in flight when a link
+    # went down then never ended while it stayed down, and its blocks stayed quarantined
+    # (R-SAFE-5). These make UCX fail the endpoint ~4-10 s after the link went quiet
+    # (measured across two network namespaces); RDMA transports are unaffected, and a
+    # value the operator set wins.
+    for key, value in _UCX_TCP_KEEPALIVE.items():
+        os.environ.setdefault(key, value)
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:

@@ -105,6 +105,16 @@ class PeerCache:
             peer = self._peers.get(key)
             if peer is not None and self._fresh(peer, expected_engine_id, incarnation):
                 return peer
+            if peer is not None and peer.suspect:
+                # A transfer to it failed: its transport connection may be dead for
+                # good (NIXL keeps a disconnected agent disconnected), so the handshake
+                # below connects anew instead of reusing it.
+                with self._lock:
+                    self._peers.pop(key, None)
+                try:
+                    self._backend.remove_peer(peer.handle)
+                except KvxferError as exc:
+                    log.debug("removing suspect %r: %s", peer, exc)
             new = self._handshake(host, int(port), expected_engine_id)
             if incarnation is not None and new.incarnation != incarnation:
                 # The ticket was issued by an earlier life of this producer: its blocks

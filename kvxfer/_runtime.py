@@ -70,6 +70,10 @@ RECEPTION_TICK_S = 0.005
 IDLE_NAP_S = 0.05
 
 
+#: Failures after which a transfer's peer is handshaken anew before its next use.
+_SUSPECT_KINDS = frozenset({FailureKind.PEER_GONE, FailureKind.TRANSPORT, FailureKind.TIMEOUT})
+
+
 class ProbeVerdicts:
     """What the liveness probes (:mod:`kvxfer._liveness`) settle transfers through.
 
@@ -294,6 +298,12 @@ class Runtime:
                 meta.doomed_at = time.monotonic()
                 release, meta.release = meta.release, None
                 why = f"{where.value}: {err}"
+                if kind in _SUSPECT_KINDS:
+                    # Its connection may be dead for good: the next use handshakes
+                    # and connects anew (kvxfer._peers).
+                    for peer in (meta.peer, meta.push_peer):
+                        if peer is not None:
+                            self._peers.mark_suspect(peer)
         if release is not None and not self.closed:
             release(why)
         self._finish(transfer)
