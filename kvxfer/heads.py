@@ -574,21 +574,24 @@ def _slice_error(
     remote: KVLayout,
 ) -> ConfigError:
     wide = local if len(mine) > len(theirs) else remote
-    if wide.kv_layout == "NHD":
+    if wide.kv_layout not in HEAD_MAJOR_LAYOUTS:
         cost = (
-            f"a head slice of a token-major (NHD) block is strided: {wide.tokens_per_desc} "
-            "descriptors per block per region instead of one"
+            f"a head slice of a token-major ({wide.kv_layout}) block is strided: "
+            f"{wide.tokens_per_desc} descriptors per block per region instead of one, "
+            "so the pairing cannot cut it; use a head-major (HND) cache or"
         )
     else:
         cost = (
-            f"a head slice of a {wide.kv_layout} block is not a descriptor of the registered table"
+            f"a head slice of a {wide.kv_layout} block is not a descriptor of these tables: "
+            "cut them first (split_heads to pairing_heads, as kvxfer's agents do when "
+            "they pair), or"
         )
     return ConfigError(
         "kv_layout",
         wide.kv_layout,
         f"consumer regions[{i}] (layer {layer} {part.name}) holds heads "
         f"[{mine.start}, {mine.stop}) but producer rank {rank} holds them in regions of heads "
-        f"[{theirs.start}, {theirs.stop}) (or across ranks): {cost}; describe both caches "
-        "one region per (layer, K/V, head) with Region.head (from an HND cache, as vLLM's "
-        "own connector asks for across TP sizes)",
+        f"[{theirs.start}, {theirs.stop}) (or across ranks): {cost} describe both caches "
+        "one region per (layer, K/V, head) with Region.head (vLLM's own connector asks for "
+        "an HND cache across TP sizes)",
     )
