@@ -14,6 +14,7 @@ from kvxfer.errors import RegistrationError
 from kvxfer.heads import heads_per_region
 from kvxfer.layout import KVLayout
 from kvxfer.tp_plan import HeadSection
+from kvxfer.types import Direction, Role
 
 __all__ = ["LocalEnd"]
 
@@ -72,6 +73,15 @@ class LocalEnd:
             rails=config.rails,
             tp=config.tp,
         )
+
+    @property
+    def posts(self) -> bool:
+        """Whether this agent posts transfers (a pull's consumer, a push's producer,
+        either as ``kv_both``): only such a side plans against its peers' tables."""
+        config = self.config
+        if config.direction is Direction.PULL:
+            return config.role is not Role.PRODUCER
+        return config.role is not Role.CONSUMER
 
     def posting_table(self, peer_heads: int) -> tuple[DescriptorTable, int]:
         """The table this agent posts from against a peer table whose regions hold

@@ -198,7 +198,8 @@ class PeerCache:
         names why it cannot pair."""
         config, layout = self._local.config, info.layout
         mine, theirs, own = config.tp, info.tp, self._local.exposed_layout
-        if mine is None or theirs is None or own is None:
+        if mine is None or theirs is None or own is None or not self._local.posts:
+            # A side that never posts (a push's consumer registering) plans nothing.
             return DescriptorTable.build(layout, config.plan)
         if mine.heads.tp_size == theirs.heads.tp_size:
             return DescriptorTable.build(layout, config.plan)

@@ -84,7 +84,7 @@ from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
 from kvxfer.tp_plan import HeadSection, head_section, prepared_rows
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
-from kvxfer.types import Direction, Role
+from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 
@@ -318,13 +318,8 @@ class Agent:
         other side's table is cut by its peer at the handshake, from its layout. A
         cut the table's options refuse (chunks or window granules of a head-major
         cache) leaves none, and such pairs are refused by name when they plan."""
-        tp, config = self.config.tp, self.config
-        posts = (
-            config.role is not Role.PRODUCER
-            if config.direction is Direction.PULL
-            else config.role is not Role.CONSUMER
-        )
-        if tp is None or not posts or not self.backend.capabilities.head_sections:
+        tp = self.config.tp
+        if tp is None or not self._local.posts or not self.backend.capabilities.head_sections:
             return None
         try:
             return head_section(table, tp.heads, tp.rank)
