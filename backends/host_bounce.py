@@ -223,6 +223,8 @@ class HostBounceBackend(Backend):
         self._staging_mem: ByteArray | None = None
         self._staging: list[ByteArray] = []
         self._engine_views: list[ByteArray] | None = None
+        # Regions past the layout's: slices (region, lo, hi) of its blocks' bytes.
+        self._pieces: list[tuple[int, int, int]] = []
         self._copier = Copier(self._copy_region, threads)
         self._jobs: dict[XferHandle, Pipelined] = {}
         self._job_ids = itertools.count(-1, -1)  # the transport's handles are positive
@@ -238,6 +240,9 @@ class HostBounceBackend(Backend):
             stages_through_host=True,
             merges_contiguous=self._transport.capabilities.merges_contiguous,
             guard=self._transport.capabilities.guard,
+            # A piece of a block is a slice of its staging copy; the engine's copy op
+            # copies whole regions.
+            head_sections=self._copy_op is None,
         )
 
     @property
@@ -295,7 +300,54 @@ class HostBounceBackend(Backend):
             return exposed
 
     def prepare_local(self, table: DescriptorTable) -> None:
+        with self._lock:
+            staged = self._engine is not None and self._engine_views is not None
+            if staged and self._staging_mem is not None:
+                self._pieces = self._head_pieces(table)
+            elif len(table) > len(table.layout.regions) * table.layout.num_blocks:
+                raise RegistrationError(
+                    "host bounce through the engine's copy op stages whole regions: "
+                    "a local table with a head section is not supported there"
+                )
         self._transport.prepare_local(table)
+
+    def _head_pieces(self, table: DescriptorTable) -> list[tuple[int, int, int]]:
+        """The rows past the whole-block table (a one-head section of each region,
+        :func:`kvxfer.tp_plan.prepared_rows`) as pieces ``(region, lo, hi)``: bytes
+        ``[lo, hi)`` of every block of a staging region, ``num_blocks`` rows each.
+        Staging copies a piece's bytes only: two producer ranks' reads into one
+        block land, and are copied in, side by side."""
+        assert self._engine is not None
+        nb, nregions = self._engine.num_blocks, len(self._engine.regions)
+        extra = len(table) - nb * nregions
+        if extra <= 0:
+            return []
+        if extra % nb:
+            raise RegistrationError(
+                f"host bounce: {extra} descriptors past the whole-block table are not "
+                f"whole blocks of {nb}"
+            )
+        bases = np.array([int(v.ctypes.data) for v in self._staging], dtype=np.uint64)
+        lens = np.array([v.shape[1] for v in self._staging], dtype=np.uint64)
+        rows = np.arange(nb * nregions, len(table)).reshape(-1, nb)
+        pieces = []
+        block = np.arange(nb, dtype=np.uint64)
+        for r in rows:
+            addr, length = table.addr[r], table.length[r]
+            i = int(np.searchsorted(bases, addr[0], side="right")) - 1
+            lo = int(addr[0] - bases[i]) if i >= 0 else -1
+            if (
+                i < 0
+                or lo + int(length[0]) > int(lens[i])
+                or not np.array_equal(addr, bases[i] + block * lens[i] + np.uint64(lo))
+                or not (length == length[0]).all()
+            ):
+                raise RegistrationError(
+                    f"host bounce: descriptor {int(r[0])} past the whole-block table is "
+                    "not a slice of every block of one staging region"
+                )
+            pieces.append((i, lo, lo + int(length[0])))
+        return pieces
 
     # -- staging --------------------------------------------------------------------
     def _tasks(
@@ -324,17 +376,24 @@ class HostBounceBackend(Backend):
     def _copy_region(self, direction: CopyDirection, task: CopyTask) -> None:
         """Copy one region's blocks (sorted, unique) between the engine and staging."""
         i, blocks = task
-        staging = self._staging[i] if i < len(self._staging) else None
+        lo, hi = 0, None
+        n = len(self._staging)
+        if i >= n and i - n < len(self._pieces):
+            i, lo, hi = self._pieces[i - n]  # one head's bytes of each block
+        staging = self._staging[i] if i < n else None
         if staging is None or self._engine is None:
             raise RegistrationError(f"stage {direction.value} after close")
         if self._copy_op is not None:
+            if hi is not None:
+                raise PlanError("host bounce through a copy op stages whole regions only")
             self._copy_op(direction, i, blocks, staging)
             return
         assert self._engine_views is not None
-        engine = self._engine_views[i]
+        engine = self._engine_views[i][:, lo:hi]
+        staging = staging[:, lo:hi]
         src, dst = (engine, staging) if direction is CopyDirection.OUT else (staging, engine)
         spans = _runs(blocks)
-        if len(spans) * _RUN_BYTES <= len(blocks) * self._engine.regions[i].block_len:
+        if len(spans) * _RUN_BYTES <= len(blocks) * staging.shape[1]:
             # Runs of consecutive blocks: one memcpy each, no temporary.
             for a, z in spans:
                 dst[a:z] = src[a:z]
@@ -375,8 +434,9 @@ class HostBounceBackend(Backend):
             raise PlanError(
                 f"{op.value}: {len(local_ids)} local but {len(remote_ids)} remote descriptor ids"
             )
+        nregions += len(self._pieces)  # a head section's pieces count as regions here
         if len(local_ids) and (local_ids.min() < 0 or local_ids.max() >= nb * nregions):
-            # Staging holds whole blocks only: any other descriptor is not ours.
+            # Staging holds whole blocks (or their head pieces): any other is not ours.
             raise PlanError(f"{op.value}: local descriptor ids outside the whole-block section")
         cuts = slice_ids(local_ids, nb, self._slices)
         tasks = []

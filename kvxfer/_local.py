@@ -11,7 +11,10 @@ from kvxfer import wire
 from kvxfer.agent_config import AgentConfig
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import RegistrationError
+from kvxfer.heads import heads_per_region
 from kvxfer.layout import KVLayout
+from kvxfer.tp_plan import HeadSection
+from kvxfer.types import Direction, Role
 
 __all__ = ["LocalEnd"]
 
@@ -27,6 +30,9 @@ class LocalEnd:
         layout: The layout as the engine described it (None until registered).
         exposed_layout: The layout peers address (the backend's view of ``layout``).
         table: The descriptor table of ``exposed_layout``.
+        heads: Its regions one head each, prepared after ``table`` (a posting side
+            whose regions hold several heads: pairs across TP sizes may need them),
+            else None.
         deferred: A layout kept until :meth:`Agent.complete_registration`.
     """
 
@@ -38,6 +44,7 @@ class LocalEnd:
         self.layout: KVLayout | None = None
         self.exposed_layout: KVLayout | None = None
         self.table: DescriptorTable | None = None
+        self.heads: HeadSection | None = None
         self.deferred: KVLayout | None = None
 
     def require_registered(self) -> tuple[DescriptorTable, KVLayout]:
@@ -66,3 +73,31 @@ class LocalEnd:
             rails=config.rails,
             tp=config.tp,
         )
+
+    @property
+    def posts(self) -> bool:
+        """Whether this agent posts transfers (a pull's consumer, a push's producer,
+        either as ``kv_both``): only such a side plans against its peers' tables."""
+        config = self.config
+        if config.direction is Direction.PULL:
+            return config.role is not Role.PRODUCER
+        return config.role is not Role.CONSUMER
+
+    def posting_table(self, peer_heads: int) -> tuple[DescriptorTable, int]:
+        """The table this agent posts from against a peer table whose regions hold
+        ``peer_heads`` heads each (across TP sizes), and where its ids start in the
+        prepared list: the one-head section when the peer's regions hold fewer heads
+        than ours (the peer's table was cut at the handshake to match it), else the
+        whole-block table.
+
+        Raises:
+            RegistrationError: nothing registered yet.
+            LayoutError: the layout disagrees with this agent's head layout.
+        """
+        table, _ = self.require_registered()
+        tp = self.config.tp
+        if tp is None or self.heads is None:
+            return table, 0
+        if peer_heads < heads_per_region(table.layout, tp.heads, tp.rank):
+            return self.heads.table, self.heads.offset
+        return table, 0

@@ -20,6 +20,7 @@ from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo
+from kvxfer.heads import heads_per_region, pairing_heads, split_heads
 from kvxfer.layout import KVLayout
 from kvxfer.rails import rails_for_transfer, shared_rails
 
@@ -174,7 +175,7 @@ class PeerCache:
         reply = self._client.request(host, port, initiator.hello())
         info = initiator.receive(reply)
         rails = self._rails(info, f"{host}:{port}")
-        table = DescriptorTable.build(info.layout, config.plan)
+        table = self._peer_table(info)
         handle = self._backend.add_peer(info.agent_metadata, table)
         if info.guard is not None and self._backend.capabilities.guard:
             try:
@@ -197,6 +198,30 @@ class PeerCache:
         peer = Peer(host, port, info, table, handle)
         peer.rails = rails
         return peer
+
+    def _peer_table(self, info: PeerInfo) -> DescriptorTable:
+        """The peer's descriptor table, derived from its layout. A peer of another TP
+        size holding more heads per region than this agent posts at is cut to that
+        (kvxfer.heads.pairing_heads): the same memory in narrower descriptors, so a
+        producer of any TP size needs no per-head setting of its own. A cut that
+        cannot be made (a token-major cache) leaves the table whole, and planning
+        names why it cannot pair."""
+        config, layout = self._local.config, info.layout
+        mine, theirs, own = config.tp, info.tp, self._local.exposed_layout
+        if mine is None or theirs is None or own is None or not self._local.posts:
+            # A side that never posts (a push's consumer registering) plans nothing.
+            return DescriptorTable.build(layout, config.plan)
+        if mine.heads.tp_size == theirs.heads.tp_size:
+            return DescriptorTable.build(layout, config.plan)
+        try:
+            have = heads_per_region(layout, theirs.heads, theirs.rank)
+            per = pairing_heads(heads_per_region(own, mine.heads, mine.rank), have)
+            if per < have:
+                cut = split_heads(layout, theirs.heads, theirs.rank, per)
+                return DescriptorTable.build(cut, config.plan)
+        except KvxferError as exc:
+            log.debug("%s: its table stays whole (%s)", info.engine_id, exc)
+        return DescriptorTable.build(layout, config.plan)
 
     def _rails(self, info: PeerInfo, address: str) -> tuple[str, ...]:
         """The rails a transfer to this peer uses (R-RAIL-3); () when either side has none."""

@@ -50,7 +50,7 @@ from kvxfer.errors import (
     LayoutError,
     TransferError,
 )
-from kvxfer.heads import HeadLayout, TPRank, reader_ranks, source_ranks
+from kvxfer.heads import HeadLayout, TPRank, heads_per_region, reader_ranks, source_ranks
 from kvxfer.ticket import Ticket
 from kvxfer.tp_plan import TPPlanner
 from kvxfer.transfer import FailureKind, Transfer, TransferState
@@ -286,7 +286,12 @@ class TPPuller:
         if planner is not None:
             return planner
         tp = self._tp()
-        table, _ = self._local.require_registered()
+        # The producer ranks' tables were cut at their handshakes to what this rank
+        # posts at (kvxfer._peers); ours is the whole table or its one-head section.
+        narrowest = min(
+            heads_per_region(peer.table.layout, job.producer, p) for p, peer in peers.items()
+        )
+        table, offset = self._local.posting_table(narrowest)
         salt = zlib.crc32(job.ticket.request_id.encode())
         planner = TPPlanner.build(
             table,
@@ -295,6 +300,7 @@ class TPPuller:
             remote_heads=job.producer,
             local_rank=tp.rank,
             salt=salt,
+            local_offset=offset,
         )
         with self._lock:
             if len(self._planners) >= _MAX_PLANNERS:

@@ -44,7 +44,7 @@ from kvxfer._runtime import Runtime
 from kvxfer._tp import TPPuller, rank_ticket
 from kvxfer.descriptors import Plan
 from kvxfer.errors import ConfigError
-from kvxfer.heads import source_ranks
+from kvxfer.heads import heads_per_region, source_ranks
 from kvxfer.ticket import Ticket
 from kvxfer.tp_plan import TPPlanner
 from kvxfer.transfer import Transfer, TransferState
@@ -107,7 +107,10 @@ class WritePlanner:
         with self._lock:
             planner = self._planners.get(key)
         if planner is None:
-            table, _ = self._local.require_registered()
+            # The consumer's table was cut at its handshake to what this rank posts
+            # at (kvxfer._peers); ours is the whole table or its one-head section.
+            cut = heads_per_region(peer.table.layout, theirs.heads, theirs.rank)
+            table, offset = self._local.posting_table(cut)
             planner = TPPlanner.build(
                 peer.table,
                 {mine.rank: table},
@@ -116,6 +119,7 @@ class WritePlanner:
                 local_rank=theirs.rank,
                 salt=salt,
                 only=(mine.rank,),
+                remote_offset=offset,
             )
             with self._lock:
                 if len(self._planners) >= _MAX_PLANNERS:

@@ -82,6 +82,7 @@ from kvxfer.heads import place_heads
 from kvxfer.layout import GroupKind, KVLayout, take_tensors
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
+from kvxfer.tp_plan import HeadSection, head_section, prepared_rows
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 from kvxfer.types import Direction
 
@@ -287,9 +288,11 @@ class Agent:
             words = self.backend.register_guard(GuardBook.slots_for(exposed.num_blocks))
             self._leases.guard = GuardBook(words)
         table = DescriptorTable.build(exposed, self.config.plan)
-        self.backend.prepare_local(table)
+        section = self._head_section(table)
+        self.backend.prepare_local(prepared_rows(table, section))
         local = self._local
         local.layout, local.exposed_layout, local.table = layout, exposed, table
+        local.heads = section
         shards = len({(r.device_id, r.shard) for r in exposed.regions})
         log.info(
             "%sregistered %d regions / %d shards, %d descriptors, %d blocks of %d tokens",
@@ -300,6 +303,29 @@ class Agent:
             exposed.num_blocks,
             exposed.block_size,
         )
+        if section is not None:
+            log.info(
+                "%salso prepared %d one-head descriptor(s) for peers of other TP sizes",
+                self._log_prefix,
+                len(section.table),
+            )
+
+    def _head_section(self, table: DescriptorTable) -> HeadSection | None:
+        """The one-head descriptors this agent posts from when a peer of another TP
+        size holds fewer heads per region than its own regions (kvxfer.tp_plan).
+
+        Only a side that posts needs them (a pull's consumer, a push's producer): the
+        other side's table is cut by its peer at the handshake, from its layout. A
+        cut the table's options refuse (chunks or window granules of a head-major
+        cache) leaves none, and such pairs are refused by name when they plan."""
+        tp = self.config.tp
+        if tp is None or not self._local.posts or not self.backend.capabilities.head_sections:
+            return None
+        try:
+            return head_section(table, tp.heads, tp.rank)
+        except KvxferError as exc:
+            log.info("%sno one-head descriptors for other TP sizes: %s", self._log_prefix, exc)
+            return None
 
     @property
     def registered(self) -> bool:

@@ -103,6 +103,11 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Posting merges descriptors contiguous on both sides into one transfer unit."""
     guard: bool = False
     """Registers a guard table and reads peers' guard words (fail-closed pulls)."""
+    head_sections: bool = True
+    """Takes a local table with more rows than its layout's (a one-head section after
+    the whole-block table, :func:`kvxfer.tp_plan.prepared_rows`) and posts any of its
+    ids; False leaves a posting agent without one, and pairs across TP sizes that
+    need it are refused by name."""
 
 
 class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -32,13 +32,25 @@ the matched regions per producer rank, builds ordinary plans
 the full tables (whole-block, chunk and window sections), so the ids index the tables
 the backend prepared.
 
-**Head slices are refused.** When the two sides' regions hold different head sets
+**Head slices are cut at pairing, never asked of the operator.** A head-major (HND)
+block holds each head's bytes contiguously, so a region of *k* heads is also *k*
+regions of one head (:func:`split_heads`: same memory, no new registration). Which cut
+a pair needs follows from the two layouts (:func:`pairing_heads`): each side is
+planned at the coarsest number of heads per region both sides share, so prefill TP1
+and decode TP2 of a model of 8 KV heads pair at 4 heads per region (the decode
+rank's whole region: as many descriptors as between equal TP sizes), and only the
+side that must be cut is. The consumer derives the producer's cut table from its
+layout at the handshake (kvxfer._peers); the side that posts (a pull's consumer, a
+push's producer) cannot prepare its own table per peer, so it prepares its regions
+one head each once, next to its whole-block table (kvxfer._local).
+
+**Strided head slices are refused.** When the two sides' regions hold different head sets
 (a consumer region of one head, a producer region of four), the consumer would read a
 slice of a producer block. In a token-major (NHD) block a head slice is strided: one
 descriptor per token per slice (``block_size`` descriptors per block per region
-instead of one, i.e. 16x–64x the descriptors and as many small RDMA reads). In a
-head-major (HND) block the slice is contiguous but is not a descriptor of the
-registered table. Both are refused with a :class:`~kvxfer.errors.ConfigError` asking
+instead of one, i.e. 16x–64x the descriptors and as many small RDMA reads). That, and
+a head-major slice the pairing did not cut (a table built without
+:func:`pairing_heads`), are refused with a :class:`~kvxfer.errors.ConfigError` asking
 for one region per (layer, K/V, head) (``Region.head``), which is exact, costs one
 descriptor per head per block, and whose consecutive heads merge again in
 :meth:`kvxfer.tp_plan.RankPlan.runs` when both sides hold them contiguously (vLLM's own NIXL
@@ -56,16 +68,20 @@ from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
 from kvxfer.layout import KVLayout, KVPart, SplitAxis
 
 __all__ = [
+    "HEAD_MAJOR_LAYOUTS",
     "HeadLayout",
     "RegionSource",
     "TPRank",
     "check_head_layouts",
+    "heads_per_region",
     "map_regions",
     "needed_ranks",
+    "pairing_heads",
     "place_heads",
     "reader_ranks",
     "region_heads",
     "source_ranks",
+    "split_heads",
 ]
 
 #: (layer, part, shard): what a region holds of a block, heads aside.
@@ -334,6 +350,83 @@ def place_heads(layout: KVLayout, heads: HeadLayout, rank: int) -> KVLayout:
     return placed
 
 
+#: In-block orders whose blocks hold each head's bytes contiguously (a head slice of a
+#: block is one range): vLLM's HND device caches and its CPU cache.
+HEAD_MAJOR_LAYOUTS = frozenset({"HND"})
+
+
+def heads_per_region(layout: KVLayout, heads: HeadLayout, rank: int) -> int:
+    """How many global heads each region of rank ``rank``'s layout holds.
+
+    Raises:
+        LayoutError: the layout disagrees with its head layout (see :func:`region_heads`).
+    """
+    region_heads(layout, heads, rank)
+    return _per_region(layout, heads, rank)[1]
+
+
+def split_heads(layout: KVLayout, heads: HeadLayout, rank: int, per: int) -> KVLayout:
+    """``layout`` with every region cut into regions of ``per`` heads each.
+
+    Pure address arithmetic over the same memory (nothing new to register): in a
+    head-major block head *h* of a region whose heads start at *h0* occupies bytes
+    ``[(h - h0) * b, (h - h0 + 1) * b)`` of each block, ``b`` the region's bytes per
+    head per block, and the stride between blocks stays the region's. The pieces of
+    one region follow each other in table order, with their first global head as
+    ``Region.head``. A layout already at ``per`` heads per region is returned as it is.
+
+    Raises:
+        ConfigError: ``per`` does not divide the regions' heads, or the blocks are not
+            head-major (a head slice of a token-major block is strided: one descriptor
+            per token).
+        LayoutError: the layout disagrees with its head layout.
+    """
+    have = heads_per_region(layout, heads, rank)
+    if not _is_int(per) or per < 1 or have % per:
+        raise ConfigError("per", per, f"must divide the {have} head(s) each region holds")
+    if per == have:
+        return layout
+    if layout.kv_layout not in HEAD_MAJOR_LAYOUTS:
+        raise ConfigError(
+            "kv_layout",
+            layout.kv_layout,
+            f"regions of {have} heads cut into {per}-head pieces need head-major blocks "
+            f"({sorted(HEAD_MAJOR_LAYOUTS)}): a head slice of a token-major block is "
+            f"strided, {layout.tokens_per_desc} descriptors per block per region",
+        )
+    pieces = have // per
+    regions = []
+    for r in layout.regions:
+        size = r.block_len // pieces
+        for j in range(pieces):
+            regions.append(
+                msgspec.structs.replace(
+                    r, base=r.base + j * size, block_len=size, head=r.head + j * per
+                )
+            )
+    return msgspec.structs.replace(
+        layout,
+        regions=tuple(regions),
+        num_kv_heads=per if layout.num_kv_heads else 0,
+    )
+
+
+def pairing_heads(own: int, peer: int) -> int:
+    """The heads per region a transfer between two ranks is planned at, given the heads
+    per region of the posting side (``own``: its prepared table) and of its peer.
+
+    The peer's table is derived at the handshake, so it can be cut to anything
+    (:func:`split_heads`); the posting side has its whole regions and, where they hold
+    several heads of a head-major cache, their one-head pieces. So: its whole regions
+    when their heads divide the peer's (every such region then lies inside one peer
+    region: heads are aligned runs), else one head.
+    """
+    for name, value in (("own", own), ("peer", peer)):
+        if not _is_int(value) or value < 1:
+            raise ConfigError(name, value, "must be a positive int")
+    return own if peer % own == 0 else 1
+
+
 def check_head_layouts(
     local: KVLayout,
     remote: KVLayout,
@@ -481,21 +574,24 @@ def _slice_error(
     remote: KVLayout,
 ) -> ConfigError:
     wide = local if len(mine) > len(theirs) else remote
-    if wide.kv_layout == "NHD":
+    if wide.kv_layout not in HEAD_MAJOR_LAYOUTS:
         cost = (
-            f"a head slice of a token-major (NHD) block is strided: {wide.tokens_per_desc} "
-            "descriptors per block per region instead of one"
+            f"a head slice of a token-major ({wide.kv_layout}) block is strided: "
+            f"{wide.tokens_per_desc} descriptors per block per region instead of one, "
+            "so the pairing cannot cut it; use a head-major (HND) cache or"
         )
     else:
         cost = (
-            f"a head slice of a {wide.kv_layout} block is not a descriptor of the registered table"
+            f"a head slice of a {wide.kv_layout} block is not a descriptor of these tables: "
+            "cut them first (split_heads to pairing_heads, as kvxfer's agents do when "
+            "they pair), or"
         )
     return ConfigError(
         "kv_layout",
         wide.kv_layout,
         f"consumer regions[{i}] (layer {layer} {part.name}) holds heads "
         f"[{mine.start}, {mine.stop}) but producer rank {rank} holds them in regions of heads "
-        f"[{theirs.start}, {theirs.stop}) (or across ranks): {cost}; describe both caches "
-        "one region per (layer, K/V, head) with Region.head (from an HND cache, as vLLM's "
-        "own connector asks for across TP sizes)",
+        f"[{theirs.start}, {theirs.stop}) (or across ranks): {cost} describe both caches "
+        "one region per (layer, K/V, head) with Region.head (vLLM's own connector asks for "
+        "an HND cache across TP sizes)",
     )

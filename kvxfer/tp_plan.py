@@ -9,6 +9,11 @@ sub-table, the full-table id of every sub-table id. A request is then planned pe
 with the ordinary :func:`~kvxfer.descriptors.build_plan` on the sub-tables, its ids
 mapped back by one gather, so they index the full tables the backend prepared.
 
+The tables are those of the pairing's cut (:func:`kvxfer.heads.pairing_heads`): the
+peer's as derived at its handshake, the posting side's whole table or its one-head
+:class:`HeadSection`, prepared once after the whole-block table
+(:func:`prepared_rows`) so that plans between equal TP sizes keep their ids.
+
 The sections map cleanly: a sub-table lists the same regions' descriptors in the same
 order within each section (whole blocks, chunks, window granules), only fewer regions,
 so an id moves by its region's offset in that section. The map is checked once against
@@ -26,9 +31,70 @@ import numpy as np
 from kvxfer.blocks import BlockIds, IntArray
 from kvxfer.descriptors import DescriptorTable, Plan, Runs, build_plan
 from kvxfer.errors import ConfigError, PlanError
-from kvxfer.heads import HeadLayout, RegionSource, check_head_layouts, map_regions, needed_ranks
+from kvxfer.heads import (
+    HEAD_MAJOR_LAYOUTS,
+    HeadLayout,
+    RegionSource,
+    check_head_layouts,
+    heads_per_region,
+    map_regions,
+    needed_ranks,
+    split_heads,
+)
 
-__all__ = ["RankPlan", "TPPlanner"]
+__all__ = ["HeadSection", "RankPlan", "TPPlanner", "head_section", "prepared_rows"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeadSection:
+    """A posting side's regions cut one head each, prepared after its own table.
+
+    Attributes:
+        table: the table of the one-head layout (:func:`~kvxfer.heads.split_heads`).
+        offset: where its ids start in the prepared list (the whole table's length).
+    """
+
+    table: DescriptorTable
+    offset: int
+
+
+def head_section(table: DescriptorTable, heads: HeadLayout, rank: int) -> HeadSection | None:
+    """The one-head section a posting side prepares next to ``table``, or None when
+    there is none to make: its regions hold one head already, or their blocks are not
+    head-major (a head slice would be strided; pairs needing one are refused by name).
+
+    Raises:
+        LayoutError: the layout disagrees with its head layout.
+        ConfigError: the table's options cannot cut one-head regions.
+    """
+    layout = table.layout
+    if heads.latent or heads_per_region(layout, heads, rank) == 1:
+        return None
+    if layout.kv_layout not in HEAD_MAJOR_LAYOUTS:
+        return None
+    cut = DescriptorTable.build(split_heads(layout, heads, rank, 1), table.options)
+    return HeadSection(table=cut, offset=len(table))
+
+
+def prepared_rows(table: DescriptorTable, section: HeadSection | None) -> DescriptorTable:
+    """What the backend prepares: ``table``'s descriptors, then the section's.
+
+    Ids below ``len(table)`` keep their meaning (plans between equal TP sizes post
+    them unchanged); a section id *i* is posted as ``section.offset + i``. Only the
+    rows are meant for the backend: the returned table keeps ``table``'s layout and
+    sections, so it is never planned against.
+    """
+    if section is None:
+        return table
+    if section.offset != len(table):
+        raise PlanError("a head section starts right after its table (internal)")
+    rows = {
+        name: np.concatenate((getattr(table, name), getattr(section.table, name)))
+        for name in ("addr", "length", "device")
+    }
+    for a in rows.values():
+        a.setflags(write=False)
+    return dataclasses.replace(table, **rows)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,7 +104,8 @@ class RankPlan:
     Attributes:
         rank: the producer rank.
         plan: ``local_ids`` index the consumer's full table, ``remote_ids`` the producer
-            rank's full table, paired by position; ``local_blocks`` are the consumer
+            rank's full table, paired by position (each shifted by its table's offset
+            in the prepared list, :class:`HeadSection`); ``local_blocks`` are the consumer
             blocks this rank writes into (the blocks to report invalid if it fails).
     """
 
@@ -90,6 +157,7 @@ class TPPlanner:
     sources: tuple[RegionSource, ...]
     ranks: tuple[int, ...]
     _tables: tuple[_RankTables, ...]
+    _offsets: tuple[int, int] = (0, 0)
 
     @classmethod
     def build(
@@ -102,6 +170,8 @@ class TPPlanner:
         local_rank: int,
         salt: int = 0,
         only: Collection[int] | None = None,
+        local_offset: int = 0,
+        remote_offset: int = 0,
     ) -> TPPlanner:
         """Match regions and prepare the per-rank sub-tables.
 
@@ -115,6 +185,10 @@ class TPPlanner:
             salt: spreads replicated heads (see :func:`~kvxfer.heads.source_ranks`).
             only: plan only these producer ranks' parts (push: a producer rank plans
                 its own writes into a consumer rank, holding only its own table).
+            local_offset, remote_offset: where ``local``'s (the remote tables') ids
+                start in the list the backend prepared: a :class:`HeadSection`'s
+                offset when the table is one. Added to the plans' ids only:
+                ``RankPlan.runs`` and the checks work on the tables themselves.
 
         Raises:
             LayoutMismatch: the layouts cannot exchange heads (named field).
@@ -174,12 +248,16 @@ class TPPlanner:
                     remote_ids=_id_map(sub_remote, remotes[p], theirs),
                 )
             )
+        for name, offset in (("local_offset", local_offset), ("remote_offset", remote_offset)):
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ConfigError(name, offset, "must be a non-negative int")
         return cls(
             local=local,
             remotes=dict(remotes),
             sources=sources,
             ranks=ranks,
             _tables=tuple(tables),
+            _offsets=(local_offset, remote_offset),
         )
 
     def plan(
@@ -192,10 +270,15 @@ class TPPlanner:
         :func:`~kvxfer.descriptors.build_plan`.
         """
         out = []
+        lo, ro = self._offsets
         for t in self._tables:
             sub = build_plan(t.local, t.remote, local_blocks, remote_blocks, num_tokens)
             full = dataclasses.replace(
-                sub, local_ids=t.local_ids[sub.local_ids], remote_ids=t.remote_ids[sub.remote_ids]
+                sub,
+                local_ids=t.local_ids[sub.local_ids] + lo if lo else t.local_ids[sub.local_ids],
+                remote_ids=t.remote_ids[sub.remote_ids] + ro
+                if ro
+                else t.remote_ids[sub.remote_ids],
             )
             out.append(RankPlan(rank=t.rank, plan=full, _sub=sub, _tables=(t.local, t.remote)))
         return tuple(out)

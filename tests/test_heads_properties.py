@@ -11,6 +11,7 @@ of the paired block, and no other byte may be written.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -22,12 +23,15 @@ from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
 from kvxfer.heads import (
     HeadLayout,
     check_head_layouts,
+    heads_per_region,
     map_regions,
     needed_ranks,
+    pairing_heads,
     place_heads,
     reader_ranks,
     region_heads,
     source_ranks,
+    split_heads,
 )
 from kvxfer.layout import KVLayout, KVPart, SplitAxis
 from kvxfer.testing import tp_strategies as tps
@@ -45,8 +49,12 @@ def _labels(layout: KVLayout, heads: range, region: int, tags: I64) -> U8:
     width = len(heads)
     per_head = r.block_len // (tokens * width)
     off = np.arange(r.block_len, dtype=np.uint64)
-    token = off // np.uint64(width * per_head) + np.uint64(r.shard * tokens)
-    head = off // np.uint64(per_head) % np.uint64(width) + np.uint64(heads.start)
+    if layout.kv_layout == "HND":  # head-major: each head's tokens together
+        token = off // np.uint64(per_head) % np.uint64(tokens) + np.uint64(r.shard * tokens)
+        head = off // np.uint64(tokens * per_head) + np.uint64(heads.start)
+    else:  # token-major: each token's heads together
+        token = off // np.uint64(width * per_head) + np.uint64(r.shard * tokens)
+        head = off // np.uint64(per_head) % np.uint64(width) + np.uint64(heads.start)
     byte = off % np.uint64(per_head)
     part = list(KVPart).index(r.part)
     what = ((np.uint64(r.layer * 4 + part) * np.uint64(131) + head) * np.uint64(257) + token) * (
@@ -146,6 +154,42 @@ def test_every_consumer_byte_is_written_once_from_the_same_head_token_and_byte(
     case: tps.TPCase,
 ) -> None:
     _execute(case)
+
+
+@given(tps.tp_cases(kv_layout="HND", uncut=True), st.booleans())
+def test_pairs_cut_at_pairing_write_every_consumer_byte_once_from_the_right_byte(
+    case: tps.TPCase, push: bool
+) -> None:
+    """Issue 26: either side described per (layer, part, shard) or per head, as its
+    engine does by default. The pairing cuts the tables the way the agents do: the
+    posting side (a pull's consumer, a push's producer) keeps its regions or takes
+    their one-head pieces, the peer's are cut to match (heads.pairing_heads); then
+    every property of the planner holds as for tables described per head."""
+    c, p, rank = case.consumer, case.producer, case.consumer_rank
+    consumer = heads_per_region(case.local, c, rank)
+    producer = heads_per_region(case.remotes[0], p, 0)
+    own, peer = (producer, consumer) if push else (consumer, producer)
+    per = pairing_heads(own, peer)
+    assert per in (own, 1) and peer % per == 0
+    cut = msgspec.structs.replace(
+        case,
+        local=split_heads(case.local, c, rank, per),
+        remotes={q: split_heads(lay, p, q, per) for q, lay in case.remotes.items()},
+    )
+    # Cutting moves no byte: the pieces tile their regions' blocks, in order.
+    for before, after in [
+        (case.local, cut.local),
+        *zip(case.remotes.values(), cut.remotes.values()),
+    ]:
+        k = len(after.regions) // len(before.regions)
+        assert len(after.regions) == k * len(before.regions)
+        for i, r in enumerate(before.regions):
+            pieces = after.regions[i * k : (i + 1) * k]
+            assert [q.base - r.base for q in pieces] == [j * r.block_len // k for j in range(k)]
+            assert {(q.stride, q.block_len * k, q.layer, q.part) for q in pieces} == {
+                (r.stride, r.block_len, r.layer, r.part)
+            }
+    _execute(cut)
 
 
 @given(st.sampled_from(tps.KV_HEADS), st.data())

@@ -13,6 +13,7 @@ import pytest
 
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
+from kvxfer.backends.host_bounce import HostBounceBackend
 from kvxfer.compat import Fingerprint
 from kvxfer.errors import KvxferError
 from kvxfer.heads import HeadLayout, TPRank
@@ -48,10 +49,17 @@ def make_rank(
     direction: Direction,
     timeout_s: float,
     stream: bool = False,
+    per_head: bool = True,
+    bounce: bool = False,
 ) -> Rank:
-    """A registered rank (its cache filled from ``seed``, or empty with None)."""
+    """A registered rank (its cache filled from ``seed``, or empty with None), described
+    one region per head or (``per_head=False``) per layer and K/V; with ``bounce`` its
+    blocks go through host staging buffers (the vLLM CPU build's backend) over the
+    fake transport (``Rank.backend``, for faults)."""
     cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
-    backend = FakeBackend(BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}"))
+    options = BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}")
+    backend = FakeBackend(options)
+    bouncer = HostBounceBackend(options, transport=backend) if bounce else None
     fingerprint = Fingerprint(
         model="m",
         dtype="bfloat16",
@@ -71,14 +79,21 @@ def make_rank(
             lease_s=30.0,
             push_stream=stream,
         ),
-        backend=backend,
+        backend=bouncer or backend,
     )
-    agent.register(cache.layout(global_heads=False), keep=cache)
+    agent.register(cache.layout(global_heads=False, per_head=per_head), keep=cache)
     return Rank(agent, backend, cache)
 
 
 def producers(
-    heads: HeadLayout, *, seed: int, direction: Direction, timeout_s: float, stream: bool = False
+    heads: HeadLayout,
+    *,
+    seed: int,
+    direction: Direction,
+    timeout_s: float,
+    stream: bool = False,
+    per_head: bool = True,
+    bounce: bool = False,
 ) -> list[Rank]:
     """Producer ranks serving at base + rank (retrying another base if one is taken)."""
     for _ in range(20):
@@ -94,6 +109,8 @@ def producers(
                 direction=direction,
                 timeout_s=timeout_s,
                 stream=stream,
+                per_head=per_head,
+                bounce=bounce,
             )
             for r in range(heads.tp_size)
         ]
@@ -107,7 +124,14 @@ def producers(
     raise RuntimeError("no free consecutive ports")
 
 
-def consumers(heads: HeadLayout, *, direction: Direction, timeout_s: float) -> list[Rank]:
+def consumers(
+    heads: HeadLayout,
+    *,
+    direction: Direction,
+    timeout_s: float,
+    per_head: bool = True,
+    bounce: bool = False,
+) -> list[Rank]:
     """Consumer ranks with empty caches (not serving until they need to)."""
     return [
         make_rank(
@@ -119,6 +143,8 @@ def consumers(heads: HeadLayout, *, direction: Direction, timeout_s: float) -> l
             seed=None,
             direction=direction,
             timeout_s=timeout_s,
+            per_head=per_head,
+            bounce=bounce,
         )
         for r in range(heads.tp_size)
     ]

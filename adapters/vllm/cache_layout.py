@@ -79,8 +79,8 @@ def describe_kv_caches(
     or, for an element-major K, one per (head, K, element) (``Region.lane``). Other
     layers are one region each and move whole blocks (``kv_layout`` ``"HND"`` unless a
     group is split), or with ``head_regions`` one region per head (its K and V parts of
-    each block: a pull across TP sizes reads a rank's heads out of another rank's
-    blocks; NIXL merges the descriptors of adjacent heads again when a whole block goes).
+    each block; pairs across TP sizes no longer need it: a head-major region is cut
+    per head at the handshake, :func:`kvxfer.heads.split_heads`).
 
     Raises:
         ConfigError: a group must be cut but the cache's interior is unknown.

@@ -206,12 +206,20 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             layer_groups=self._groups.layer_groups,
             plan_options=self._plan_options,
             interior=interior,
-            # Pulls across TP sizes read head slices: one region per head (on by
-            # default where this instance is tensor-parallel; a TP1 peer opts in).
+            # One region per head where this instance is tensor-parallel (as before);
+            # pairs across TP sizes no longer need it on either side: they are cut at
+            # the handshake (kvxfer.heads.pairing_heads).
             head_regions=self._tp_size > 1
             if self.cfg.head_regions is None
             else self.cfg.head_regions,
         )
+        if self.cfg.head_regions and self._tp_size == 1:
+            log.warning(
+                "kvxfer: kv_connector_extra_config.head_regions=true is no longer needed "
+                "for peers of other TP sizes (pairs are cut per head at the handshake); "
+                "on a TP1 instance it only multiplies the descriptors of equal-TP pairs "
+                "by the KV heads: drop it"
+            )
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         # vLLM's op copies between its own host buffers and the cache; kvxfer's host

@@ -89,10 +89,12 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
             connections on every rail both instances share.
         link_down_exit_s: Exit after losing every local link for this long; 0 never exits.
         enforce_handshake_compat: Check the compatibility hash in the handshake.
-        head_regions: Describe a head-major cache one region per (layer, KV head), which
-            pulls across TP sizes need on both sides; None: only when this instance's
-            tensor_parallel_size is over 1 (a TP1 instance paired with another TP size
-            sets it true).
+        head_regions: Describe a head-major cache one region per (layer, KV head);
+            None: only when this instance's tensor_parallel_size is over 1. No longer
+            needed by pairs across TP sizes (they are cut per head at the handshake,
+            kvxfer.heads.pairing_heads); still accepted: it only sets how many
+            descriptors requests post (true on a TP1 instance multiplies those of
+            equal-TP pairs by the KV heads, and logs a warning saying so).
         passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.
         extra_passthrough: ``kv_connector_extra_config`` keys kvxfer does not own
             (the upstream NIXL connector's), untouched.

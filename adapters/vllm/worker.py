@@ -286,8 +286,9 @@ class WorkerSide:
         if why is None and across_tp(load.remote_params, self.tp_size) and agent.config.tp is None:
             why = (
                 f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "
-                f"this instance {self.tp_size}, and this KV layout does not split by head "
-                "(see the start-up log): transfers across TP sizes need head-split regions"
+                f"this instance {self.tp_size}, and this KV layout's regions do not say "
+                "which KV heads they hold (see the start-up log): transfers across TP "
+                "sizes read each rank's heads"
             )
         if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)

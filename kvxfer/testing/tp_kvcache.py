@@ -3,7 +3,8 @@
 A :class:`TPHostCache` holds, per (layer, K/V), one buffer of ``num_blocks`` blocks,
 each block ``heads_per_rank`` heads of ``block_size`` tokens (vLLM's CPU cache
 interior); it is described one region per (layer, K/V, head) with ``Region.head`` the
-global head, so peers of other TP sizes can read single heads. A producer fills every
+global head, or one region per (layer, K/V) of all the rank's heads (an engine's
+default description, which pairings across TP sizes cut per head). A producer fills every
 (layer, part, global head, block, token) with a pattern of those values and its seed,
 so replicas of a head on several ranks hold the same bytes (as an engine's do) and a
 consumer checks byte for byte, per (layer, K/V, head, token), that its block *x*
@@ -84,19 +85,41 @@ class TPHostCache:
         out: npt.NDArray[np.uint8] = (mixed >> np.uint32(24)).astype(np.uint8)
         return out
 
-    def layout(self, *, global_heads: bool = True) -> KVLayout:
+    def layout(self, *, global_heads: bool = True, per_head: bool = True) -> KVLayout:
         """The layout: one region per (layer, K/V, head), ``Region.head`` global (or the
-        tensor's own head index with ``global_heads=False``, for the Agent to place)."""
-        per_head = self.block_size * self.head_bytes
+        tensor's own head index with ``global_heads=False``, for the Agent to place);
+        with ``per_head=False`` one region per (layer, K/V) holding all the rank's
+        heads (an engine's default description, which pairs across TP sizes are cut
+        from)."""
+        per_head_bytes = self.block_size * self.head_bytes
+        n = len(self.held)
+        if not per_head:
+            return self._layout(
+                [
+                    Region(
+                        base=int(buf.ctypes.data),
+                        num_blocks=self.num_blocks,
+                        stride=buf.strides[0],
+                        block_len=n * per_head_bytes,
+                        mem=MemKind.DRAM,
+                        device_id=0,
+                        layer=layer,
+                        part=part,
+                        head=self.held.start if global_heads else 0,
+                    )
+                    for (layer, part), buf in self.buffers.items()
+                ],
+                heads=n,
+            )
         regions = []
         for (layer, part), buf in self.buffers.items():
             for i, h in enumerate(self.held):
                 regions.append(
                     Region(
-                        base=int(buf.ctypes.data) + i * per_head,
+                        base=int(buf.ctypes.data) + i * per_head_bytes,
                         num_blocks=self.num_blocks,
                         stride=buf.strides[0],
-                        block_len=per_head,
+                        block_len=per_head_bytes,
                         mem=MemKind.DRAM,
                         device_id=0,
                         layer=layer,
@@ -104,6 +127,9 @@ class TPHostCache:
                         head=h if global_heads else i,
                     )
                 )
+        return self._layout(regions, heads=1)
+
+    def _layout(self, regions: Sequence[Region], *, heads: int) -> KVLayout:
         return KVLayout(
             block_size=self.block_size,
             regions=tuple(regions),
@@ -111,7 +137,7 @@ class TPHostCache:
             dtype="uint8",
             split_axis=SplitAxis.HEAD,
             num_shards=1,
-            num_kv_heads=1,
+            num_kv_heads=heads,
             kv_layout="HND",
         )
 

@@ -205,10 +205,22 @@ def rank_layout(
 
 
 @st.composite
-def tp_cases(draw: st.DrawFn, model_strategy: st.SearchStrategy[TPModel] | None = None) -> TPCase:
+def tp_cases(
+    draw: st.DrawFn,
+    model_strategy: st.SearchStrategy[TPModel] | None = None,
+    *,
+    kv_layout: str = "NHD",
+    uncut: bool = False,
+) -> TPCase:
     """A model, two TP groups it allows, a consumer rank, layouts that can be mapped
     (the side whose regions would hold more heads than the other's is per head),
-    options and a request."""
+    options and a request.
+
+    ``uncut``: each side per head or per (layer, part, shard) independently, as
+    engines describe them by default, for the pairing to cut
+    (:func:`kvxfer.heads.pairing_heads`); give a head-major ``kv_layout`` then. The
+    options are the defaults but for ``coalesce`` where the blocks are not
+    token-major (chunks and window granules need token-major blocks)."""
     model = draw(model_strategy if model_strategy is not None else tp_models())
     producer = draw(head_layouts(model.num_kv_heads, model.latent))
     sizes = tp_sizes(producer.num_kv_heads)
@@ -224,16 +236,30 @@ def tp_cases(draw: st.DrawFn, model_strategy: st.SearchStrategy[TPModel] | None 
     per_p, per_c = draw(st.booleans()), draw(st.booleans())
     width_p = 1 if per_p else producer.heads_per_rank
     width_c = 1 if per_c else consumer.heads_per_rank
-    if width_p != width_c:
+    if width_p != width_c and not uncut:
         # Regions must hold the same heads on both sides: one head each, then.
         per_p = per_c = True
     nb_local, nb_remote = draw(st.integers(1, 8)), draw(st.integers(1, 8))
     seed = draw(st.integers(0, 2**16))
-    local = rank_layout(model, consumer, rank, per_head=per_c, num_blocks=nb_local, seed=seed)
+    local = rank_layout(
+        model, consumer, rank, per_head=per_c, num_blocks=nb_local, seed=seed, kv_layout=kv_layout
+    )
     remotes = {
-        p: rank_layout(model, producer, p, per_head=per_p, num_blocks=nb_remote, seed=seed + 1 + p)
+        p: rank_layout(
+            model,
+            producer,
+            p,
+            per_head=per_p,
+            num_blocks=nb_remote,
+            seed=seed + 1 + p,
+            kv_layout=kv_layout,
+        )
         for p in range(producer.tp_size)
     }
+    token_major = kv_layout == "NHD"
+    options = (
+        draw(plan_options(local)) if token_major else PlanOptions(coalesce=draw(st.booleans()))
+    )
     return TPCase(
         model=model,
         producer=producer,
@@ -241,7 +267,7 @@ def tp_cases(draw: st.DrawFn, model_strategy: st.SearchStrategy[TPModel] | None 
         consumer_rank=rank,
         local=local,
         remotes=remotes,
-        options=draw(plan_options(local)),
+        options=options,
         request=draw(requests(local, remotes[0])),
         salt=draw(st.sampled_from((0, 0, 1, 2, 3))),
     )

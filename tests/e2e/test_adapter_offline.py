@@ -582,7 +582,7 @@ def test_bad_kv_transfer_params_fail_that_request_and_name_the_key(
     assert f"kv_transfer_params.{key}=" in caplog.text
 
 
-def test_a_producer_of_another_tp_size_is_refused_by_name_without_head_regions(
+def test_a_producer_of_another_tp_size_is_refused_by_name_without_a_tp_identity(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A decode whose layout does not split by head (here: no TP identity) cannot read
@@ -603,7 +603,7 @@ def test_a_producer_of_another_tp_size_is_refused_by_name_without_head_regions(
     finally:
         c.close()
     assert "tensor-parallel size 2, this instance 1" in caplog.text
-    assert "head-split regions" in caplog.text
+    assert "which KV heads they hold" in caplog.text
 
 
 # --- start-up checks ---------------------------------------------------------------------
@@ -859,6 +859,29 @@ def test_head_regions_describe_one_region_per_global_head_that_tp_planning_accep
         assert region_heads(layout, heads, rank)[0] == range(rank * HEADS, rank * HEADS + 1)
     with pytest.raises(KvxferError):
         region_heads(whole, HeadLayout(num_kv_heads=2 * HEADS, tp_size=2), 1)
+    # Issue 26: the default description (one region per layer) cut per head at
+    # pairing is exactly this one, region for region: no setting needed.
+    from kvxfer.heads import place_heads, split_heads
+
+    heads = HeadLayout(num_kv_heads=2 * HEADS, tp_size=2)
+    for rank in (0, 1):
+        placed = place_heads(
+            describe_kv_caches(
+                caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="HND", tp_rank=rank
+            ),
+            heads,
+            rank,
+        )
+        per_head = describe_kv_caches(
+            caches,
+            block_size=BS,
+            num_blocks=NUM_BLOCKS,
+            kv_layout="HND",
+            tp_rank=rank,
+            head_regions=True,
+        )
+        cut = split_heads(placed, heads, rank, 1)
+        assert cut.regions == per_head.regions
 
 
 @pytest.mark.e2e

@@ -11,13 +11,17 @@ a TP1 instance of the same random-weight model already disagree with no transfer
 involved (the all-reduce sums in another order), in float32 they agree.
 
 ``make test`` runs prefill TP1 -> decode TP2 (llm-d's direction: a small prefill
-feeding a wider decode), pull and push. ``KVXFER_E2E_TP_ALL=1`` adds prefill TP2 ->
-decode TP1 and the equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each
-pull and push, and the same unequal pairs of a model with one KV head, which a TP2
-instance replicates on both ranks (each pair starts three or four engine processes;
-about a minute each on two cores). Push runs the toy router's order here: prefill
-answers first, then decode registers and each producer rank writes its heads into the
-decode ranks that hold them.
+feeding a wider decode), pull and push, with nothing but the connector in either
+instance's config (no per-head setting: the pairing cuts the tables, issue 26).
+It also runs llm-d's layout, prefill TP1 -> decode TP4, pull (four decode workers, a
+prefill and a unified instance fit two cores: about 4 minutes); ``KVXFER_E2E_TP4=1``
+adds its push. ``KVXFER_E2E_TP_ALL=1`` adds those, prefill TP2 -> decode TP1 and the
+equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each pull and push, and
+the same unequal pairs of a model with one KV head, which a TP2 instance replicates on
+both ranks (each pair starts three or four engine processes; about a minute each on
+two cores). Push runs the toy router's order here: prefill answers first, then decode
+registers and each producer rank writes its heads into the decode ranks that hold
+them.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ pytestmark = pytest.mark.e2e
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
 ALL = os.environ.get("KVXFER_E2E_TP_ALL") == "1"
+TP4 = ALL or os.environ.get("KVXFER_E2E_TP4") == "1"
 
 #: (prefill TP, decode TP, dtype, connector, model KV heads); the first two run in
 #: make test. With one KV head a TP2 instance replicates it on both ranks (each decode
@@ -68,6 +73,10 @@ PAIRS = [
     ]
     for mode in ("pull", "push")
 ]
+#: llm-d's layout: prefill TP1, decode TP4 (the tiny model's two KV heads each on two
+#: decode ranks).
+PAIRS_TP4 = [(1, 4, "float32", mode, 2) for mode in ("pull", "push")]
+SELECTED = (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else PAIRS_TP4[:1])
 
 
 #: kvxfer's connectors plus the digests of the byte-level check (same behaviour, same
@@ -82,21 +91,19 @@ def _tp_args(tp: int, dtype: str) -> list[str]:
     return args
 
 
-def _heads(tp: int) -> dict[str, Any]:
-    """A TP1 instance paired with another TP size describes its cache per head (TP > 1
-    instances do by default). Three TP instances share two cores here: a first
-    handshake can wait seconds for a starved side-channel thread, so the loads get
-    more than the other e2e pairs' 10 s."""
-    extra: dict[str, Any] = {"transfer_timeout_s": 30}
-    if tp == 1:
-        extra["head_regions"] = True
-    return extra
+def _extra() -> dict[str, Any]:
+    """Both instances run the connector's defaults, whatever the other's TP size (issue
+    26: upstream's connector pairs TP1 with TP2 with no key, and a prefill pod cannot
+    know which decode TP sizes it will meet; the pair is cut at the handshake). Three
+    TP instances share two cores here: a first handshake can wait seconds for a
+    starved side-channel thread, so the loads get more than the other e2e pairs' 10 s."""
+    return {"transfer_timeout_s": 30}
 
 
-def _side_channel_env() -> dict[str, str]:
-    # Rank r listens on the base port + r: leave room for two ranks.
+def _side_channel_env(tp: int) -> dict[str, str]:
+    # Rank r listens on the base port + r: leave room for every rank.
     base = free_port()
-    while base + 1 > 65535:
+    while base + tp - 1 > 65535:
         base = free_port()
     return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
 
@@ -137,10 +144,7 @@ def _unified(
 
 @pytest.fixture(
     scope="module",
-    params=[
-        pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}-kv{p[4]}")
-        for p in PAIRS[: None if ALL else 2]
-    ],
+    params=[pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}-kv{p[4]}") for p in SELECTED],
 )
 def tp_setup(
     request: pytest.FixtureRequest,
@@ -160,9 +164,9 @@ def tp_setup(
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
         kv_transfer_config=kv_config(
-            "kv_producer", mode, extra=_heads(p_tp), kv_connector_module_path=VERIFY_MODULE
+            "kv_producer", mode, extra=_extra(), kv_connector_module_path=VERIFY_MODULE
         ),
-        env={**_side_channel_env(), kv_digests.ENV: str(kv_digest_dir)},
+        env={**_side_channel_env(p_tp), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
     decode = start_server(
@@ -171,9 +175,9 @@ def tp_setup(
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
         kv_transfer_config=kv_config(
-            "kv_consumer", mode, extra=_heads(d_tp), kv_connector_module_path=VERIFY_MODULE
+            "kv_consumer", mode, extra=_extra(), kv_connector_module_path=VERIFY_MODULE
         ),
-        env={**_side_channel_env(), kv_digests.ENV: str(kv_digest_dir)},
+        env={**_side_channel_env(d_tp), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
     try:

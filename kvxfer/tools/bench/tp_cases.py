@@ -5,7 +5,9 @@ size, with real processes and real NIXL: prefill TP1 → decode TP2 (the decode 
 reads its half of the heads from one producer process, one descriptor per head per
 block) and prefill TP2 → decode TP1 (the decode rank reads every head, half from each
 of two producer processes, in one request). Both caches are head-major (HND) and
-described one region per (layer, K/V, head), as pulls across TP sizes require.
+described as the vLLM adapter describes them by default: one region per (layer, K/V)
+on a TP1 side, one per (layer, K/V, head) on a wider one; the pairing cuts them per
+head (:func:`kvxfer.heads.pairing_heads`), as the agents do.
 
 Here: the case, its selection, the bytes and descriptors the head algebra says the
 pull needs (restated independently of :mod:`kvxfer.tp_plan`, so the bench checks the
@@ -58,6 +60,11 @@ class TPCase(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def shape(self) -> ModelShape:
         return bc.SHAPES[self.model]
+
+    def per_head(self, producer: bool) -> bool:
+        """Whether that side's cache is described per head (the vLLM adapter's
+        default: where its TP size is over 1)."""
+        return (self.prefill_tp if producer else self.decode_tp) > 1
 
     @property
     def base(self) -> bc.Case:

@@ -1,7 +1,8 @@
 """One process of ``kvxfer bench --tp``: a prefill rank or the decode rank.
 
-Each process owns one TP rank's head-major KV cache (one region per (layer, K/V,
-head), carved from one allocation as an engine's pool is), a kvxfer pull Agent with
+Each process owns one TP rank's head-major KV cache (described as the vLLM adapter
+does by default, :meth:`~kvxfer.tools.bench.tp_cases.TPCase.per_head`, carved from
+one allocation as an engine's pool is), a kvxfer pull Agent with
 that TP identity, and a :class:`~kvxfer.tools.bench.raw_nixl.RawNixl` on the same
 memory. Prefill rank *p* serves its side channel at the run's base port + *p*, under
 one engine id for the group, as pulls across TP sizes expect.
@@ -91,7 +92,7 @@ class TPRankProc:
         self.case = case = msgspec.convert(payload["case"], TPCase)
         self.producer, self.rank = payload["role"] == "producer", int(payload["rank"])
         self.cache = _tp_cache(case, self.producer, self.rank)
-        self.reg = self.raw.register(self.cache.layout())
+        self.reg = self.raw.register(self._layout())
         mine, theirs = ("remote", "local") if self.producer else ("local", "remote")
         self.blocks_mine = bc.case_blocks(case.base, mine)
         self.blocks_theirs = bc.case_blocks(case.base, theirs)
@@ -101,7 +102,12 @@ class TPRankProc:
                 b.reshape(b.shape[0], -1).view(np.uint16) for b in self.cache.buffers.values()
             ]
             self.memcpy = MemcpyBench(regions, nbytes)
-        return {"layout": msgspec.to_builtins(self.cache.layout()), "raw": self.raw.metadata()}
+        return {"layout": msgspec.to_builtins(self._layout()), "raw": self.raw.metadata()}
+
+    def _layout(self) -> Any:
+        """The rank's layout as the vLLM adapter describes it by default."""
+        assert self.case is not None
+        return self.cache.layout(per_head=self.case.per_head(self.producer))
 
     def cmd_agent(self, port: int) -> dict[str, Any]:
         """A pull Agent with this rank's TP identity, serving at ``port`` (0: any)."""
@@ -135,7 +141,7 @@ class TPRankProc:
             )
         )
         self.agent = agent
-        agent.register(self.cache.layout())
+        agent.register(self._layout())
         host, bound = agent.serve()
         return {"host": host, "port": bound, "incarnation": agent.incarnation}
 
@@ -148,24 +154,34 @@ class TPRankProc:
         """Decode rank: the producer ranks' raw peers and tables, the planner kvxfer
         builds, raw NIXL's prepared lists, and one timed handshake per rank."""
         from kvxfer.descriptors import DescriptorTable, PlanOptions
+        from kvxfer.heads import heads_per_region, pairing_heads, split_heads
         from kvxfer.layout import KVLayout
         from kvxfer.tp_plan import TPPlanner
 
         case = self.case
         assert case is not None and self.agent is not None
         opts = PlanOptions()
-        local = DescriptorTable.build(self.cache.layout(), opts)
+        # Cut as the agent cuts (kvxfer._peers, kvxfer._local): the producer ranks'
+        # layouts to what this rank posts at, this rank's to one head if it must be.
+        mine = self._layout()
+        own = heads_per_region(mine, case.decode_heads, self.rank)
         remotes: dict[int, Any] = {}
         remote_dlists: dict[int, Any] = {}
         handshake: dict[str, float] = {}
+        per = own
         for key, prod in payload["producers"].items():
             p = int(key)
-            remotes[p] = DescriptorTable.build(msgspec.convert(prod["layout"], KVLayout), opts)
+            theirs = msgspec.convert(prod["layout"], KVLayout)
+            per = pairing_heads(own, heads_per_region(theirs, case.prefill_heads, p))
+            remotes[p] = DescriptorTable.build(
+                split_heads(theirs, case.prefill_heads, p, per), opts
+            )
             self.raw_peers[p] = self.raw.add_peer(prod["raw"])
             remote_dlists[p] = self.raw.prep(self.raw_peers[p], remotes[p])
             t0 = time.perf_counter()
             self.agent.connect(prod["host"], prod["port"], PREFILL_ENGINE)
             handshake[key] = time.perf_counter() - t0
+        local = DescriptorTable.build(split_heads(mine, case.decode_heads, self.rank, per), opts)
         self.planner = TPPlanner.build(
             local,
             remotes,
