@@ -164,34 +164,13 @@ def test_negative_control_across_hosts(site: Site, unified32: VllmServer) -> Non
     assert decode(site.decode, a, params, request_id=rid) == ref_b
 
 
-class FailedLate(AssertionError):
-    """The request failed, but later than ``transfer_timeout_s`` after the link went down."""
-
-
-#: Known on main (2026-12-01): a pull whose READ is in flight when the link goes down is
-#: held (R-SAFE-5: quarantined until its NIXL handle ends) and UCX over TCP does not end
-#: it while the link is down, so the request answers only once the link is back (HTTP
-#: 500 0.7 s after it came back, 20.6 s after it went down). With UCX_TCP_KEEPIDLE=2s,
-#: KEEPINTVL=1s, KEEPCNT=3 the READ fails ~10 s after the link went down, but NIXL then
-#: marks the producer's agent disconnected for good: every later request to it fails
-#: ("remote agent ... was disconnected") until a restart. Strict: passing fails the run,
-#: so whoever fixes it removes this mark; any other failure still fails the test.
-PULL_HANGS_WHILE_THE_LINK_IS_DOWN = pytest.mark.xfail(
-    strict=True,
-    raises=FailedLate,
-    reason="a pull cut by a dead link waits for the link (R-SAFE-5 quarantine, no UCX "
-    "failure detection): R-VLLM-7 not met; see the comment above",
-)
-
-
 def test_link_down_mid_transfer_fails_in_time_and_recovers(
-    site: Site, unified32: VllmServer, request: pytest.FixtureRequest
+    site: Site, unified32: VllmServer
 ) -> None:
-    # Push passes, but too early for the right reason: decode takes the producer's
-    # unreachable side channel for a dead producer and settles the load while the write
-    # is in flight (tests/test_link_down_proc.py shows the late bytes at Agent level).
-    if site.mode == "pull":
-        request.applymarker(PULL_HANGS_WHILE_THE_LINK_IS_DOWN)
+    """R-VLLM-7 with R-SAFE-5: a transfer cut by a dead link ends once no byte of it can
+    land, and that is within ``transfer_timeout_s``: UCX's TCP keepalive (kvxfer's
+    default, ~4 s) fails the endpoint while the link is down. The link back, the next
+    request succeeds without a restart (the peer is handshaken and connected anew)."""
     hosts, d = site.hosts, site.decode
     prompt = f"The link goes down under the {site.mode} transfer: {PROMPTS['long']}"
     n = len(prompt_ids(unified32, prompt))
@@ -261,8 +240,7 @@ def test_link_down_mid_transfer_fails_in_time_and_recovers(
     assert got == reference(unified32, again)
     _wait_quarantine_empty(d)
     # R-VLLM-7: the failure came within transfer_timeout_s of the link going down.
-    if not in_time:
-        raise FailedLate(f"the request failed {took:.1f} s after the link went down")
+    assert in_time, f"the request failed {took:.1f} s after the link went down"
 
 
 def _wait_quarantine_empty(d: VllmServer, timeout_s: float = 90.0) -> float:
