@@ -178,8 +178,13 @@ class Liveness:
                 )
             except KvxferError as exc:
                 log.debug("liveness probe of %s:%d unanswered: %s", host, port, exc)
-        # No answer in time, or the watch connection broke: a fresh connect says whether
-        # the process is gone (a dead one's port refuses) or only slow.
+            if not _broken(watch):
+                # Still open: a dead process's connections are reset by its kernel, so
+                # it lives and is only slow (and no further connect fills its queue).
+                self._alive(t)
+                return None
+        # The watch connection broke: a fresh connect says whether the process is gone
+        # (a dead one's port refuses) or only closed it.
         again = probe_port(host, port)
         if isinstance(again, OSError):
             self._verdict(t, host, port, again)
