@@ -35,35 +35,19 @@ from functools import partial
 from typing import Protocol
 
 from kvxfer import wire
+from kvxfer.control import dead, probe_port
 from kvxfer.errors import KvxferError, PeerError, TransferError
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["PING_TIMEOUT_S", "PROBE_TIMEOUT_S", "QUIET_S", "Liveness", "dead", "probe_port"]
+__all__ = ["PING_TIMEOUT_S", "QUIET_S", "Liveness"]
 
 log = logging.getLogger("kvxfer.agent")
 
 #: A transfer without progress this long gets a probe.
 QUIET_S = 0.4
-#: How long a probe's TCP connect may take (refused at once when nobody listens; a
-#: timeout says nothing).
-PROBE_TIMEOUT_S = 0.5
 #: How long the Ping waits for its answer once the port accepted (the process lives,
 #: but it may be frozen or starved of CPU on a loaded host).
 PING_TIMEOUT_S = 1.0
-
-
-def dead(exc: OSError) -> bool:
-    """Whether a connect's failure is evidence that the peer's process is gone: its
-    port refuses (nobody listens) or the connection was reset. A timeout is not."""
-    return isinstance(exc, ConnectionRefusedError | ConnectionResetError)
-
-
-def probe_port(host: str, port: int) -> socket.socket | OSError:
-    """A TCP connection to the peer's side-channel port, or why there is none."""
-    try:
-        return socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S)
-    except OSError as exc:
-        return exc
 
 
 def _broken(watch: socket.socket) -> bool:

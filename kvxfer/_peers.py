@@ -15,11 +15,10 @@ import logging
 import threading
 import time
 
-from kvxfer._liveness import dead, probe_port
 from kvxfer._local import LocalEnd
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, PeerHandle
-from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient
+from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient, dead, probe_port
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import HandshakeTimeout, KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo

@@ -31,7 +31,15 @@ from typing import Any, TypeAlias
 
 from kvxfer.errors import HandshakeError, HandshakeTimeout, missing_dependency
 
-__all__ = ["Deferred", "SideChannelClient", "SideChannelServer", "format_address"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "Deferred",
+    "SideChannelClient",
+    "SideChannelServer",
+    "dead",
+    "format_address",
+    "probe_port",
+]
 
 log = logging.getLogger("kvxfer.control")
 
@@ -68,6 +76,25 @@ def format_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
+
+
+#: How long a probe's TCP connect to a side-channel port may take (refused at once
+#: when nobody listens; a timeout says nothing).
+PROBE_TIMEOUT_S = 0.5
+
+
+def dead(exc: OSError) -> bool:
+    """Whether a connect's failure is evidence that the peer's process is gone: its
+    port refuses (nobody listens) or the connection was reset. A timeout is not."""
+    return isinstance(exc, ConnectionRefusedError | ConnectionResetError)
+
+
+def probe_port(host: str, port: int) -> socket.socket | OSError:
+    """A TCP connection to the peer's side-channel port, or why there is none."""
+    try:
+        return socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S)
+    except OSError as exc:
+        return exc
 
 
 class SideChannelServer:
