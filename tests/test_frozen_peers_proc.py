@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -34,12 +35,6 @@ FREEZE_S = 3.0
 TIMEOUT_S = 10.0
 
 
-@pytest.fixture(autouse=True)
-def ucx_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The children are spawned with the parent's environment.
-    monkeypatch.setenv("UCX_TLS", "tcp")
-
-
 def _pair(direction: str, **consumer: object) -> tuple[AgentProc, AgentProc]:
     prod = AgentProc(
         ProcSpec(
@@ -48,6 +43,7 @@ def _pair(direction: str, **consumer: object) -> tuple[AgentProc, AgentProc]:
             direction=direction,
             fill_seed=SEED,
             transfer_timeout_s=TIMEOUT_S,
+            ucx_tls="tcp",
         )
     )
     try:
@@ -57,6 +53,7 @@ def _pair(direction: str, **consumer: object) -> tuple[AgentProc, AgentProc]:
                 role="kv_consumer",
                 direction=direction,
                 transfer_timeout_s=TIMEOUT_S,
+                ucx_tls="tcp",
                 **consumer,  # type: ignore[arg-type]
             )
         )
@@ -100,16 +97,15 @@ def _fill_accept_queue(host: str, port: int) -> int:
     raise AssertionError("the listener's queue never filled: is the peer stopped?")
 
 
-def _warm(prod: AgentProc, cons: AgentProc) -> None:
-    """A first pull, so that the next one finds the producer handshaken."""
-    ticket = prod.call("hold", "warm", [1], 16)
+def _warm(prod: AgentProc, cons: AgentProc) -> dict[str, Any]:
+    """A first pull, so that the next one finds the producer handshaken; its ticket."""
+    ticket: dict[str, Any] = prod.call("hold", "warm", [1], 16)
     cons.call("pull", ticket, [2], None)
     assert cons.call("wait", "warm", 20)["ok"]
+    return ticket
 
 
-def test_a_producer_frozen_at_first_contact_longer_than_the_handshake_tries(
-    ucx_over_tcp: None,
-) -> None:
+def test_a_producer_frozen_at_first_contact_longer_than_the_handshake_tries() -> None:
     """The consumer's Hello tries (2 x 1 s) all go unanswered while the producer is
     stopped; its port accepts, so the handshake goes on until the pull's deadline."""
     prod, cons = _pair("pull", handshake_timeout_s=1.0)
@@ -148,6 +144,41 @@ def test_a_producer_frozen_during_a_pull_with_a_full_accept_queue(
     assert cons.call("stats")["liveness_probes"] >= 2  # probed while frozen
 
 
+def test_a_producer_frozen_while_a_pull_waits_for_its_hold(
+    pull_pair: tuple[AgentProc, AgentProc],
+) -> None:
+    """A ticket handed out before its hold (the vLLM scheduler's) is pulled: the
+    consumer re-reads the guard word until the hold comes. The producer freezes during
+    those re-reads, its accept queue full; once it continues and holds, DONE."""
+    prod, cons = pull_pair
+    warm = _warm(prod, cons)
+    cap, slot, generation = "ee" * 16, 40, 0xFEED
+    ticket = dict(
+        warm,
+        request_id="late",
+        block_ids=[[19, 20]],
+        num_tokens=32,
+        capability=cap,
+        guard_slot=slot,
+        generation=generation,
+    )
+    cons.call("pull", ticket, [21, 22], None)
+    deadline = time.monotonic() + 10
+    while cons.call("stats")["guard_rereads"] < 1:  # re-reading the word
+        assert time.monotonic() < deadline, "the pull never waited for its hold"
+        time.sleep(0.01)
+    os.kill(prod.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    _fill_accept_queue(prod.host, prod.port)
+    time.sleep(max(0.0, FREEZE_S - (time.monotonic() - t0)))
+    assert cons.call("state", "late") == "pending", "a frozen producer was taken for dead"
+    _thaw(prod)
+    prod.call("hold", "late", [19, 20], 32, cap, [slot, generation])
+    result = cons.call("wait", "late", 20)
+    assert result["ok"], result
+    assert cons.call("check", [21, 22], [19, 20], SEED) == 0
+
+
 def test_a_frozen_producer_killed_fails_the_pull_within_a_second_and_a_half(
     pull_pair: tuple[AgentProc, AgentProc],
 ) -> None:
@@ -166,7 +197,7 @@ def test_a_frozen_producer_killed_fails_the_pull_within_a_second_and_a_half(
     assert result["waited_s"] < 1.5, result
 
 
-def test_a_consumer_frozen_during_a_push_receives_every_byte(ucx_over_tcp: None) -> None:
+def test_a_consumer_frozen_during_a_push_receives_every_byte() -> None:
     prod, cons = _pair("push")
     try:
         remote, local, tokens = [20, 21, 22], [23, 24, 25], 48
