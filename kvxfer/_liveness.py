@@ -1,17 +1,28 @@
-"""Liveness probes of quiet transfers (R-SAFE-4): a dead peer within about a second.
+"""Liveness probes of quiet transfers (R-SAFE-4, R-SAFE-6): a dead peer within about a
+second, a slow one never taken for dead.
 
 A transport may take its own timeouts to notice a dead peer (a READ that never
 completes), and a push's PUSHED or FAILED notice may be lost on the way. Neither should
 be seen only at ``transfer_timeout_s``. A transfer that made no progress for
-:data:`QUIET_S` is probed over the side channel, from the io workers:
+:data:`QUIET_S` is probed over the side channel, from the io workers.
 
-- a pull's producer is pinged; no answer within :data:`PROBE_TIMEOUT_S` (or a refused
-  connection), or another incarnation, fails the pull (the peer is gone); a pull whose
-  handshake or post has not returned yet fails only on a refused connection;
+Death needs evidence (R-SAFE-6): the peer's side-channel port refuses a connection, or
+a connection to it is reset (a process that died: the kernel closes its ports), or the
+peer answers as another incarnation (it restarted). A peer that accepts connections but
+answers late, or a connect that merely times out (a loaded host; a frozen process whose
+accept queue filled up, as this module's own probes fill it: 100 connections with zmq's
+default backlog), is alive as far as a probe can tell: its transfer waits, bounded by
+``transfer_timeout_s``.
+
+- a pull's producer is pinged while a watch connection to its port stays open: no
+  answer is not death, but the watch connection breaking (the process died while
+  frozen or busy) ends the wait at once and a fresh connect then says;
+  a pull whose handshake or post has not returned is probed by a connect only;
 - a push reception asks the producer how its hold stands (``Ping(request_id,
   capability)`` → ``Pong.hold``): ``pushed`` settles it DONE (every write landed, the
   notice was lost), ``failed``/``released``/``unknown`` fail it with that reason,
-  ``held``/``writing`` mean alive and slow: asked again after another quiet period.
+  ``held``/``writing`` (or no word: the producer was busy) mean alive: asked again
+  after another quiet period.
 """
 
 from __future__ import annotations
@@ -20,23 +31,34 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 from kvxfer import wire
+from kvxfer.control import dead, probe_port
 from kvxfer.errors import KvxferError, PeerError, TransferError
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["PING_TIMEOUT_S", "PROBE_TIMEOUT_S", "QUIET_S", "Liveness"]
+__all__ = ["PING_TIMEOUT_S", "QUIET_S", "Liveness"]
 
 log = logging.getLogger("kvxfer.agent")
 
 #: A transfer without progress this long gets a probe.
 QUIET_S = 0.4
-#: How long a probe's TCP connect may take (refused at once when nobody listens).
-PROBE_TIMEOUT_S = 0.5
 #: How long the Ping waits for its answer once the port accepted (the process lives,
-#: but its side-channel thread may be slow on a loaded host).
+#: but it may be frozen or starved of CPU on a loaded host).
 PING_TIMEOUT_S = 1.0
+
+
+def _broken(watch: socket.socket) -> bool:
+    """Whether the peer closed or reset the watch connection (what it sent is read
+    and dropped: a zmq listener greets every connection)."""
+    try:
+        return watch.recv(4096, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class _Settler(Protocol):
@@ -53,15 +75,26 @@ class _Settler(Protocol):
     def pushed(self, transfer: Transfer) -> None: ...
 
 
-Ping = Callable[[str, int, str, str, float], wire.Message]
+class Ping(Protocol):
+    """Sends a Ping ``(host, port, request_id, capability, timeout_s)``, given up when
+    ``cancel()`` says so, and returns the reply (raises a KvxferError when none came)."""
+
+    def __call__(
+        self,
+        host: str,
+        port: int,
+        request_id: str,
+        capability: str,
+        timeout_s: float,
+        cancel: Callable[[], bool] | None = None,
+    ) -> wire.Message: ...
 
 
 class Liveness:
     """Probes quiet transfers (internal).
 
     Args:
-        ping: Sends a Ping ``(host, port, request_id, capability, timeout_s)`` and
-            returns the reply (raises a KvxferError when none came).
+        ping: Sends a Ping (see :class:`Ping`).
         submit: Runs a call on an io worker.
         settler: Fails or completes the probed transfers.
         count: Counts one probe sent.
@@ -100,7 +133,7 @@ class Liveness:
                     job = (self._probe_pull, t, peer.host, peer.port)
                 else:
                     # Its handshake or post has not returned: only a port that refuses
-                    # says the producer is gone (a slow one may not answer a Ping yet).
+                    # says the producer is gone (it may not answer a Ping yet).
                     assert meta.producer_at is not None
                     job = (self._probe_port, t, *meta.producer_at)
             else:
@@ -110,61 +143,75 @@ class Liveness:
             if not self._submit(*job):
                 meta.probing = False
 
-    @staticmethod
-    def _refused(host: str, port: int) -> OSError | None:
-        """A TCP connect: a peer whose port refuses is gone (faster than a timeout)."""
-        try:
-            with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
-                return None
-        except OSError as exc:
-            return exc
-
     def _ask(self, t: Transfer, host: str, port: int, request_id: str) -> wire.Message | None:
-        """The peer's answer to a Ping; None when it is gone (``t`` failed) or alive
-        but too busy to answer in time (``t`` stays, its deadline still bounds it)."""
-        refused = self._refused(host, port)
-        try:
-            if refused is not None:
-                raise PeerError(f"{host}:{port} refused the connection ({refused})")
-            return self._ping(host, port, request_id, t.meta.capability, PING_TIMEOUT_S)
-        except KvxferError as exc:
-            if refused is None and self._refused(host, port) is None:
-                # The port still accepts: the process lives (a dead one's port refuses,
-                # a dead host's connect times out). A producer starved of CPU (seen
-                # with vLLM on an overloaded host) can miss a Ping's deadline; failing
-                # its transfer then would be a false alarm. Asked again after QUIET_S.
-                log.debug("liveness probe of %s:%d unanswered, port open: %s", host, port, exc)
+        """The peer's answer to a Ping; None when it is gone (``t`` failed) or gave no
+        answer in time (``t`` stays, its deadline still bounds it)."""
+        watch = probe_port(host, port)
+        if isinstance(watch, OSError):
+            self._verdict(t, host, port, watch)
+            return None
+        with watch:
+            try:
+                return self._ping(
+                    host,
+                    port,
+                    request_id,
+                    t.meta.capability,
+                    PING_TIMEOUT_S,
+                    cancel=partial(_broken, watch),
+                )
+            except KvxferError as exc:
+                log.debug("liveness probe of %s:%d unanswered: %s", host, port, exc)
+            if not _broken(watch):
+                # Still open: a dead process's connections are reset by its kernel, so
+                # it lives and is only slow (and no further connect fills its queue).
                 self._alive(t)
                 return None
-            self._settler.fail(
-                t,
-                FailureKind.PEER_GONE,
-                PeerError(
-                    f"peer {host}:{port} gone: no answer to a liveness probe after "
-                    f"{QUIET_S:g}s without progress ({exc})"
-                ),
-                FailureStage.TRANSFER,
+        # The watch connection broke: a fresh connect says whether the process is gone
+        # (a dead one's port refuses) or only closed it.
+        again = probe_port(host, port)
+        if isinstance(again, OSError):
+            self._verdict(t, host, port, again)
+        else:
+            again.close()
+            self._alive(t)
+        return None
+
+    def _verdict(self, t: Transfer, host: str, port: int, exc: OSError) -> None:
+        """A connect to the peer's port failed with ``exc``: gone on evidence, else
+        (a timeout: a loaded host, a frozen peer's full accept queue) alive."""
+        if not dead(exc):
+            log.info(
+                "liveness probe of %s:%d: no connection (%s); not evidence of death, "
+                "%s waits (its deadline bounds it)",
+                host,
+                port,
+                exc,
+                t.request_id,
             )
-            return None
-
-    def _alive(self, t: Transfer) -> None:
-        t.meta.last_progress = time.monotonic()
-        t.meta.probing = False
-
-    def _probe_port(self, t: Transfer, host: str, port: int) -> None:
-        refused = self._refused(host, port)
-        if refused is None:
             self._alive(t)
             return
         self._settler.fail(
             t,
             FailureKind.PEER_GONE,
             PeerError(
-                f"peer {host}:{port} gone: its side channel refused a liveness probe after "
-                f"{QUIET_S:g}s without progress ({refused})"
+                f"peer {host}:{port} gone: its side channel refused or reset a liveness "
+                f"probe after {QUIET_S:g}s without progress ({exc})"
             ),
             FailureStage.TRANSFER,
         )
+
+    def _alive(self, t: Transfer) -> None:
+        t.meta.last_progress = time.monotonic()
+        t.meta.probing = False
+
+    def _probe_port(self, t: Transfer, host: str, port: int) -> None:
+        conn = probe_port(host, port)
+        if isinstance(conn, OSError):
+            self._verdict(t, host, port, conn)
+        else:
+            conn.close()
+            self._alive(t)
 
     def _probe_pull(self, t: Transfer, host: str, port: int) -> None:
         reply = self._ask(t, host, port, "")

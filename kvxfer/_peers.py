@@ -4,32 +4,29 @@ Concurrent requests to the same peer share one handshake: the first caller perfo
 it under the address's lock, the others wait for its result. A cached peer is reused
 only while it is the same incarnation: a ticket naming another incarnation, or a
 transfer that failed against the peer, forces a fresh handshake, so a restarted
-producer is never served from a stale cache.
+producer is never served from a stale cache. A transfer's handshake keeps trying while
+the peer's port accepts connections, until the transfer's deadline (R-SAFE-6: a peer
+that answers late is slow, not dead); a port that refuses ends it at once.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
+import time
 
 from kvxfer._local import LocalEnd
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, PeerHandle
-from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient
+from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient, dead, probe_port
 from kvxfer.descriptors import DescriptorTable
-from kvxfer.errors import KvxferError, PeerError
+from kvxfer.errors import HandshakeTimeout, KvxferError, PeerError
 from kvxfer.handshake import Initiator, PeerInfo
 from kvxfer.heads import heads_per_region, pairing_heads, split_heads
 from kvxfer.layout import KVLayout
 from kvxfer.rails import rails_for_transfer, shared_rails
 
-__all__ = ["CONNECT_PROBE_S", "Peer", "PeerCache"]
-
-#: A first contact first checks that the side-channel port accepts connections: one
-#: that refuses (nobody listens: the peer is dead) fails at once, not after every
-#: handshake try (R-SAFE-4).
-CONNECT_PROBE_S = 0.5
+__all__ = ["Peer", "PeerCache"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -92,9 +89,18 @@ class PeerCache:
         self._announced: set[str] = set()
 
     def get(
-        self, host: str, port: int, expected_engine_id: str | None, incarnation: int | None
+        self,
+        host: str,
+        port: int,
+        expected_engine_id: str | None,
+        incarnation: int | None,
+        *,
+        until: float | None = None,
     ) -> Peer:
         """The peer at ``host:port``, handshaking if not cached or stale.
+
+        ``until`` (a ``time.monotonic()`` deadline, a transfer's): a handshake whose
+        tries all went unanswered starts over while the port still accepts, until then.
 
         Raises:
             HandshakeError, CompatError, LayoutMismatch, PeerError: the handshake failed.
@@ -116,7 +122,7 @@ class PeerCache:
                     self._backend.remove_peer(peer.handle)
                 except KvxferError as exc:
                     log.debug("removing suspect %r: %s", peer, exc)
-            new = self._handshake(host, int(port), expected_engine_id)
+            new = self._handshake(host, int(port), expected_engine_id, until)
             if incarnation is not None and new.incarnation != incarnation:
                 # The ticket was issued by an earlier life of this producer: its blocks
                 # are gone with it. Keep the new peer cached for later tickets.
@@ -152,7 +158,7 @@ class PeerCache:
         if old is not None and old.handle != peer.handle:
             self._backend.remove_peer(old.handle)
 
-    def _handshake(self, host: str, port: int, expected: str | None) -> Peer:
+    def _handshake(self, host: str, port: int, expected: str | None, until: float | None) -> Peer:
         local, config = self._local, self._local.config
         initiator = Initiator(
             hello=local.hello(expected),
@@ -164,15 +170,24 @@ class PeerCache:
             address=f"{host}:{port}",
             max_bytes=config.max_message_bytes * 4,
         )
-        try:
-            with socket.create_connection((host, port), timeout=CONNECT_PROBE_S):
-                pass
-        except OSError as exc:
-            raise PeerError(
-                f"side channel {host}:{port} does not accept connections ({exc}): "
-                f"the peer is not running or not reachable; {SIDE_CHANNEL_HINT}"
-            ) from exc
-        reply = self._client.request(host, port, initiator.hello())
+        self._reachable(host, port)
+        while True:
+            try:
+                reply = self._client.request(host, port, initiator.hello())
+                break
+            except HandshakeTimeout:
+                if until is None or time.monotonic() >= until:
+                    raise
+                # Unanswered, not refused: the peer may be frozen or starved of CPU.
+                self._reachable(host, port)
+                log.info(
+                    "%shandshake with %s:%d unanswered; its port accepts: trying again "
+                    "(for %.1fs more at most)",
+                    self._log_prefix,
+                    host,
+                    port,
+                    until - time.monotonic(),
+                )
         info = initiator.receive(reply)
         rails = self._rails(info, f"{host}:{port}")
         table = self._peer_table(info)
@@ -222,6 +237,23 @@ class PeerCache:
         except KvxferError as exc:
             log.debug("%s: its table stays whole (%s)", info.engine_id, exc)
         return DescriptorTable.build(layout, config.plan)
+
+    @staticmethod
+    def _reachable(host: str, port: int) -> None:
+        """Raise PeerError when the port refuses (or resets) a connection: nobody
+        listens there, so a first contact to a dead peer fails at once, not after every
+        handshake try (R-SAFE-4). A connect that times out proves nothing (R-SAFE-6):
+        the handshake's tries say."""
+        conn = probe_port(host, port)
+        if not isinstance(conn, OSError):
+            conn.close()
+            return
+        if dead(conn):
+            raise PeerError(
+                f"side channel {host}:{port} does not accept connections ({conn}): "
+                f"the peer is not running or not reachable; {SIDE_CHANNEL_HINT}"
+            ) from conn
+        log.info("side channel %s:%d: no connection yet (%s)", host, port, conn)
 
     def _rails(self, info: PeerInfo, address: str) -> tuple[str, ...]:
         """The rails a transfer to this peer uses (R-RAIL-3); () when either side has none."""

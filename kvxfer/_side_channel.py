@@ -5,12 +5,17 @@ The server answers handshakes (:class:`~kvxfer.handshake.Responder`, with this a
 Release frees a held request (or is remembered until its hold), a consumer's
 PushRegister goes to the push writer. The client sends this agent's own control
 messages (Release, PushRegister) and carries the peer cache's handshakes.
+
+A Ping is answered on the server thread from what this agent knows without asking its
+backend or waiting long for its lock (R-SAFE-6); everything that takes those runs on
+the server's worker threads (:class:`~kvxfer.control.SideChannelServer`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvxfer import wire
@@ -22,11 +27,16 @@ from kvxfer._readers import ReaderCount
 from kvxfer.backend import Backend
 from kvxfer.control import SideChannelClient, SideChannelServer
 from kvxfer.errors import PeerError
-from kvxfer.handshake import Initiator, Responder
+from kvxfer.handshake import Identity, Initiator, Responder
 
-__all__ = ["SideChannel"]
+__all__ = ["HOLD_STATE_WAIT_S", "SideChannel"]
 
 log = logging.getLogger("kvxfer.agent")
+
+#: The longest a Ping that names a request waits for the agent lock. Past it the Pong
+#: says nothing of the hold (the pinger takes the peer for alive and asks again), so
+#: that a lock held through a long call never holds up the side channel's thread.
+HOLD_STATE_WAIT_S = 0.02
 
 
 class SideChannel:
@@ -78,6 +88,7 @@ class SideChannel:
                 compat_hash=self._local.compat_hash,
                 enforce_compat=config.enforce_handshake_compat,
                 local_info=self._welcome,
+                identity=self._identity,
                 on_message=self._on_message,
                 auth_secret=config.auth_secret,
                 max_bytes=config.max_message_bytes,
@@ -86,9 +97,10 @@ class SideChannel:
             self._server = SideChannelServer(
                 config.side_channel_host,
                 config.side_channel_port,
-                responder.respond,
+                responder.answer,
                 max_bytes=config.max_message_bytes,
                 oversize_reply=responder.too_large,
+                busy_reply=responder.busy,
             )
         return config.side_channel_host, self._server.port
 
@@ -124,10 +136,17 @@ class SideChannel:
         return initiator.reply(reply)
 
     def ping(
-        self, host: str, port: int, request_id: str, capability: str, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        request_id: str,
+        capability: str,
+        timeout_s: float,
+        cancel: Callable[[], bool] | None = None,
     ) -> wire.Message:
-        """One liveness probe (one try of ``timeout_s``); with ``request_id``, the
-        reply's :attr:`~kvxfer.wire.Pong.hold` says how the peer's hold stands."""
+        """One liveness probe (one try of ``timeout_s``, given up early when ``cancel()``
+        says so); with ``request_id``, the reply's :attr:`~kvxfer.wire.Pong.hold` says
+        how the peer's hold stands."""
         config = self._config
         initiator = Initiator(
             hello=self._local.hello(None),
@@ -138,7 +157,9 @@ class SideChannel:
             max_bytes=config.max_message_bytes * 4,
         )
         frame = initiator.ping(request_id, capability)
-        reply = self._client.request(host, port, frame, timeout_s=timeout_s, retries=0)
+        reply = self._client.request(
+            host, port, frame, timeout_s=timeout_s, retries=0, cancel=cancel
+        )
         return initiator.reply(reply)
 
     def close(self) -> None:
@@ -148,9 +169,21 @@ class SideChannel:
         if self._server is not None:
             self._server.close()
 
-    def _hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState, str]:
-        with self._lock:
+    def _hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState | None, str]:
+        if not self._lock.acquire(timeout=HOLD_STATE_WAIT_S):
+            return None, "busy"
+        try:
             return self._leases.hold_state(request_id, capability)
+        finally:
+            self._lock.release()
+
+    def _identity(self) -> Identity | None:
+        """What a Pong says: from this agent's own state, never from the backend (whose
+        lock a long post or registration holds)."""
+        exposed = self._local.exposed_layout
+        if exposed is None:
+            return None
+        return Identity(role=self._config.role, direction=self._config.direction, layout=exposed)
 
     def _welcome(self) -> wire.Welcome | None:
         """What this agent tells a peer in the handshake (None until registered)."""
@@ -174,7 +207,7 @@ class SideChannel:
         )
 
     def _on_message(self, msg: Any) -> Any:
-        """Side-channel messages other than the handshake (runs on the server thread)."""
+        """Side-channel messages other than the handshake (on a server worker thread)."""
         if isinstance(msg, wire.Release):
             leases = self._leases
             with self._lock:

@@ -265,7 +265,14 @@ class TPPuller:
         peers: dict[int, Peer] = {}
         for p, t in job.tickets.items():
             try:
-                peers[p] = self._peers.get(t.host, t.port, t.engine_id, t.incarnation or None)
+                # Tried until the rank's pull deadline while its port accepts (R-SAFE-6).
+                peers[p] = self._peers.get(
+                    t.host,
+                    t.port,
+                    t.engine_id,
+                    t.incarnation or None,
+                    until=job.fanout.subs[p].deadline,
+                )
             except KvxferError as exc:
                 # The other ranks are not read: the aggregate could not be DONE, and
                 # their blocks did not land either (so they stay exactly invalid).

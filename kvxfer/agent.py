@@ -609,8 +609,14 @@ class Agent:
         tokens: int,
     ) -> None:
         try:
+            # A producer that answers late (frozen, starved) is tried until the pull's
+            # deadline; one whose port refuses fails it at once (R-SAFE-6).
             peer = self._peers.get(
-                ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
+                ticket.host,
+                ticket.port,
+                ticket.engine_id,
+                ticket.incarnation or None,
+                until=transfer.deadline,
             )
         except KvxferError as exc:
             self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)

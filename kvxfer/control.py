@@ -2,10 +2,15 @@
 
 This module is kvxfer's only zmq user. It moves opaque byte frames; what they mean is
 :mod:`kvxfer.wire` and :mod:`kvxfer.handshake`'s business. Everything is bounded: the
-server drops frames over a hard size cap before reading them, answers each request
-from one thread that never blocks on a client, and the client has a receive timeout,
-a fixed number of retries with backoff, and a fresh socket per try (a REQ socket that
-timed out cannot be reused).
+server drops frames over a hard size cap before reading them, and the client has a
+receive timeout, a fixed number of retries with backoff, and a fresh socket per try (a
+REQ socket that timed out cannot be reused).
+
+The server answers cheap requests (a liveness Ping) on its own thread at once, and runs
+the slow ones (a handshake's Welcome, a registration, a release: they take locks that
+a long transfer call can hold) on a few worker threads (R-SAFE-6): a busy handler never
+delays a Ping, so a slow peer is not taken for a dead one. zmq sockets are not
+thread-safe, so a worker hands its reply back to the server thread, which sends it.
 
 Nothing here delays the process's exit: the server's thread is a daemon, and a client's
 pending requests wait in short slices that :meth:`SideChannelClient.close` cuts short
@@ -15,21 +20,41 @@ the interpreter joins at exit, for every try: 3 × 5 s by default).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from kvxfer.errors import HandshakeError, HandshakeTimeout, missing_dependency
 
-__all__ = ["SideChannelClient", "SideChannelServer", "format_address"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "Deferred",
+    "SideChannelClient",
+    "SideChannelServer",
+    "dead",
+    "format_address",
+    "probe_port",
+]
 
 log = logging.getLogger("kvxfer.control")
 
 # A pending request checks for close() this often; also the longest a closed client's
 # request keeps its thread.
 _SLICE_S = 0.05
+
+#: The slow part of answering a request, run off the server thread; returns the reply.
+Deferred: TypeAlias = Callable[[], bytes]
+#: Threads that run the deferred work of one server: handshakes of several peers (a
+#: TP consumer's ranks all arrive at once) proceed side by side.
+SLOW_WORKERS = 4
+#: Deferred requests waiting beyond this are refused with ``busy_reply`` (a flood of
+#: handshakes cannot grow memory without bound, R-SAFE-3).
+MAX_DEFERRED = 256
 
 SIDE_CHANNEL_HINT = (
     "check that the peer is running and that its side-channel host/port "
@@ -53,26 +78,51 @@ def format_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+#: How long a probe's TCP connect to a side-channel port may take (refused at once
+#: when nobody listens; a timeout says nothing).
+PROBE_TIMEOUT_S = 0.5
+
+
+def dead(exc: OSError) -> bool:
+    """Whether a connect's failure is evidence that the peer's process is gone: its
+    port refuses (nobody listens) or the connection was reset. A timeout is not."""
+    return isinstance(exc, ConnectionRefusedError | ConnectionResetError)
+
+
+def probe_port(host: str, port: int) -> socket.socket | OSError:
+    """A TCP connection to the peer's side-channel port, or why there is none."""
+    try:
+        return socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S)
+    except OSError as exc:
+        return exc
+
+
 class SideChannelServer:
-    """A ROUTER socket served by one daemon thread.
+    """A ROUTER socket served by one daemon thread, slow requests by a few more.
 
     Args:
         host: Interface to bind (``0.0.0.0`` for all).
         port: TCP port; 0 picks a free one (see :attr:`port`).
-        handler: Turns a request frame into a reply frame. It must not raise; if it
-            does anyway, the error is logged and the client gets no reply (it times out).
+        handler: Turns a request frame into a reply frame, or into a
+            :data:`Deferred` that computes it on a worker thread (what may block on a
+            lock or take long must be deferred: the server thread answers everyone
+            else). Neither may raise; if one does anyway, the error is logged and the
+            client gets no reply (it times out).
         max_bytes: Frames above this are answered by ``oversize_reply`` without parsing.
         oversize_reply: Reply for oversized frames (a wire ``Reject``).
+        busy_reply: Reply to a request deferred while :data:`MAX_DEFERRED` wait already
+            (a wire ``Reject`` saying retry); None drops it (the client times out).
     """
 
     def __init__(
         self,
         host: str,
         port: int,
-        handler: Callable[[bytes], bytes],
+        handler: Callable[[bytes], bytes | Deferred],
         *,
         max_bytes: int,
         oversize_reply: Callable[[int], bytes],
+        busy_reply: Callable[[], bytes] | None = None,
     ) -> None:
         zmq = _zmq()
         self._zmq = zmq
@@ -86,6 +136,7 @@ class SideChannelServer:
         self._handler = handler
         self._max_bytes = max_bytes
         self._oversize = oversize_reply
+        self._busy = busy_reply
         bind_host = "*" if host in ("0.0.0.0", "") else host
         try:
             if port == 0:
@@ -102,6 +153,17 @@ class SideChannelServer:
             ) from exc
         self.host = host
         self._stop = threading.Event()
+        # Deferred work goes out on _jobs; replies come back on _done, and a byte on
+        # the pipe wakes the server thread's poll (it polls the pipe with the socket).
+        self._jobs: queue.SimpleQueue[tuple[list[bytes], Deferred] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[list[bytes], bytes]] = queue.SimpleQueue()
+        self._waiting = 0  # deferred requests not answered yet (server thread only)
+        # Socket objects rather than raw fds: a late worker's send after close() raises
+        # instead of writing into whatever file reused the number.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._workers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name="kvxfer-side-channel", daemon=True)
         self._thread.start()
 
@@ -113,42 +175,108 @@ class SideChannelServer:
         except self._zmq.ZMQError as exc:  # client gone or its queue full: drop
             log.debug("side channel: reply dropped: %s", exc)
 
+    def _defer(self, frames: list[bytes], work: Deferred) -> None:
+        if self._waiting >= MAX_DEFERRED:
+            log.warning("side channel: %d slow requests waiting; refused one", self._waiting)
+            if self._busy is not None:
+                self._reply(frames, self._busy())
+            return
+        self._waiting += 1
+        if len(self._workers) < min(SLOW_WORKERS, self._waiting):
+            worker = threading.Thread(
+                target=self._work, name=f"kvxfer-side-channel-{len(self._workers)}", daemon=True
+            )
+            self._workers.append(worker)
+            worker.start()
+        self._jobs.put((frames, work))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            frames, work = job
+            try:
+                reply: bytes | None = work()
+            except Exception:
+                log.exception("side channel: handler failed; no reply sent")
+                reply = None
+            # Counted even without a reply, so that _waiting comes back down.
+            self._done.put((frames, b"" if reply is None else reply))
+            # OSError: full (a wake is pending anyway) or closed (the server is gone).
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
+    def _send_done(self) -> None:
+        with contextlib.suppress(OSError):  # raised once drained
+            while self._wake_r.recv(4096):
+                pass
+        while True:
+            try:
+                frames, reply = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._waiting -= 1
+            if reply:
+                self._reply(frames, reply)
+
+    def _serve(self, frames: list[bytes]) -> None:
+        payload = frames[-1]
+        if len(payload) > self._max_bytes:
+            log.warning(
+                "side channel: rejected a %d-byte frame (limit %d)", len(payload), self._max_bytes
+            )
+            self._reply(frames, self._oversize(len(payload)))
+            return
+        try:
+            answer = self._handler(payload)
+        except Exception:
+            log.exception("side channel: handler failed; no reply sent")
+            return
+        if isinstance(answer, bytes):
+            self._reply(frames, answer)
+        else:
+            self._defer(frames, answer)
+
     def _run(self) -> None:
         zmq = self._zmq
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        wake = self._wake_r.fileno()
+        poller.register(wake, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(100):
-                    continue
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                ready = dict(poller.poll(100))
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     break
-                log.debug("side channel: receive failed: %s", exc)
+                log.debug("side channel: poll failed: %s", exc)
                 continue
-            if len(frames) < 2:
+            if wake in ready:
+                self._send_done()
+            if self._sock not in ready:
                 continue
-            payload = frames[-1]
-            if len(payload) > self._max_bytes:
-                log.warning(
-                    "side channel: rejected a %d-byte frame (limit %d)",
-                    len(payload),
-                    self._max_bytes,
-                )
-                self._reply(frames, self._oversize(len(payload)))
-                continue
-            try:
-                reply = self._handler(payload)
-            except Exception:
-                log.exception("side channel: handler failed; no reply sent")
-                continue
-            self._reply(frames, reply)
+            # Everything queued, then back to the poll (replies of deferred work).
+            for _ in range(64):
+                try:
+                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    log.debug("side channel: receive failed: %s", exc)
+                    break
+                if len(frames) >= 2:
+                    self._serve(frames)
+        for _ in self._workers:
+            self._jobs.put(None)
         self._sock.close(0)
         self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def close(self) -> None:
-        """Stop serving and release the socket; idempotent."""
+        """Stop serving and release the socket; idempotent. A worker still inside a
+        handler is a daemon thread and ends with it (its reply is dropped)."""
         if not self._stop.is_set():
             self._stop.set()
             if threading.current_thread() is not self._thread:
@@ -214,6 +342,7 @@ class SideChannelClient:
         *,
         timeout_s: float | None = None,
         retries: int | None = None,
+        cancel: Callable[[], bool] | None = None,
     ) -> bytes:
         """Send one frame and return the reply frame.
 
@@ -224,11 +353,14 @@ class SideChannelClient:
             timeout_s: This request's per-try timeout (default :attr:`timeout_s`), e.g. a
                 liveness probe's short one.
             retries: This request's further tries (default :attr:`retries`).
+            cancel: Asked in every wait slice (~50 ms); True ends the request with a
+                HandshakeError (a liveness probe stops waiting once its watch
+                connection to the peer broke).
 
         Raises:
             HandshakeTimeout: no reply after every try (names the address and the setting).
-            HandshakeError: the address is malformed, or the client was closed (before
-                or during the request).
+            HandshakeError: the address is malformed, the client was closed (before
+                or during the request), or ``cancel`` said so.
         """
         zmq = self._zmq
         address = format_address(host, port)
@@ -245,7 +377,7 @@ class SideChannelClient:
             try:
                 sock.connect(address)
                 sock.send(payload)
-                reply = self._receive(sock, time.monotonic() + timeout, address)
+                reply = self._receive(sock, time.monotonic() + timeout, address, cancel)
                 if reply is not None:
                     return reply
                 log.info("side channel %s: no reply (try %d of %d)", address, attempt, tries)
@@ -264,12 +396,16 @@ class SideChannelClient:
             f"{timeout:g}s; {SIDE_CHANNEL_HINT}"
         )
 
-    def _receive(self, sock: Any, deadline: float, address: str) -> bytes | None:
+    def _receive(
+        self, sock: Any, deadline: float, address: str, cancel: Callable[[], bool] | None
+    ) -> bytes | None:
         """The reply, or None at the deadline; waits in slices so close() cuts it short."""
         zmq = self._zmq
         while True:
             if self._closed.is_set():
                 raise self._cancelled(address)
+            if cancel is not None and cancel():
+                raise HandshakeError(f"side channel {address}: request cancelled by its caller")
             left = deadline - time.monotonic()
             if left <= 0:
                 return None

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import msgspec
@@ -54,7 +56,14 @@ from kvxfer.layout import KVLayout
 from kvxfer.types import Direction, Role
 from kvxfer.wire import Message, RejectCode
 
-__all__ = ["MIN_SECRET_BYTES", "Initiator", "PeerInfo", "Responder", "roles_pair"]
+__all__ = [
+    "MIN_SECRET_BYTES",
+    "Identity",
+    "Initiator",
+    "PeerInfo",
+    "Responder",
+    "roles_pair",
+]
 
 log = logging.getLogger("kvxfer.handshake")
 
@@ -70,8 +79,18 @@ _PENDING: Final = 64
 #: KvxferError INVALID, anything else INTERNAL.
 MessageHook = Callable[[Message], Message | None]
 #: Answers a :class:`~kvxfer.wire.Ping` that names a request: ``(request_id,
-#: capability) -> (state, reason)``. UNKNOWN when the capability does not match.
-HoldHook = Callable[[str, str], tuple[wire.HoldState, str]]
+#: capability) -> (state, reason)``. UNKNOWN when the capability does not match; None
+#: when it cannot say at once (the pinger asks again later).
+HoldHook = Callable[[str, str], tuple[wire.HoldState | None, str]]
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """What a :class:`~kvxfer.wire.Pong` says of its responder besides the constants:
+    known without asking the transport, so a Ping never waits for it."""
+
+    role: Role
+    direction: Direction
+    layout: KVLayout
 
 
 class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,7 +174,10 @@ class Responder:
         local_info: Returns the :class:`~kvxfer.wire.Welcome` to send (layout, agent
             metadata, rails, plan options, lease), or None until memory is registered
             (peers then get NOT_READY and retry). Called for every hello, so agent
-            metadata may change after a deferred registration.
+            metadata may change after a deferred registration; it may block (it asks the
+            transport), so :meth:`answer` calls it off the server thread.
+        identity: What a Pong says (role, direction, layout), cheap and never blocking;
+            None asks ``local_info`` (then a Ping waits as long as a Welcome does).
         enforce_compat: False skips the compatibility hash check (logged once).
         on_message: Handles PushRegister/Release (see :data:`MessageHook`).
         hold_state: Answers a Ping that names a request (see :data:`HoldHook`); None
@@ -177,6 +199,7 @@ class Responder:
         incarnation: int,
         compat_hash: str,
         local_info: Callable[[], wire.Welcome | None],
+        identity: Callable[[], Identity | None] | None = None,
         enforce_compat: bool = True,
         on_message: MessageHook | None = None,
         hold_state: HoldHook | None = None,
@@ -193,6 +216,7 @@ class Responder:
         self.max_bytes = max_bytes
         self.max_skew_s = max_skew_s
         self._local_info = local_info
+        self._identity = identity
         self._on_message = on_message
         self._key = _secret(auth_secret)
         self._clock = clock
@@ -202,6 +226,8 @@ class Responder:
         #: Frames answered with a Welcome / Pong / hook reply, and rejections by code.
         self.accepted = 0
         self.rejected: collections.Counter[RejectCode] = collections.Counter()
+        # Deferred work finishes on several threads: the counters and the log limiter.
+        self._count_lock = threading.Lock()
         # Precomputed so that even a failing encoder leaves us something to answer.
         self._fallback = wire.encode(
             wire.Reject(code=RejectCode.INTERNAL, reason="internal error"), compat_hash
@@ -221,7 +247,19 @@ class Responder:
             )
 
     def respond(self, data: bytes) -> bytes:
-        """Answer one received frame; never raises."""
+        """Answer one received frame, all of it on this thread; never raises."""
+        answer = self.answer(data)
+        return answer if isinstance(answer, bytes) else answer()
+
+    def answer(self, data: bytes) -> bytes | Callable[[], bytes]:
+        """Answer one received frame, or return the slow rest of the answer; never raises.
+
+        Decoding, authentication, the compatibility check, a Ping and every rejection
+        of those are answered here at once (a Ping within milliseconds whatever else
+        runs, R-SAFE-6). A Hello (its Welcome asks the transport for its metadata) and a
+        PushRegister or Release (they take the agent's lock) come back as a callable
+        that computes the reply, never raising, for the caller to run on another thread.
+        """
         reply_to = b""
         try:
             if isinstance(data, bytes | bytearray | memoryview):
@@ -231,26 +269,55 @@ class Responder:
             frame = wire.decode(data, max_bytes=self.max_bytes)
             if frame.auth is not None:
                 reply_to = frame.auth.nonce
-            reply = self._dispatch(frame)
-            if isinstance(reply, wire.Reject):  # the hook refused
+            self._authenticate(frame)
+            message = frame.message
+            if isinstance(message, wire.Ping):
+                return self._accept(self._pong(message), reply_to)
+            if isinstance(message, wire.Hello):
+                self._check_compat(frame, message.engine_id)
+                return partial(self._finish, partial(self._hello, message), reply_to)
+            if isinstance(message, wire.PushRegister | wire.Release):
+                self._check_compat(frame, message.engine_id)
+                return partial(self._finish, partial(self._hook, message), reply_to)
+            raise _Refusal(
+                RejectCode.MALFORMED, f"a listener does not take {type(message).__name__}"
+            )
+        except Exception as exc:
+            return self._failed(exc, reply_to)
+
+    def busy(self) -> bytes:
+        """The reply to a request its server has no room to queue (retry later)."""
+        return self._refuse(RejectCode.NOT_READY, "the side channel is busy; retry", b"")
+
+    def _finish(self, work: Callable[[], Message], reply_to: bytes) -> bytes:
+        try:
+            return self._accept(work(), reply_to)
+        except Exception as exc:
+            return self._failed(exc, reply_to)
+
+    def _accept(self, reply: Message, reply_to: bytes) -> bytes:
+        if isinstance(reply, wire.Reject):  # the hook refused
+            with self._count_lock:
                 self.rejected[reply.code] += 1
-            else:
+        else:
+            with self._count_lock:
                 self.accepted += 1
-            return self._encode(reply, reply_to)
-        except ProtocolVersionError as exc:
-            return self._refuse(RejectCode.VERSION, str(exc), reply_to)
-        except WireError as exc:
-            return self._refuse(RejectCode.MALFORMED, str(exc), reply_to)
-        except _Refusal as exc:
-            return self._refuse(exc.code, exc.reason, reply_to)
-        except Exception:  # the listener must outlive any bug reachable from input
-            log.exception("side channel: internal error while answering a frame")
-            try:
-                return self._refuse(
-                    RejectCode.INTERNAL, "internal error; see the responder's log", b""
-                )
-            except Exception:
-                return self._fallback
+        return self._encode(reply, reply_to)
+
+    def _failed(self, exc: Exception, reply_to: bytes) -> bytes:
+        """The rejection ``exc`` calls for (never raises)."""
+        try:
+            if isinstance(exc, ProtocolVersionError):
+                return self._refuse(RejectCode.VERSION, str(exc), reply_to)
+            if isinstance(exc, WireError):
+                return self._refuse(RejectCode.MALFORMED, str(exc), reply_to)
+            if isinstance(exc, _Refusal):
+                return self._refuse(exc.code, exc.reason, reply_to)
+            # The listener must outlive any bug reachable from input.
+            log.error("side channel: internal error while answering a frame", exc_info=exc)
+            return self._refuse(RejectCode.INTERNAL, "internal error; see the responder's log", b"")
+        except Exception:
+            return self._fallback
 
     def too_large(self, size: int) -> bytes:
         """The reply to a frame of ``size`` bytes above the limit (never parsed)."""
@@ -261,18 +328,6 @@ class Responder:
         )
 
     # -- dispatch --------------------------------------------------------------------
-    def _dispatch(self, frame: wire.Frame) -> Message:
-        self._authenticate(frame)
-        message = frame.message
-        if isinstance(message, wire.Ping):
-            return self._pong(message)
-        if isinstance(message, wire.Hello):
-            return self._hello(frame, message)
-        if isinstance(message, wire.PushRegister | wire.Release):
-            self._check_compat(frame, message.engine_id)
-            return self._hook(message)
-        raise _Refusal(RejectCode.MALFORMED, f"a listener does not take {type(message).__name__}")
-
     def _authenticate(self, frame: wire.Frame) -> None:
         if self._key is None:
             return
@@ -312,8 +367,7 @@ class Responder:
                 self.compat_hash,
             )
 
-    def _hello(self, frame: wire.Frame, hello: wire.Hello) -> wire.Welcome:
-        self._check_compat(frame, hello.engine_id)
+    def _hello(self, hello: wire.Hello) -> wire.Welcome:
         expected = hello.expected_engine_id
         if expected is not None and expected != self.engine_id:
             raise _Refusal(
@@ -348,7 +402,9 @@ class Responder:
         return welcome
 
     def _pong(self, ping: wire.Ping) -> wire.Pong:
-        welcome = self._local_info()
+        welcome: Identity | wire.Welcome | None = (
+            self._local_info() if self._identity is None else self._identity()
+        )
         hold: wire.HoldState | None = None
         reason = ""
         if ping.request_id and self._hold_state is not None:
@@ -391,8 +447,9 @@ class Responder:
         )
 
     def _refuse(self, code: RejectCode, reason: str, reply_to: bytes) -> bytes:
-        self.rejected[code] += 1
-        self._limiter.warning("side channel: rejected a frame (%s): %s", code.value, reason)
+        with self._count_lock:
+            self.rejected[code] += 1
+            self._limiter.warning("side channel: rejected a frame (%s): %s", code.value, reason)
         # Bounded like the schema, so a peer's decoder never refuses our explanation.
         return self._encode(wire.Reject(code=code, reason=reason[:4000]), reply_to)
 

@@ -183,6 +183,8 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
                     }
                 else:
                     value = {"ok": True, "bytes": t.stats.bytes, "descriptors": t.stats.descriptors}
+            elif cmd == "state":
+                value = transfers[args].poll().value  # pending, done or failed
             elif cmd == "check":
                 local, remote, seed = args
                 value = cache.mismatches(local, remote, seed)

@@ -93,11 +93,15 @@ def test_a_process_with_a_pending_request_exits_within_a_second_of_close(
             try:
                 client.request("127.0.0.1", {silent_port}, b"hello")
             except Exception as exc:
-                print("worker:", type(exc).__name__, flush=True)
+                # One write per line: print() writes its parts apart, and the two
+                # threads' lines interleaved once.
+                sys.stdout.write(f"worker: {{type(exc).__name__}}\\n")
+                sys.stdout.flush()
         threading.Thread(target=run).start()
         time.sleep(0.3)
         client.close()
-        print("closed", time.monotonic(), flush=True)
+        sys.stdout.write(f"closed {{time.monotonic()}}\\n")
+        sys.stdout.flush()
         """
     )
     done = subprocess.run(

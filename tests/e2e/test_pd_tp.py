@@ -94,9 +94,11 @@ def _tp_args(tp: int, dtype: str) -> list[str]:
 def _extra() -> dict[str, Any]:
     """Both instances run the connector's defaults, whatever the other's TP size (issue
     26: upstream's connector pairs TP1 with TP2 with no key, and a prefill pod cannot
-    know which decode TP sizes it will meet; the pair is cut at the handshake). Three
-    TP instances share two cores here: a first handshake can wait seconds for a
-    starved side-channel thread, so the loads get more than the other e2e pairs' 10 s."""
+    know which decode TP sizes it will meet; the pair is cut at the handshake). The
+    loads get more than the other e2e pairs' 10 s: a late side channel no longer fails
+    them (R-SAFE-6), but once (issue 25) the first READ from the idle TP1 producer
+    did not complete within 10 s while that producer answered every probe, a
+    data-path stall not found yet."""
     return {"transfer_timeout_s": 30}
 
 
