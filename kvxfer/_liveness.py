@@ -27,6 +27,7 @@ default backlog), is alive as far as a probe can tell: its transfer waits, bound
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import time
@@ -39,12 +40,17 @@ from kvxfer.control import dead, probe_port
 from kvxfer.errors import KvxferError, PeerError, TransferError
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["PING_TIMEOUT_S", "QUIET_S", "Liveness"]
+__all__ = ["LINK_DEAD_S", "PING_TIMEOUT_S", "QUIET_S", "Liveness"]
 
 log = logging.getLogger("kvxfer.agent")
 
 #: A transfer without progress this long gets a probe.
 QUIET_S = 0.4
+#: How long a push reception's producer must have had no route before the
+#: transport's keepalive has surely ended their connections (see Liveness._cut_off).
+LINK_DEAD_S = 10.0
+_NO_ROUTE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH})
+
 #: How long the Ping waits for its answer once the port accepted (the process lives,
 #: but it may be frozen or starved of CPU on a loaded host).
 PING_TIMEOUT_S = 1.0
@@ -150,6 +156,7 @@ class Liveness:
         if isinstance(watch, OSError):
             self._verdict(t, host, port, watch)
             return None
+        t.meta.unreachable_since = 0.0  # a route again
         with watch:
             try:
                 return self._ping(
@@ -180,6 +187,18 @@ class Liveness:
     def _verdict(self, t: Transfer, host: str, port: int, exc: OSError) -> None:
         """A connect to the peer's port failed with ``exc``: gone on evidence, else
         (a timeout: a loaded host, a frozen peer's full accept queue) alive."""
+        if self._cut_off(t, exc):
+            self._settler.fail(
+                t,
+                FailureKind.PEER_GONE,
+                PeerError(
+                    f"peer {host}:{port} unreachable for {LINK_DEAD_S:g}s ({exc}): the "
+                    "transport's keepalive has ended its connections, no write of it can "
+                    "land any more"
+                ),
+                FailureStage.TRANSFER,
+            )
+            return
         if not dead(exc):
             log.info(
                 "liveness probe of %s:%d: no connection (%s); not evidence of death, "
@@ -200,6 +219,26 @@ class Liveness:
             ),
             FailureStage.TRANSFER,
         )
+
+    @staticmethod
+    def _cut_off(t: Transfer, exc: OSError) -> bool:
+        """Whether a push reception's producer has had no route for longer than the
+        transport keeps a silent connection (:data:`LINK_DEAD_S`): the reception can
+        then neither complete nor receive another byte, and fails. "Network/host
+        unreachable" is not death (the producer runs on), but while the route is gone
+        no byte moves, and UCX's TCP keepalive (kvxfer's default: ~5 s; an RDMA queue
+        pair's retry limit, likewise seconds) ends the connection on both sides, so the
+        producer's write can no longer land when the route returns (R-SAFE-5). A
+        connect that merely times out proves nothing of the kind (a frozen peer's
+        kernel still keeps the connection alive)."""
+        meta = t.meta
+        if not meta.writer_live or exc.errno not in _NO_ROUTE:
+            meta.unreachable_since = 0.0
+            return False
+        now = time.monotonic()
+        if not meta.unreachable_since:
+            meta.unreachable_since = now
+        return now - meta.unreachable_since >= LINK_DEAD_S
 
     def _alive(self, t: Transfer) -> None:
         t.meta.last_progress = time.monotonic()

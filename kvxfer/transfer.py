@@ -145,6 +145,8 @@ class TransferMeta(msgspec.Struct, kw_only=True):
             or is proven gone).
         awaiting_hold: A guarded pull whose guard word says its hold has not come yet:
             only the word is read again until it does, then data and word.
+        unreachable_since: A failed push reception: since when its producer has had
+            no route (kvxfer._liveness), 0 while it has one.
     """
 
     posting: bool = False
@@ -175,6 +177,7 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     quarantined: bool = False
     writer_live: bool = False
     awaiting_hold: bool = False
+    unreachable_since: float = 0.0
 
 
 class Transfer:

@@ -38,18 +38,6 @@ class LateBytes(AssertionError):
     """Bytes of a transfer landed after it was final."""
 
 
-#: Known on main (2026-12-01): the push consumer's liveness probe gets ENETUNREACH from
-#: the side channel while the link is down, takes it for a refused connection (a dead
-#: producer) and settles the reception FAILED in ~0.2 s although the producer's write is
-#: still in flight. Strict: passing fails the run, so whoever fixes it drops the mark.
-PUSH_TAKES_UNREACHABLE_FOR_GONE = pytest.mark.xfail(
-    strict=True,
-    raises=LateBytes,
-    reason="push: 'Network is unreachable' is taken as evidence the producer is gone "
-    "(R-SAFE-6), so the reception is final while the write is in flight (R-SAFE-5)",
-)
-
-
 def _spec(engine_id: str, direction: str, role: str, ns: str, host: str) -> ProcSpec:
     return ProcSpec(
         engine_id=engine_id,
@@ -125,10 +113,8 @@ def _start(direction: str, prod: AgentProc, cons: AgentProc, blocks: int) -> tup
 
 @pytest.mark.parametrize("direction", ["pull", "push"])
 def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
-    direction: str, link: NetnsPair, request: pytest.FixtureRequest, record_property: Any
+    direction: str, link: NetnsPair, record_property: Any
 ) -> None:
-    if direction == "push":
-        request.applymarker(PUSH_TAKES_UNREACHABLE_FOR_GONE)
     prod = AgentProc(
         _spec("prefill-ld", direction, "kv_producer", link.producer_ns, link.producer_addr),
         start_timeout=120,
