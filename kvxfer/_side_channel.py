@@ -222,9 +222,11 @@ class SideChannel:
                 if not self._readers.last(msg.request_id, msg.readers, msg.reader):
                     # Other consumer ranks may still read it (TP sizes differ).
                     return wire.Ack(request_id=msg.request_id)
-                if lease is None:
+                if lease is None or not lease.ready:
+                    # Not held yet (a push registration may wait for the hold): the hold
+                    # that comes frees at once and writes nothing.
                     leases.remember_early(msg.request_id)  # capped; see LeaseBook
-                else:
+                if lease is not None:
                     why = FreeReason.DONE if msg.done else FreeReason.ABORTED
                     leases.free(msg.request_id, why)
             log.debug("peer asked to release %s (%s)", msg.request_id, msg.reason)

@@ -484,6 +484,26 @@ def test_a_lost_pushed_notice_resolves_within_two_seconds(
     assert took < 2.0, f"a lost PUSHED notice took {took:.1f}s to resolve"
 
 
+def test_a_push_aborted_before_its_hold_settles_at_once_and_its_hold_frees(
+    push: tuple[Side, Engine, Side],
+) -> None:
+    """A client gone while prefill still runs: decode aborts its registered reception
+    before the producer's hold. The Release frees the registration's lease and is
+    remembered, so the hold that comes later frees at once and writes nothing; the
+    reception, asked, hears that no write can come and settles. (Before: the hold was
+    kept until its lease expired, and the reception quarantined that long.)"""
+    producer, engine, consumer = push
+    ticket = stub(producer, "gone")
+    t = consumer.agent.expect_push(ticket, [1, 2], num_tokens=2 * BLOCK)
+    push_registered(producer, "gone")
+    consumer.agent.abort(ticket)
+    took = settle(t, 5)
+    assert t.state is TransferState.FAILED and t.invalid_blocks == (1, 2)
+    assert took < 2.0, f"the aborted reception took {took:.1f}s to settle"
+    engine.hold("gone", [3, 4])  # prefill finishes after the abort
+    assert producer.agent.holding() == []  # freed at the hold, not at lease expiry
+
+
 def test_a_producer_dying_during_the_first_contact_fails_the_pull_within_two_seconds(
     pull: tuple[Side, Engine, Side],
 ) -> None:
