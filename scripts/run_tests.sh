@@ -9,4 +9,4 @@ echo "== ruff" && "$VENV/bin/ruff" check kvxfer backends adapters tests examples
 echo "== mypy --strict" && "$VENV/bin/mypy"
 # The layering contracts in pyproject.toml ([tool.importlinter]); this checkout's kvxfer.
 echo "== lint-imports" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/lint-imports" --no-cache
-echo "== pytest" && "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
+echo "== pytest" && "$VENV/bin/python" -m pytest -p no:cacheprovider --durations=25 "$@"
