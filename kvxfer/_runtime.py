@@ -545,7 +545,8 @@ class Runtime:
         """A push reception's producer confirmed every write landed (its notice was
         lost): settle it as the notice would have."""
         with self._lock:
-            if self._receptions.unexpect(t.request_id, t.meta.push_source) is not t or t.done:
+            self._receptions.drop(t)  # only this reception (never another one's entry)
+            if t.done:
                 return
             t.meta.stage_in = True
         self.succeed(t)
@@ -575,11 +576,13 @@ class Runtime:
     def succeed(self, transfer: Transfer) -> None:
         """Settle ``transfer`` as DONE (once; a push reception copies in first)."""
         meta = transfer.meta
+        with self._lock:
+            # What brings a transfer here says its bytes ended (its handle DONE, its
+            # producer's final PUSHED): no write of it can land any more, even if it
+            # fails meanwhile (an abort racing the stage-in below).
+            meta.writer_live = False
         if meta.doomed is not None:
-            # It failed meanwhile (an abort, the deadline) and never becomes DONE; what
-            # brought it here says its bytes ended: settle the failure.
-            with self._lock:
-                meta.writer_live = False
+            # It failed meanwhile (an abort, the deadline) and never becomes DONE.
             self._finish(transfer)
             return
         if self._stages and meta.stage_in:
