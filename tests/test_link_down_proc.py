@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from kvxfer.tools.bench.netns import NetnsPair, netns_pair, netns_unavailable
-from tests.agent_proc import AgentProc, ProcSpec
+from kvxfer.tools.bench.netns import NetnsPair
+from tests.agent_proc import AgentProc
+from tests.two_hosts import BLOCK, qwen_spec, shaped_hosts
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
-BLOCK = 16
 BLOCKS = 64  # 64 x 16 tokens x 112 KiB = 112 MiB a request
 NUM_BLOCKS = 2 * BLOCKS + 8
 SENTINEL = 0x5EED
@@ -38,42 +38,9 @@ class LateBytes(AssertionError):
     """Bytes of a transfer landed after it was final."""
 
 
-def _spec(engine_id: str, direction: str, role: str, ns: str, host: str) -> ProcSpec:
-    return ProcSpec(
-        engine_id=engine_id,
-        role=role,
-        direction=direction,
-        layers=28,
-        kv_heads=8,
-        head_dim=128,
-        block_size=BLOCK,
-        num_blocks=NUM_BLOCKS,
-        fill_seed=7 if role == "kv_producer" else None,
-        transfer_timeout_s=60.0,
-        lease_s=120.0,
-        netns=ns,
-        host=host,
-        ucx_tls="tcp",
-        handshake_timeout_s=10.0,
-    )
-
-
 @pytest.fixture(scope="module")
 def link() -> Iterator[NetnsPair]:
-    why = netns_unavailable()
-    if why is not None:  # CI runs as root with iproute2: a missing piece is a failure
-        pytest.fail(f"two-host tests need network namespaces: {why}")
-    with netns_pair("ld") as pair:
-        for ns, dev in (
-            (pair.producer_ns, pair.producer_dev),
-            (pair.consumer_ns, pair.consumer_dev),
-        ):
-            subprocess.run(
-                ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                 "rate", RATE, "burst", "256kb", "latency", "2s"],
-                check=True,
-                capture_output=True,
-            )  # fmt: skip
+    with shaped_hosts(RATE, "2s") as pair:
         yield pair
 
 
@@ -116,12 +83,26 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
     direction: str, link: NetnsPair, record_property: Any
 ) -> None:
     prod = AgentProc(
-        _spec("prefill-ld", direction, "kv_producer", link.producer_ns, link.producer_addr),
+        qwen_spec(
+            "prefill-ld",
+            direction,
+            "kv_producer",
+            link.producer_ns,
+            link.producer_addr,
+            num_blocks=NUM_BLOCKS,
+        ),
         start_timeout=120,
     )
     try:
         cons = AgentProc(
-            _spec("decode-ld", direction, "kv_consumer", link.consumer_ns, link.consumer_addr),
+            qwen_spec(
+                "decode-ld",
+                direction,
+                "kv_consumer",
+                link.consumer_ns,
+                link.consumer_addr,
+                num_blocks=NUM_BLOCKS,
+            ),
             start_timeout=120,
         )
     except BaseException:

@@ -13,19 +13,18 @@ the rest of the request landed in the reused blocks (about 100-180 million eleme
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from kvxfer.tools.bench.netns import NetnsPair, netns_pair, netns_unavailable
-from tests.agent_proc import AgentProc, ProcSpec
+from kvxfer.tools.bench.netns import NetnsPair
+from tests.agent_proc import AgentProc
+from tests.two_hosts import BLOCK, qwen_spec, shaped_hosts
 
 pytestmark = pytest.mark.timeout(600)
 
-BLOCK = 16
 BLOCKS = 256  # per request: 256 x 16 tokens x 112 KiB = 448 MiB
 NUM_BLOCKS = 2 * BLOCKS + 8  # room for the request and a warm-up, on either side
 SENTINEL = 0x5EED
@@ -33,44 +32,9 @@ RATE = "1gbit"
 DELAYS = (0.0, 0.005, 0.020)
 
 
-def _shape(engine_id: str, direction: str, role: str, ns: str, host: str) -> ProcSpec:
-    return ProcSpec(
-        engine_id=engine_id,
-        role=role,
-        direction=direction,
-        layers=28,
-        kv_heads=8,
-        head_dim=128,
-        block_size=BLOCK,
-        num_blocks=NUM_BLOCKS,
-        fill_seed=7 if role == "kv_producer" else None,
-        transfer_timeout_s=60.0,
-        lease_s=120.0,
-        netns=ns,
-        host=host,
-        ucx_tls="tcp",
-        handshake_timeout_s=10.0,
-    )
-
-
-def _shape_link(pair: NetnsPair) -> None:
-    """1 Gbit/s each way: 448 MiB take ~4 s, so an abort surely lands mid-transfer."""
-    for ns, dev in ((pair.producer_ns, pair.producer_dev), (pair.consumer_ns, pair.consumer_dev)):
-        subprocess.run(
-            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", RATE, "burst", "256kb", "latency", "100ms"],
-            check=True,
-            capture_output=True,
-        )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def link() -> Iterator[NetnsPair]:
-    why = netns_unavailable()
-    if why is not None:  # CI runs as root with iproute2: a missing piece is a failure
-        pytest.fail(f"two-host tests need network namespaces: {why}")
-    with netns_pair() as pair:  # named after this process: runs side by side never clash
-        _shape_link(pair)
+    with shaped_hosts(RATE, "100ms") as pair:  # 448 MiB take ~4 s: aborts land mid-way
         yield pair
 
 
@@ -80,12 +44,26 @@ def pair(
 ) -> Iterator[tuple[str, AgentProc, AgentProc]]:
     direction = request.param
     prod = AgentProc(
-        _shape("prefill-q", direction, "kv_producer", link.producer_ns, link.producer_addr),
+        qwen_spec(
+            "prefill-q",
+            direction,
+            "kv_producer",
+            link.producer_ns,
+            link.producer_addr,
+            num_blocks=NUM_BLOCKS,
+        ),
         start_timeout=120,
     )
     try:
         cons = AgentProc(
-            _shape("decode-q", direction, "kv_consumer", link.consumer_ns, link.consumer_addr),
+            qwen_spec(
+                "decode-q",
+                direction,
+                "kv_consumer",
+                link.consumer_ns,
+                link.consumer_addr,
+                num_blocks=NUM_BLOCKS,
+            ),
             start_timeout=120,
         )
     except BaseException:
