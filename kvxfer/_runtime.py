@@ -581,13 +581,20 @@ class Runtime:
             # producer's final PUSHED): no write of it can land any more, even if it
             # fails meanwhile (an abort racing the stage-in below).
             meta.writer_live = False
-        if meta.doomed is not None:
-            # It failed meanwhile (an abort, the deadline) and never becomes DONE.
-            self._finish(transfer)
-            return
-        if self._stages and meta.stage_in:
-            self._backend.stage_in([np.asarray(g, dtype=np.int64) for g in transfer.local_blocks])
-        if meta.doomed is not None:  # failed during the stage-in
+            copy_in = self._stages and meta.stage_in and meta.doomed is None
+            # The copy from the staging buffers writes the engine's blocks: busy until
+            # it returns, so that an abort meanwhile quarantines instead of settling
+            # FAILED under a copy still running (R-SAFE-5).
+            meta.posting = meta.posting or copy_in
+        if copy_in:
+            try:
+                self._backend.stage_in(
+                    [np.asarray(g, dtype=np.int64) for g in transfer.local_blocks]
+                )
+            finally:
+                with self._lock:
+                    meta.posting = False
+        if meta.doomed is not None:  # failed meanwhile (an abort, the deadline, a close)
             self._finish(transfer)
             return
         if settle(transfer, TransferState.DONE):

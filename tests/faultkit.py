@@ -53,11 +53,19 @@ class Side:
     """One agent on the fake fabric, its cache and its backend (faults settable)."""
 
     def __init__(
-        self, role: Role, direction: Direction, *, seed: int | None = None, **config: Any
+        self,
+        role: Role,
+        direction: Direction,
+        *,
+        seed: int | None = None,
+        backend_extra: dict[str, str] | None = None,
+        **config: Any,
     ) -> None:
         self.name = f"{role.value}-{next(_names)}"
         self.cache = HostKVCache(SHAPE, BLOCK, NUM_BLOCKS, fill_seed=seed)
-        self.backend = FakeBackend(BackendOptions(agent_name=self.name))
+        self.backend = FakeBackend(
+            BackendOptions(agent_name=self.name, extra=dict(backend_extra or {}))
+        )
         self.agent = Agent(
             AgentConfig(
                 engine_id=self.name,

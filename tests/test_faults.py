@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -465,6 +466,54 @@ def test_a_pinned_hold_refuses_a_registration_without_its_token(
         assert not np.any(np.concatenate([r[[5, 6, 7, 8]] for r in thief.cache.regions]))
     finally:
         thief.close()
+
+
+def test_an_abort_during_a_push_receptions_copy_in_settles_only_after_the_copy(
+    push: tuple[Side, Engine, Side],
+) -> None:
+    """A host-staging consumer copies a complete push reception from its staging
+    buffers into the engine's blocks before DONE. An abort that comes during that copy
+    (a client gone just as its KV arrived) fails the reception, but it settles FAILED
+    only once the copy returned: the engine reuses the blocks at FAILED, and a copy
+    still running would write into them (R-SAFE-5). Nor does it stay quarantined after
+    the copy (the PUSHED notice that started the copy said the producer's writes ended).
+    """
+    producer, engine, _ = push
+    consumer = Side(
+        Role.CONSUMER,
+        Direction.PUSH,
+        transfer_timeout_s=30.0,
+        backend_extra={"stages_through_host": "true"},
+    )
+    entered, gate = threading.Event(), threading.Event()
+    copy_in = consumer.backend.stage_in
+
+    def slow_copy_in(block_ids: Any) -> None:
+        entered.set()
+        gate.wait(10)
+        copy_in(block_ids)
+
+    consumer.backend.stage_in = slow_copy_in  # type: ignore[method-assign]
+    try:
+        ticket = stub(producer, "racing")
+        t = consumer.agent.expect_push(ticket, [1, 2], num_tokens=2 * BLOCK)
+        push_registered(producer, "racing")
+        engine.hold("racing", [3, 4])
+        assert until(entered.is_set, 5) is not None, "the reception never copied in"
+        consumer.agent.abort(ticket)
+        time.sleep(0.3)
+        assert t.poll() is TransferState.PENDING, "FAILED while its copy still writes"
+        assert t.doomed
+        assert consumer.agent.stats().quarantined == 1
+        gate.set()
+        settle(t, 3)
+        assert t.state is TransferState.FAILED and t.invalid_blocks == (1, 2)
+        stats = consumer.agent.stats()
+        assert (stats.quarantined, stats.quarantines) == (0, 1)
+        assert [kind for kind, _ in consumer.backend.staged] == ["in"]
+    finally:
+        gate.set()
+        consumer.close()
 
 
 # == Slow failure detection ============================================================
