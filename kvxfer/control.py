@@ -52,6 +52,11 @@ Deferred: TypeAlias = Callable[[], bytes]
 #: Threads that run the deferred work of one server: handshakes of several peers (a
 #: TP consumer's ranks all arrive at once) proceed side by side.
 SLOW_WORKERS = 4
+#: A deferred request answered later than this, or a server thread held up this long
+#: between two polls (its poll wakes every 0.1 s), is logged with where the time went:
+#: waiting for a worker, inside the handler, or the whole thread not running (a
+#: process-wide stall or starved GIL), so a slow answer seen by a peer can be traced.
+SLOW_S = 1.0
 #: Deferred requests waiting beyond this are refused with ``busy_reply`` (a flood of
 #: handshakes cannot grow memory without bound, R-SAFE-3).
 MAX_DEFERRED = 256
@@ -155,7 +160,9 @@ class SideChannelServer:
         self._stop = threading.Event()
         # Deferred work goes out on _jobs; replies come back on _done, and a byte on
         # the pipe wakes the server thread's poll (it polls the pipe with the socket).
-        self._jobs: queue.SimpleQueue[tuple[list[bytes], Deferred] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[list[bytes], Deferred, float] | None] = (
+            queue.SimpleQueue()
+        )
         self._done: queue.SimpleQueue[tuple[list[bytes], bytes]] = queue.SimpleQueue()
         self._waiting = 0  # deferred requests not answered yet (server thread only)
         # Socket objects rather than raw fds: a late worker's send after close() raises
@@ -188,19 +195,29 @@ class SideChannelServer:
             )
             self._workers.append(worker)
             worker.start()
-        self._jobs.put((frames, work))
+        self._jobs.put((frames, work, time.monotonic()))
 
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            frames, work = job
+            frames, work, queued = job
+            started = time.monotonic()
             try:
                 reply: bytes | None = work()
             except Exception:
                 log.exception("side channel: handler failed; no reply sent")
                 reply = None
+            ended = time.monotonic()
+            if ended - queued > SLOW_S:
+                log.warning(
+                    "side channel: a request answered %.1fs after it came (%.1fs waiting "
+                    "for a worker, %.1fs in its handler)",
+                    ended - queued,
+                    started - queued,
+                    ended - started,
+                )
             # Counted even without a reply, so that _waiting comes back down.
             self._done.put((frames, b"" if reply is None else reply))
             # OSError: full (a wake is pending anyway) or closed (the server is gone).
@@ -244,7 +261,16 @@ class SideChannelServer:
         poller.register(self._sock, zmq.POLLIN)
         wake = self._wake_r.fileno()
         poller.register(wake, zmq.POLLIN)
+        last = time.monotonic()
         while not self._stop.is_set():
+            now = time.monotonic()
+            if now - last > SLOW_S:
+                log.warning(
+                    "side channel: one round of the server thread (a 0.1 s poll and the inline answers) "
+                    "took %.1fs: the process or its GIL did not run it",
+                    now - last,
+                )
+            last = now
             try:
                 ready = dict(poller.poll(100))
             except zmq.ZMQError as exc:

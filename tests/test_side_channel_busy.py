@@ -11,12 +11,14 @@ of speed.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvxfer import wire
+from kvxfer import control, wire
 from kvxfer.agent import Agent
 from kvxfer.types import Direction, Role
 from tests.faultkit import Side, Stranger
@@ -159,3 +161,24 @@ def test_a_ping_is_answered_while_the_agent_lock_is_held(producer: Side) -> None
         release.set()
         releaser.close()
         pinger.close()
+
+
+def test_a_late_answer_is_logged_with_where_its_time_went(
+    producer: Side, consumer: Side, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that saw a late Welcome can be traced from the producer's log: the
+    request's wait for a worker and its time in the handler, separately."""
+    entered, release = _block_metadata(producer)
+    with caplog.at_level(logging.WARNING, logger="kvxfer.control"):
+        handshake = _connect_in_background(consumer.agent, producer)
+        try:
+            assert entered.wait(10), "the handshake never reached the producer's Welcome"
+            time.sleep(control.SLOW_S + 0.3)  # the handler stays blocked past the mark
+        finally:
+            release.set()
+        handshake.join(30)
+    assert consumer.agent.stats().handshakes == 1
+    late = [r.getMessage() for r in caplog.records if "after it came" in r.getMessage()]
+    assert late, "a Welcome answered after more than SLOW_S was not logged"
+    handler_s = float(late[0].split("waiting for a worker, ")[1].split("s in its handler")[0])
+    assert handler_s >= control.SLOW_S

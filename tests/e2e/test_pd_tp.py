@@ -15,7 +15,7 @@ feeding a wider decode), pull and push, with nothing but the connector in either
 instance's config (no per-head setting: the pairing cuts the tables, issue 26).
 ``KVXFER_E2E_TP4=1`` adds llm-d's layout, prefill TP1 -> decode TP4, pull and push
 (four decode workers, a prefill and a unified instance fit two cores: about 4 minutes
-each; out of ``make test`` while a stall of its first load is open, see SELECTED).
+each; out of ``make test`` while a stall of its first pull load is open, see SELECTED).
 ``KVXFER_E2E_TP_ALL=1`` adds those, prefill TP2 -> decode TP1 and the
 equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each pull and push, and
 the same unequal pairs of a model with one KV head, which a TP2 instance replicates on
@@ -77,10 +77,14 @@ PAIRS = [
 #: llm-d's layout: prefill TP1, decode TP4 (the tiny model's two KV heads each on two
 #: decode ranks).
 PAIRS_TP4 = [(1, 4, "float32", mode, 2) for mode in ("pull", "push")]
-# llm-d's TP1 -> TP4 is not in `make test` for now: in a fresh-clone run its first load
-# timed out (30 s) while the TP1 producer accepted no connection at all for over 12 s
-# (a whole-process stall, also seen once on p1-d2 and as issue 25's 25 s stall; not
-# understood yet). The three other tests of that pair passed in the same run.
+# llm-d's TP1 -> TP4 is not in `make test`: in this module's runs on 2 cores at load
+# 15-28 its first pull load failed twice in four (at load 8-16 none in two), its push
+# never: once the TP1 producer answered none of the four ranks' Hellos for 5 s, once a
+# 16 KiB READ from it did not complete in 10 s while its side-channel port took no
+# connection (issue 25; not understood yet). The producer's side channel now logs
+# where a late answer's time went (kvxfer.control.SLOW_S). The TP1 -> TP2 pairs run
+# with the default 10 s deadline like every other pair (pull and push passed in each of
+# those runs).
 SELECTED = (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else [])
 
 
@@ -94,17 +98,6 @@ def _tp_args(tp: int, dtype: str) -> list[str]:
     if tp > 1:
         args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
     return args
-
-
-def _extra() -> dict[str, Any]:
-    """Both instances run the connector's defaults, whatever the other's TP size (issue
-    26: upstream's connector pairs TP1 with TP2 with no key, and a prefill pod cannot
-    know which decode TP sizes it will meet; the pair is cut at the handshake). The
-    loads get more than the other e2e pairs' 10 s: a late side channel no longer fails
-    them (R-SAFE-6), but once (issue 25) the first READ from the idle TP1 producer
-    did not complete within 10 s while that producer answered every probe, a
-    data-path stall not found yet."""
-    return {"transfer_timeout_s": 30}
 
 
 def _side_channel_env(tp: int) -> dict[str, str]:
@@ -170,9 +163,7 @@ def tp_setup(
         model,
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
-        kv_transfer_config=kv_config(
-            "kv_producer", mode, extra=_extra(), kv_connector_module_path=VERIFY_MODULE
-        ),
+        kv_transfer_config=kv_config("kv_producer", mode, kv_connector_module_path=VERIFY_MODULE),
         env={**_side_channel_env(p_tp), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
@@ -181,9 +172,7 @@ def tp_setup(
         model,
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
-        kv_transfer_config=kv_config(
-            "kv_consumer", mode, extra=_extra(), kv_connector_module_path=VERIFY_MODULE
-        ),
+        kv_transfer_config=kv_config("kv_consumer", mode, kv_connector_module_path=VERIFY_MODULE),
         env={**_side_channel_env(d_tp), kv_digests.ENV: str(kv_digest_dir)},
         wait=False,
     )
