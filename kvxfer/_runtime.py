@@ -24,8 +24,9 @@ import numpy as np
 
 from kvxfer import blocks
 from kvxfer._guard import not_held_yet, verdict
+from kvxfer._io import IoPool
 from kvxfer._leases import LeaseBook
-from kvxfer._liveness import Liveness
+from kvxfer._liveness import Liveness, Ping
 from kvxfer._local import LocalEnd
 from kvxfer._notices import Notices
 from kvxfer._peers import Peer, PeerCache
@@ -112,6 +113,9 @@ class Runtime:
         lock: The agent lock (guards the bookkeeping, never held across a post).
         readers: Counts the consumer ranks of a request read across TP sizes (the
             lease is freed at the last one's DONE or ABORT).
+        ping: Sends the liveness probes' Pings (the side channel's); None: quiet
+            transfers are not probed.
+        io: Runs the probes off the progress thread (required with ``ping``).
     """
 
     def __init__(
@@ -124,6 +128,9 @@ class Runtime:
         stats: AgentStats,
         lock: threading.RLock,
         readers: ReaderCount | None = None,
+        *,
+        ping: Ping | None = None,
+        io: IoPool | None = None,
     ) -> None:
         self._readers = ReaderCount() if readers is None else readers
         self._local = local
@@ -143,10 +150,16 @@ class Runtime:
         self._nap_s = IDLE_NAP_S  # the progress thread's current sleep between rounds
         self._thread: threading.Thread | None = None
         self._last_tick = 0.0  # monotonic time of the latest tick, by any thread
-        self.liveness: Liveness | None = None  # probes quiet transfers (set by the agent)
+        self._liveness: Liveness | None = None  # probes quiet transfers
+        if ping is not None:
+            assert io is not None, "probes run on io workers"
+            self._liveness = Liveness(ping, io.submit, ProbeVerdicts(self), self._count_probe)
         # A producer's FAILED notice says its writes ended: quiet (R-SAFE-5).
         quiet_fail = functools.partial(self.fail, quiet=True)
         self._notices = Notices(local, leases, receptions, stats, quiet_fail, self._readers)
+
+    def _count_probe(self) -> None:
+        self._stats.liveness_probes += 1
 
     def add_tick_hook(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` at the end of every tick that finds leases (the push writer's
@@ -796,8 +809,8 @@ class Runtime:
                         f"{self._config.transfer_timeout_s:g}s"
                     ),
                 )
-        if self.liveness is not None and polled:
-            self.liveness.check(now, [t for t, _ in polled])
+        if self._liveness is not None and polled:
+            self._liveness.check(now, [t for t, _ in polled])
         if self._leases:
             with self._lock:
                 self._leases.expire(now)
