@@ -1,9 +1,11 @@
-"""What a producer answers on the side channel about its holds.
+"""A producer's holds: the engine's hold() and what peers are told about them.
 
-A consumer's :class:`~kvxfer.wire.Release` frees a held request (or is remembered
-until its hold comes), shown the hold's capability; a Ping that names a request is
-told how its hold stands (:class:`~kvxfer.wire.HoldState`). The side channel
-(:mod:`kvxfer._side_channel`) dispatches both here, on its threads.
+:meth:`HoldDesk.hold` leases a finished prompt's blocks and mints its ticket (the
+capability and guard word in it, :mod:`kvxfer._leases`). A consumer's
+:class:`~kvxfer.wire.Release` frees a held request (or is remembered until its hold
+comes), shown the hold's capability; a Ping that names a request is told how its hold
+stands (:class:`~kvxfer.wire.HoldState`). The side channel (:mod:`kvxfer._side_channel`)
+dispatches both here, on its threads.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import threading
 
 from kvxfer import wire
 from kvxfer._guard import FreeReason
-from kvxfer._leases import LeaseBook
+from kvxfer._leases import Lease, LeaseBook
+from kvxfer._local import LocalEnd
 from kvxfer._readers import ReaderCount
+from kvxfer.ticket import Ticket
 
 __all__ = ["HOLD_STATE_WAIT_S", "HoldDesk"]
 
@@ -27,19 +31,72 @@ HOLD_STATE_WAIT_S = 0.02
 
 
 class HoldDesk:
-    """Answers peers about this producer's holds (internal).
+    """A producer's holds, and its answers to peers about them (internal).
 
     Args:
+        local: Identity (what a ticket names).
         leases: The holds (freed by a consumer's Release).
         readers: Counts the consumer ranks of a request read across TP sizes (a
             Release frees it once every reader released or finished).
         lock: The agent lock.
     """
 
-    def __init__(self, leases: LeaseBook, readers: ReaderCount, lock: threading.RLock) -> None:
+    def __init__(
+        self, local: LocalEnd, leases: LeaseBook, readers: ReaderCount, lock: threading.RLock
+    ) -> None:
+        self._local = local
         self._leases = leases
         self._readers = readers
         self._lock = lock
+
+    def hold(
+        self,
+        request_id: str,
+        groups: tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        expiry: float,
+        address: tuple[str, int],
+        *,
+        capability: str,
+        guard: tuple[int, int] | None,
+        pin: bool,
+    ) -> tuple[Lease, Ticket] | Ticket:
+        """Under the lock: the engine's :meth:`Agent.hold <kvxfer.agent.Agent.hold>` of
+        checked blocks. Returns the ready lease and its ticket; the ticket alone when
+        the consumer finished (or gave up) before the engine got here: the hold is
+        freed at once, its guard word overwritten (a pull of it fails closed)."""
+        leases = self._leases
+        lease = leases.lease(request_id, groups, num_tokens, expiry)
+        lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
+        leases.arm(lease, capability, guard, pin=pin)  # its token and guard word
+        ticket = self._ticket(lease, address, guard)
+        if leases.take_early(request_id):
+            leases.free(request_id, FreeReason.RELEASED)
+            return ticket
+        return lease, ticket
+
+    def _ticket(
+        self, lease: Lease, address: tuple[str, int], asked: tuple[int, int] | None
+    ) -> Ticket:
+        # A caller's guard that could not be armed stays in its ticket (the vLLM
+        # scheduler's did already): the word there differs, so its pulls fail closed.
+        slot, generation = lease.guard or asked or (-1, 0)
+        config = self._local.config
+        host, port = address
+        return Ticket(
+            engine_id=config.engine_id,
+            host=host,
+            port=port,
+            request_id=lease.request_id,
+            block_ids=lease.blocks,
+            num_tokens=lease.num_tokens,
+            incarnation=self._local.incarnation,
+            lease_expiry=lease.expiry,
+            tp_size=config.tp.heads.tp_size if config.tp is not None else 1,
+            capability=lease.capability,
+            guard_slot=slot,
+            generation=generation,
+        )
 
     def release(self, msg: wire.Release) -> wire.Message:
         """A consumer's Release (on a side-channel worker thread)."""

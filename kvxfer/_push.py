@@ -229,18 +229,26 @@ class PushWriter:
                 )
         return [w for w in writes if w is not None]
 
-    def stream(self, lease: Lease, closed: int) -> list[Write]:
-        """Under the lock, from the engine's call: write the leading ``closed`` blocks
-        to every consumer rank registered (push_stream; the rest go with
-        :meth:`start`). Returns the writes for it to post after the lock."""
+    def stream(self, request_id: str, groups: tuple[tuple[int, ...], ...], num_tokens: int) -> None:
+        """The engine's :meth:`Agent.stream <kvxfer.agent.Agent.stream>` (push_stream):
+        write the blocks closed so far, whole ones before ``num_tokens``, to every
+        consumer rank registered (the rest go with :meth:`start`)."""
+        closed = num_tokens // self._local.block_size
         writes = []
-        for slot in list(lease.targets.values()):
-            if closed > slot.pushed_blocks and not slot.final_posted:
-                writes.append(
-                    self.write(lease, slot, slot.pushed_blocks, closed, final=False, engine=True)
-                )
-                slot.pushed_blocks = closed
-        return [w for w in writes if w is not None]
+        with self._lock:
+            lease = self._leases.lease(
+                request_id, groups, num_tokens, time.time() + self._config.lease_s
+            )
+            lease.blocks, lease.num_tokens = groups, num_tokens
+            for slot in list(lease.targets.values()):
+                if closed > slot.pushed_blocks and not slot.final_posted:
+                    writes.append(
+                        self.write(
+                            lease, slot, slot.pushed_blocks, closed, final=False, engine=True
+                        )
+                    )
+                    slot.pushed_blocks = closed
+        self.post_inline([w for w in writes if w is not None])  # outside the lock
 
     def write(
         self,

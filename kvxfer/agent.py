@@ -28,16 +28,19 @@ The data path of a pull: :meth:`Agent.pull` checks the block ids
 a tick → engine. Registration and the handshake happen once per process and once per
 peer.
 
-The Agent owns its parts, each built with what it needs and none holding the Agent:
-:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
+The Agent is a facade over its parts, each built in its constructor with what it
+needs, none holding the Agent or another part's privates:
+:class:`~kvxfer._registrar.Registrar` (registered memory),
+:class:`~kvxfer._holds.HoldDesk` (a producer's holds and what peers are told of them),
 :class:`~kvxfer._push.PushWriter` (a push producer's writes),
-:class:`~kvxfer._peers.PeerCache` (handshaken peers),
-:class:`~kvxfer._leases.LeaseBook` (held blocks),
-:class:`~kvxfer._receptions.Receptions` (pushes awaited) and
-:class:`~kvxfer._side_channel.SideChannel` (the server peers call, the client), sharing
-:class:`~kvxfer._local.LocalEnd` (identity and registered memory). Block ids are
-normalised and checked by :mod:`kvxfer.blocks`; the value types live in
-:mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
+:class:`~kvxfer._pull.Puller` (a consumer's pulls),
+:class:`~kvxfer._receive.PushReceiver` (a consumer's push receptions),
+:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
+:class:`~kvxfer._peers.PeerCache` (handshaken peers) and
+:class:`~kvxfer._side_channel.SideChannel` (the server that dispatches peers' messages
+to the parts, and every message this agent sends), sharing
+:class:`~kvxfer._local.LocalEnd` (identity, registered memory, block-id checks). The
+value types live in :mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
 """
 
 from __future__ import annotations
@@ -52,10 +55,10 @@ from typing import Any
 import msgspec
 
 from kvxfer import blocks, wire
-from kvxfer._guard import FreeReason, GuardBook
+from kvxfer._guard import FreeReason
 from kvxfer._holds import HoldDesk
 from kvxfer._io import IoPool
-from kvxfer._leases import Lease, LeaseBook
+from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
 from kvxfer._pull import Puller
@@ -63,6 +66,7 @@ from kvxfer._push import PushWriter, Write
 from kvxfer._readers import ReaderCount
 from kvxfer._receive import PushReceiver
 from kvxfer._receptions import Receptions
+from kvxfer._registrar import Registrar
 from kvxfer._runtime import Runtime
 from kvxfer._side_channel import Answers, SideChannel
 from kvxfer._tp import TPPuller
@@ -72,12 +76,10 @@ from kvxfer.backend import Backend, BackendOptions
 from kvxfer.blocks import BlockIds
 from kvxfer.control import SideChannelClient
 from kvxfer.descriptors import DescriptorTable
-from kvxfer.errors import ConfigError, KvxferError, RegistrationError
-from kvxfer.heads import place_heads
-from kvxfer.layout import KVLayout, take_tensors
+from kvxfer.errors import ConfigError
+from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
-from kvxfer.tp_plan import HeadSection, head_section, prepared_rows
 from kvxfer.transfer import Transfer
 from kvxfer.types import Direction
 
@@ -150,7 +152,7 @@ class Agent:
             # A lease whose consumer registers after its hold() is written by a tick.
             runtime.add_tick_hook(self._push.resume)
         # What peers may send once handshaken, each to the part that owns it.
-        holds = HoldDesk(leases, readers, lock)
+        self._holds = holds = HoldDesk(local, leases, readers, lock)
         self._answers = Answers(
             handlers={wire.Release: holds.release, wire.PushRegister: self._push.on_register},
             hold_state=holds.state,
@@ -162,8 +164,7 @@ class Agent:
         self._receiver = PushReceiver(
             local, runtime, receptions, side, io, group, backend.agent_name
         )
-        # What register(keep=...) / register_tensors() keep alive while registered.
-        self._kept: object = None
+        self._registrar = Registrar(local, backend, leases, lock, self._log_prefix)
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -202,16 +203,7 @@ class Agent:
             RegistrationError: a layout is already registered (or deferred), or the
                 transport refused the memory.
         """
-        with self._lock:
-            if self._local.layout is not None or self._local.deferred is not None:
-                raise RegistrationError("this agent already has a registered layout")
-            sources = take_tensors(layout)  # from now on the agent's to keep
-            self._kept = keep if keep is not None else sources
-            if defer:
-                self._local.deferred = layout
-                log.info("%sdeferring registration until the engine is warmed up", self._log_prefix)
-                return
-            self._register_now(layout)
+        self._registrar.register(layout, defer=defer, keep=keep)
 
     def register_tensors(
         self,
@@ -245,61 +237,7 @@ class Agent:
 
     def complete_registration(self) -> None:
         """Finish a deferred registration (no-op when nothing is deferred)."""
-        with self._lock:
-            if self._local.deferred is not None:
-                layout, self._local.deferred = self._local.deferred, None
-                self._register_now(layout)
-
-    def _register_now(self, layout: KVLayout) -> None:
-        tp = self.config.tp
-        if tp is not None:
-            # Peers of other TP sizes match regions by global head: an engine may
-            # describe its tensor's heads rank-locally (0..heads_per_rank-1).
-            layout = place_heads(layout, tp.heads, tp.rank)
-        exposed = self.backend.register(layout)
-        if self.backend.capabilities.guard:
-            # Before any peer sees our metadata (NIXL's covers the table).
-            words = self.backend.register_guard(GuardBook.slots_for(exposed.num_blocks))
-            self._leases.guard = GuardBook(words)
-        table = DescriptorTable.build(exposed, self.config.plan)
-        section = self._head_section(table)
-        self.backend.prepare_local(prepared_rows(table, section))
-        local = self._local
-        local.layout, local.exposed_layout, local.table = layout, exposed, table
-        local.heads = section
-        shards = len({(r.device_id, r.shard) for r in exposed.regions})
-        log.info(
-            "%sregistered %d regions / %d shards, %d descriptors, %d blocks of %d tokens",
-            self._log_prefix,
-            len(exposed.regions),
-            shards,
-            len(table.addr),
-            exposed.num_blocks,
-            exposed.block_size,
-        )
-        if section is not None:
-            log.info(
-                "%salso prepared %d one-head descriptor(s) for peers of other TP sizes",
-                self._log_prefix,
-                len(section.table),
-            )
-
-    def _head_section(self, table: DescriptorTable) -> HeadSection | None:
-        """The one-head descriptors this agent posts from when a peer of another TP
-        size holds fewer heads per region than its own regions (kvxfer.tp_plan).
-
-        Only a side that posts needs them (a pull's consumer, a push's producer): the
-        other side's table is cut by its peer at the handshake, from its layout. A
-        cut the table's options refuse (chunks or window granules of a head-major
-        cache) leaves none, and such pairs are refused by name when they plan."""
-        tp = self.config.tp
-        if tp is None or not self._local.posts or not self.backend.capabilities.head_sections:
-            return None
-        try:
-            return head_section(table, tp.heads, tp.rank)
-        except KvxferError as exc:
-            log.info("%sno one-head descriptors for other TP sizes: %s", self._log_prefix, exc)
-            return None
+        self._registrar.complete()
 
     @property
     def registered(self) -> bool:
@@ -390,22 +328,26 @@ class Agent:
         self._local.check_counts(local, num_tokens, 0)
         groups = blocks.to_wire(local)
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
-        host, port = self._side.address if self._side.serving else ("", 0)
+        address = self._side.address if self._side.serving else ("", 0)
         if self._stages and self.config.direction is Direction.PULL and not staged:
             # host bounce: the consumer reads the staging buffers, so fill them first
             # (a push stages each slice as it writes it: Backend.post_engine).
             self.backend.stage_out(list(local))
         writes: list[Write] = []
         with self._lock:
-            lease = self._leases.lease(request_id, groups, num_tokens, expiry)
-            lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
-            self._leases.arm(lease, capability, guard, pin=pin)  # its token and guard word
-            ticket = self._ticket(lease, host, port, guard)
-            if self._leases.take_early(request_id):
-                # The consumer finished (or gave up) before the engine got here: freed
-                # at once, its guard word overwritten (a pull of it fails closed).
-                self._leases.free(request_id, FreeReason.RELEASED)
-                return ticket
+            held = self._holds.hold(
+                request_id,
+                groups,
+                num_tokens,
+                expiry,
+                address,
+                capability=capability,
+                guard=guard,
+                pin=pin,
+            )
+            if isinstance(held, Ticket):
+                return held  # freed at once: its consumer was done before
+            lease, ticket = held
             if self.config.direction is Direction.PUSH and lease.targets:
                 writes = self._push.start(lease)
         self._push.post_inline(writes)  # outside the lock: a post may copy every byte
@@ -415,27 +357,6 @@ class Agent:
             self._runtime.nudge()
         return ticket
 
-    def _ticket(
-        self, lease: Lease, host: str, port: int, asked: tuple[int, int] | None = None
-    ) -> Ticket:
-        # A caller's guard that could not be armed stays in its ticket (the vLLM
-        # scheduler's did already): the word there differs, so its pulls fail closed.
-        slot, generation = lease.guard or asked or (-1, 0)
-        return Ticket(
-            engine_id=self.config.engine_id,
-            host=host,
-            port=port,
-            request_id=lease.request_id,
-            block_ids=lease.blocks,
-            num_tokens=lease.num_tokens,
-            incarnation=self.incarnation,
-            lease_expiry=lease.expiry,
-            tp_size=self.config.tp.heads.tp_size if self.config.tp is not None else 1,
-            capability=lease.capability,
-            guard_slot=slot,
-            generation=generation,
-        )
-
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
         """push_stream: write the blocks prefill has closed so far (R-XFER-3).
 
@@ -443,15 +364,8 @@ class Agent:
         """
         if not self.config.push_stream:
             raise ConfigError("push_stream", False, "stream() needs push_stream enabled")
-        _, layout = self._local.require_registered()
         groups = blocks.to_wire(self._local.block_groups(block_ids))
-        with self._lock:
-            lease = self._leases.lease(
-                request_id, groups, num_tokens, time.time() + self.config.lease_s
-            )
-            lease.blocks, lease.num_tokens = groups, num_tokens
-            writes = self._push.stream(lease, num_tokens // layout.block_size)
-        self._push.post_inline(writes)
+        self._push.stream(request_id, groups, num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""
@@ -581,7 +495,7 @@ class Agent:
         self._io_pool.shutdown()
         self._peers.close()
         self.backend.close()
-        self._kept = None  # deregistered: the engine's tensors are its own again
+        self._registrar.drop()  # deregistered: the engine's tensors are its own again
 
     def __enter__(self) -> Agent:
         return self
