@@ -145,4 +145,5 @@ class NixlRblnBackend(AgentBackend):
             device_to_device=True,
             merges_contiguous=True,
             guard=True,
+            log_prefix="RBLN NIXL (D2D): ",
         )

@@ -7,12 +7,13 @@ descriptor table once memory is registered, and the encoding of signed messages.
 
 from __future__ import annotations
 
-from kvxfer import wire
+from kvxfer import blocks, wire
 from kvxfer.agent_config import AgentConfig
+from kvxfer.blocks import BlockIds
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import RegistrationError
 from kvxfer.heads import heads_per_region
-from kvxfer.layout import KVLayout
+from kvxfer.layout import GroupKind, KVLayout
 from kvxfer.tp_plan import HeadSection
 from kvxfer.types import Direction, Role
 
@@ -53,6 +54,36 @@ class LocalEnd:
             state = "deferred" if self.deferred is not None else "missing"
             raise RegistrationError(f"KV memory registration is {state}; register() first")
         return self.table, self.exposed_layout
+
+    def block_groups(self, block_ids: BlockIds) -> blocks.Groups:
+        """The caller's block ids, checked against the registered layout (one flat list
+        serves every group): bad ids fail here, before anything is posted.
+
+        Raises:
+            RegistrationError: nothing registered yet.
+            PlanError: an id that is not an integer, out of range or repeated.
+        """
+        _, layout = self.require_registered()
+        return blocks.block_groups(
+            block_ids, len(layout.groups), num_blocks=layout.num_blocks, broadcast=True
+        )
+
+    def check_counts(self, local: blocks.Groups, num_tokens: int, cached_blocks: int) -> int:
+        """The block count rule (:func:`kvxfer.blocks.check_counts`) for this layout."""
+        _, layout = self.require_registered()
+        return blocks.check_counts(
+            local,
+            num_tokens=num_tokens,
+            block_size=layout.block_size,
+            cached_blocks=cached_blocks,
+            sliding=[g.kind is GroupKind.SLIDING for g in layout.groups],
+        )
+
+    @property
+    def block_size(self) -> int:
+        """The registered layout's block size (RegistrationError before registration)."""
+        _, layout = self.require_registered()
+        return layout.block_size
 
     def encode(self, msg: wire.Message) -> bytes:
         """``msg`` framed, with the compatibility hash, signed when a secret is set."""

@@ -20,13 +20,20 @@ from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, PeerHandle
 from kvxfer.control import SIDE_CHANNEL_HINT, SideChannelClient, dead, probe_port
 from kvxfer.descriptors import DescriptorTable
-from kvxfer.errors import HandshakeTimeout, KvxferError, PeerError
+from kvxfer.errors import (
+    HandshakeRejected,
+    HandshakeTimeout,
+    KvxferError,
+    LayoutError,
+    PeerError,
+    TransferError,
+)
 from kvxfer.handshake import Initiator, PeerInfo
 from kvxfer.heads import heads_per_region, pairing_heads, split_heads
 from kvxfer.layout import KVLayout
 from kvxfer.rails import rails_for_transfer, shared_rails
 
-__all__ = ["Peer", "PeerCache"]
+__all__ = ["Peer", "PeerCache", "refused_pairing"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -282,3 +289,13 @@ class PeerCache:
                 self._backend.remove_peer(peer.handle)
             except KvxferError as exc:
                 log.debug("removing %r: %s", peer, exc)
+
+
+def refused_pairing(error: BaseException | None) -> bool:
+    """True when the producer answered the handshake and refused to pair with us
+    (layout, role): it can be told to release what it holds. ``error`` is the
+    handshake's, or a failed transfer's whose cause it is."""
+    cause = error.__cause__ if isinstance(error, TransferError) and error.__cause__ else error
+    if isinstance(cause, LayoutError):
+        return True
+    return isinstance(cause, HandshakeRejected) and cause.code in ("layout", "role")

@@ -32,7 +32,7 @@ from kvxfer._readers import MAX_READERS
 from kvxfer._receptions import NOTICE_REUSE_S
 from kvxfer._runtime import Runtime
 from kvxfer._serial import SerialWorker
-from kvxfer._tp_push import WritePlanner
+from kvxfer._tp_write import WritePlanner
 from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp
 from kvxfer.errors import KvxferError, TransferError
@@ -209,28 +209,46 @@ class PushWriter:
 
     def resume(self) -> None:
         """Under the lock, from a tick: write the ready leases whose consumer registered
-        after their hold()."""
+        after their hold() (from the writer thread)."""
         for lease in list(self._leases.held.values()):
             if lease.ready and lease.targets and not lease.all_written:
-                self.start(lease)
+                self.start(lease, engine=False)
 
-    def start(self, lease: Lease, inline: list[Write] | None = None) -> None:
+    def start(self, lease: Lease, *, engine: bool = True) -> list[Write]:
         """Under the lock: write what is left of a ready lease to each consumer rank
-        that registered for it."""
+        that registered for it. Returns the writes for the engine's call to post itself
+        after the lock (:meth:`post_inline`; ``engine``: it is the engine's call)."""
         if not lease.ready:
-            return
+            return []
         total = max((len(g) for g in lease.blocks), default=0)
+        writes = []
         for slot in list(lease.targets.values()):
             if not slot.final_posted:
-                self.write(lease, slot, slot.pushed_blocks, total, final=True, inline=inline)
+                writes.append(
+                    self.write(lease, slot, slot.pushed_blocks, total, final=True, engine=engine)
+                )
+        return [w for w in writes if w is not None]
 
-    def stream(self, lease: Lease, closed: int, inline: list[Write]) -> None:
-        """Under the lock: write the leading ``closed`` blocks to every consumer rank
-        registered (push_stream; the rest go with :meth:`start`)."""
-        for slot in list(lease.targets.values()):
-            if closed > slot.pushed_blocks and not slot.final_posted:
-                self.write(lease, slot, slot.pushed_blocks, closed, final=False, inline=inline)
-                slot.pushed_blocks = closed
+    def stream(self, request_id: str, groups: tuple[tuple[int, ...], ...], num_tokens: int) -> None:
+        """The engine's :meth:`Agent.stream <kvxfer.agent.Agent.stream>` (push_stream):
+        write the blocks closed so far, whole ones before ``num_tokens``, to every
+        consumer rank registered (the rest go with :meth:`start`)."""
+        closed = num_tokens // self._local.block_size
+        writes = []
+        with self._lock:
+            lease = self._leases.lease(
+                request_id, groups, num_tokens, time.time() + self._config.lease_s
+            )
+            lease.blocks, lease.num_tokens = groups, num_tokens
+            for slot in list(lease.targets.values()):
+                if closed > slot.pushed_blocks and not slot.final_posted:
+                    writes.append(
+                        self.write(
+                            lease, slot, slot.pushed_blocks, closed, final=False, engine=True
+                        )
+                    )
+                    slot.pushed_blocks = closed
+        self.post_inline([w for w in writes if w is not None])  # outside the lock
 
     def write(
         self,
@@ -240,18 +258,18 @@ class PushWriter:
         stop: int,
         *,
         final: bool,
-        inline: list[Write] | None = None,
-    ) -> None:
+        engine: bool = False,
+    ) -> Write | None:
         """Under the lock: queue one WRITE of blocks ``[start, stop)`` of a lease to
         the consumer rank of ``slot`` (R-XFER-2/3).
 
         The handshake with the consumer (which can take a timeout when it is gone) runs
         on the push worker, never under the lock. One worker keeps a request's writes in
         order. Each write's notice names the blocks it covers, and the last one says it
-        is final, so the consumer settles only when no block is missing. ``inline``: the
-        engine's call collects the write there instead, to post it itself after the lock
-        (see :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
-        that it could overtake.
+        is final, so the consumer settles only when no block is missing. ``engine``: the
+        engine's call may post the write itself after the lock (see
+        :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
+        that it could overtake; the write is then returned instead of queued.
         """
         target = slot.register
         layout = self._local.exposed_layout
@@ -274,10 +292,10 @@ class PushWriter:
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         early, slot.final_notice = (slot.final_notice if final else None), None
         job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early)
-        if inline is not None and self._pusher.idle and self._inline:
-            inline.append(job)
-        else:
-            self._pusher.submit(self._post_write, job)
+        if engine and self._pusher.idle and self._inline:
+            return job
+        self._pusher.submit(self._post_write, job)
+        return None
 
     def _post_write(self, job: Write, peer: Peer | None = None) -> None:
         transfer, target = job.transfer, job.target

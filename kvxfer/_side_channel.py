@@ -1,10 +1,12 @@
 """One agent's side channel: the server that answers peers, the client that asks them.
 
 The server answers handshakes (:class:`~kvxfer.handshake.Responder`, with this agent's
-:class:`~kvxfer.wire.Welcome`) and the control messages that follow: a consumer's
-Release frees a held request (or is remembered until its hold), a consumer's
-PushRegister goes to the push writer. The client sends this agent's own control
-messages (Release, PushRegister) and carries the peer cache's handshakes.
+:class:`~kvxfer.wire.Welcome`) and hands every other control message to the handler the
+Agent gave for its type (:class:`Answers`: a consumer's Release to the producer's
+holds, a PushRegister to the push writer); it knows no part of the agent. The client
+sends this agent's own control messages (Release, PushRegister, the liveness Pings)
+and carries the peer cache's handshakes: every side-channel message this agent sends
+goes from here.
 
 A Ping is answered on the server thread from what this agent knows without asking its
 backend or waiting long for its lock (R-SAFE-6); everything that takes those runs on
@@ -13,30 +15,37 @@ the server's worker threads (:class:`~kvxfer.control.SideChannelServer`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvxfer import wire
-from kvxfer._guard import FreeReason
-from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
-from kvxfer._push import PushWriter
-from kvxfer._readers import ReaderCount
 from kvxfer.backend import Backend
 from kvxfer.control import SideChannelClient, SideChannelServer
-from kvxfer.errors import PeerError
-from kvxfer.handshake import Identity, Initiator, Responder
+from kvxfer.errors import KvxferError, PeerError
+from kvxfer.handshake import HoldHook, Identity, Initiator, Responder
+from kvxfer.ticket import Ticket
 
-__all__ = ["HOLD_STATE_WAIT_S", "SideChannel"]
+__all__ = ["Answers", "SideChannel"]
 
 log = logging.getLogger("kvxfer.agent")
 
-#: The longest a Ping that names a request waits for the agent lock. Past it the Pong
-#: says nothing of the hold (the pinger takes the peer for alive and asks again), so
-#: that a lock held through a long call never holds up the side channel's thread.
-HOLD_STATE_WAIT_S = 0.02
+
+@dataclasses.dataclass(frozen=True)
+class Answers:
+    """What the server does with the messages that follow a handshake.
+
+    Attributes:
+        handlers: The handler of each message type (``wire.Release``,
+            ``wire.PushRegister``), called on a server worker thread; its return is
+            the reply. A type without one is answered as unknown.
+        hold_state: Answers a Ping that names a request, on the server thread.
+    """
+
+    handlers: Mapping[type[Any], Callable[[Any], wire.Message]]
+    hold_state: HoldHook
 
 
 class SideChannel:
@@ -45,31 +54,13 @@ class SideChannel:
     Args:
         local: Identity and registered memory (what the handshake announces).
         backend: Its name and metadata go to peers in the handshake.
-        leases: Freed by a consumer's Release.
-        push: Takes a consumer's PushRegister.
         client: Sends this agent's requests (the peer cache's handshakes use it too).
-        lock: The agent lock.
-        readers: Counts the consumer ranks of a request read across TP sizes (a
-            Release frees it once every reader released or finished).
     """
 
-    def __init__(
-        self,
-        local: LocalEnd,
-        backend: Backend,
-        leases: LeaseBook,
-        push: PushWriter,
-        client: SideChannelClient,
-        lock: threading.RLock,
-        readers: ReaderCount | None = None,
-    ) -> None:
-        self._readers = ReaderCount() if readers is None else readers
+    def __init__(self, local: LocalEnd, backend: Backend, client: SideChannelClient) -> None:
         self._local = local
         self._config = local.config
         self._backend = backend
-        self._leases = leases
-        self._push = push
-        self._lock = lock
         self._client = client
         self._server: SideChannelServer | None = None
 
@@ -78,10 +69,16 @@ class SideChannel:
         """Whether :meth:`serve` started the server."""
         return self._server is not None
 
-    def serve(self) -> tuple[str, int]:
-        """Start answering (once); returns the advertised ``(host, port)``."""
+    def serve(self, answers: Answers) -> tuple[str, int]:
+        """Start answering (once) with ``answers``; returns the advertised ``(host, port)``."""
         config = self._config
         if self._server is None:
+            handlers = dict(answers.handlers)
+
+            def on_message(msg: Any) -> Any:
+                handler = handlers.get(type(msg))
+                return None if handler is None else handler(msg)
+
             responder = Responder(
                 engine_id=config.engine_id,
                 incarnation=self._local.incarnation,
@@ -89,10 +86,10 @@ class SideChannel:
                 enforce_compat=config.enforce_handshake_compat,
                 local_info=self._welcome,
                 identity=self._identity,
-                on_message=self._on_message,
+                on_message=on_message,
                 auth_secret=config.auth_secret,
                 max_bytes=config.max_message_bytes,
-                hold_state=self._hold_state,
+                hold_state=answers.hold_state,
             )
             self._server = SideChannelServer(
                 config.side_channel_host,
@@ -122,15 +119,7 @@ class SideChannel:
     ) -> wire.Message:
         """Send a control message; return the (authenticated) reply or raise the rejection.
         ``timeout_s``/``retries``: this request's budget (default: the handshake's)."""
-        config = self._config
-        initiator = Initiator(
-            hello=self._local.hello(None),
-            compat_hash=self._local.compat_hash,
-            enforce_compat=config.enforce_handshake_compat,
-            auth_secret=config.auth_secret,
-            address=f"{host}:{port}",
-            max_bytes=config.max_message_bytes * 4,
-        )
+        initiator = self._initiator(host, port)
         frame = initiator.request(msg)
         reply = self._client.request(host, port, frame, timeout_s=timeout_s, retries=retries)
         return initiator.reply(reply)
@@ -147,8 +136,55 @@ class SideChannel:
         """One liveness probe (one try of ``timeout_s``, given up early when ``cancel()``
         says so); with ``request_id``, the reply's :attr:`~kvxfer.wire.Pong.hold` says
         how the peer's hold stands."""
+        initiator = self._initiator(host, port)
+        frame = initiator.ping(request_id, capability)
+        reply = self._client.request(
+            host, port, frame, timeout_s=timeout_s, retries=0, cancel=cancel
+        )
+        return initiator.reply(reply)
+
+    def release(
+        self,
+        ticket: Ticket,
+        *,
+        reason: str = "consumer aborted",
+        done: bool = False,
+        brief: bool = False,
+        readers: int = 1,
+        reader: int = 0,
+    ) -> None:
+        """Tell the producer of ``ticket`` to release its request (``done``: the pull
+        read it all, else it gave up for ``reason``). A failure is logged, not raised:
+        the lease then ends at its expiry.
+
+        ``brief``: one short try (a pull's own DONE or failure notice): an io worker
+        never spends a dead producer's handshake budget on it. ``readers``/``reader``:
+        this consumer rank among those reading the request from that producer rank
+        across TP sizes (kvxfer._tp); the producer frees once every reader released
+        or read."""
+        msg = wire.Release(
+            request_id=ticket.request_id,
+            reason=reason[:200],
+            engine_id=self._config.engine_id,
+            capability=ticket.capability,
+            done=done,
+            readers=readers,
+            reader=reader,
+        )
+        try:
+            if brief:
+                self.request(ticket.host, ticket.port, msg, timeout_s=1.0, retries=1)
+            else:
+                self.request(ticket.host, ticket.port, msg)
+        except KvxferError as exc:
+            log.warning(
+                "could not tell %s to release %s: %s", ticket.engine_id, ticket.request_id, exc
+            )
+
+    def _initiator(self, host: str, port: int) -> Initiator:
+        """The one request (and its reply) to ``host:port``: signed, checked, bounded."""
         config = self._config
-        initiator = Initiator(
+        return Initiator(
             hello=self._local.hello(None),
             compat_hash=self._local.compat_hash,
             enforce_compat=config.enforce_handshake_compat,
@@ -156,11 +192,6 @@ class SideChannel:
             address=f"{host}:{port}",
             max_bytes=config.max_message_bytes * 4,
         )
-        frame = initiator.ping(request_id, capability)
-        reply = self._client.request(
-            host, port, frame, timeout_s=timeout_s, retries=0, cancel=cancel
-        )
-        return initiator.reply(reply)
 
     def close(self) -> None:
         """Stop the server and cancel this agent's requests in flight (a handshake
@@ -168,14 +199,6 @@ class SideChannel:
         self._client.close()
         if self._server is not None:
             self._server.close()
-
-    def _hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState | None, str]:
-        if not self._lock.acquire(timeout=HOLD_STATE_WAIT_S):
-            return None, "busy"
-        try:
-            return self._leases.hold_state(request_id, capability)
-        finally:
-            self._lock.release()
 
     def _identity(self) -> Identity | None:
         """What a Pong says: from this agent's own state, never from the backend (whose
@@ -205,32 +228,3 @@ class SideChannel:
             tp=config.tp,
             guard=self._backend.guard_table(),
         )
-
-    def _on_message(self, msg: Any) -> Any:
-        """Side-channel messages other than the handshake (on a server worker thread)."""
-        if isinstance(msg, wire.Release):
-            leases = self._leases
-            with self._lock:
-                lease = leases.held.get(msg.request_id)
-                if lease is not None and not leases.authorized(lease, msg.capability):
-                    leases.reject()
-                    log.warning("refused a Release of %s: wrong capability", msg.request_id)
-                    return wire.Reject(
-                        code=wire.RejectCode.INVALID,
-                        reason=f"no hold of {msg.request_id} for this capability",
-                    )
-                if not self._readers.last(msg.request_id, msg.readers, msg.reader):
-                    # Other consumer ranks may still read it (TP sizes differ).
-                    return wire.Ack(request_id=msg.request_id)
-                if lease is None or not lease.ready:
-                    # Not held yet (a push registration may wait for the hold): the hold
-                    # that comes frees at once and writes nothing.
-                    leases.remember_early(msg.request_id)  # capped; see LeaseBook
-                if lease is not None:
-                    why = FreeReason.DONE if msg.done else FreeReason.ABORTED
-                    leases.free(msg.request_id, why)
-            log.debug("peer asked to release %s (%s)", msg.request_id, msg.reason)
-            return wire.Ack(request_id=msg.request_id)
-        if isinstance(msg, wire.PushRegister):
-            return self._push.on_register(msg)
-        return None

@@ -32,52 +32,30 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable
-
-import msgspec
 
 from kvxfer import blocks, wire
 from kvxfer._fanout import Fanout
 from kvxfer._io import IoPool
 from kvxfer._local import LocalEnd
-from kvxfer._peers import Peer, PeerCache
+from kvxfer._peers import Peer, PeerCache, refused_pairing
 from kvxfer._runtime import Runtime
+from kvxfer._tp_ranks import ProducerGroup, rank_ticket
 from kvxfer.backend import XferOp
 from kvxfer.errors import (
-    ConfigError,
-    HandshakeRejected,
     KvxferError,
-    LayoutError,
     TransferError,
 )
-from kvxfer.heads import HeadLayout, TPRank, heads_per_region, reader_ranks, source_ranks
+from kvxfer.heads import HeadLayout, TPRank, heads_per_region
 from kvxfer.ticket import Ticket
 from kvxfer.tp_plan import TPPlanner
 from kvxfer.transfer import FailureKind, Transfer, TransferState
-from kvxfer.types import Direction
 
-__all__ = ["TPPuller", "rank_ticket"]
+__all__ = ["TPPuller"]
 
 log = logging.getLogger("kvxfer.agent")
 
 #: Planners kept per agent (one per set of peers and replica choice); the oldest goes.
 _MAX_PLANNERS = 64
-
-
-def rank_ticket(ticket: Ticket, rank: int) -> Ticket:
-    """The ticket of producer rank ``rank`` (its port, its incarnation if known).
-
-    Raises:
-        ConfigError: the rank's port is past 65535.
-    """
-    port = ticket.port + rank
-    if port > 65535:
-        raise ConfigError("port", ticket.port, f"producer rank {rank}'s port {port} > 65535")
-    if rank < len(ticket.incarnations):
-        incarnation = ticket.incarnations[rank]
-    else:
-        incarnation = ticket.incarnation if rank == 0 else 0
-    return msgspec.structs.replace(ticket, port=port, incarnation=incarnation)
 
 
 class TPPuller:
@@ -87,9 +65,8 @@ class TPPuller:
         local: Identity (``config.tp``) and registered memory.
         peers: The peer cache every rank's handshake goes through.
         runtime: Posts and settles the sub-transfers.
-        io: The agent's worker pool (first contacts, releases).
-        release: Tells one producer rank (its ticket) to release the request, as reader
-            ``reader`` of ``readers`` consumer ranks reading it.
+        io: The agent's worker pool (first contacts).
+        group: The producer group's ranks this rank reads, and their releases.
         lock: The agent lock.
     """
 
@@ -98,83 +75,24 @@ class TPPuller:
         local: LocalEnd,
         peers: PeerCache,
         runtime: Runtime,
-        io: Callable[[], IoPool],
-        release: Callable[[Ticket, int, int], None],
+        io: IoPool,
+        group: ProducerGroup,
         lock: threading.RLock,
     ) -> None:
         self._local = local
         self._peers = peers
         self._runtime = runtime
         self._io = io
-        self._release = release
+        self._group = group
         self._lock = lock
         self._planners: dict[tuple[object, ...], TPPlanner] = {}
 
-    def wants(self, ticket: Ticket) -> bool:
-        """Whether ``ticket`` is pulled across TP sizes (this agent has a TP identity
-        and the producer's ``tp_size`` differs from it)."""
-        tp = self._local.config.tp
-        return tp is not None and ticket.tp_size != tp.heads.tp_size
-
-    @property
-    def local_tp_size(self) -> int:
-        """This agent's TP size (1 without a TP identity)."""
-        tp = self._local.config.tp
-        return 1 if tp is None else tp.heads.tp_size
-
-    @property
-    def local_rank(self) -> int:
-        """This agent's TP rank (0 without a TP identity)."""
-        tp = self._local.config.tp
-        return 0 if tp is None else tp.rank
-
     def _tp(self) -> TPRank:
-        tp = self._local.config.tp
-        if tp is None:  # wants() said so; a caller skipping it is a bug
-            raise ConfigError("tp", None, "a pull across TP sizes needs AgentConfig.tp")
-        return tp
-
-    def sources(self, ticket: Ticket) -> tuple[HeadLayout, dict[int, int]]:
-        """The producer's head layout and, per local head, the producer rank read.
-
-        Raises:
-            ConfigError: the ticket's ``tp_size`` cannot split the model's heads.
-        """
-        tp = self._tp()
-        try:
-            producer = tp.heads.for_tp_size(ticket.tp_size)
-        except ConfigError as exc:
-            raise ConfigError(
-                "ticket.tp_size", ticket.tp_size, f"{exc.rule} (the producer's TP size)"
-            ) from exc
-        salt = zlib.crc32(ticket.request_id.encode())
-        return producer, source_ranks(tp.heads, tp.rank, producer, salt=salt)
-
-    def ranks(self, ticket: Ticket) -> tuple[int, ...]:
-        """The producer ranks this rank reads ``ticket`` from, ascending."""
-        return tuple(sorted(set(self.sources(ticket)[1].values())))
-
-    def release_all(self, ticket: Ticket, ranks: tuple[int, ...] | None = None) -> None:
-        """Tell every needed producer rank (or ``ranks``) to release, from a worker.
-
-        A pull's Release counts as one of the rank's readers (it frees once all
-        finished); a push's frees the hold at once, cancelling the writes to every
-        consumer rank: the request failed here, and a write landing later in blocks
-        the engine recomputes would corrupt them."""
-        if self._runtime.closed:
-            return
-        producer, _ = self.sources(ticket)
-        me = self._tp().rank
-        push = self._local.config.direction is Direction.PUSH
-        for rank in self.ranks(ticket) if ranks is None else ranks:
-            readers = 1 if push else self.readers(ticket, producer, rank)
-            self._io().submit(self._release, rank_ticket(ticket, rank), readers, me)
+        return self._group.tp()
 
     def readers(self, ticket: Ticket, producer: HeadLayout, rank: int) -> int:
-        """How many consumer ranks read ``ticket`` from producer rank ``rank`` (at least
-        1: a replica nobody reads is released by one consumer rank)."""
-        salt = zlib.crc32(ticket.request_id.encode())
-        return max(1, len(reader_ranks(producer, rank, self._tp().heads, salt=salt)))
+        """How many consumer ranks read ``ticket`` from producer rank ``rank``."""
+        return self._group.readers(ticket, producer, rank)
 
     def pull(
         self, ticket: Ticket, local: blocks.Groups, remote: blocks.Groups, tokens: int
@@ -184,7 +102,7 @@ class TPPuller:
         Raises:
             ConfigError: the ticket's TP size or ports cannot be used (nothing posted).
         """
-        producer, sources = self.sources(ticket)
+        producer, sources = self._group.sources(ticket)
         ranks = tuple(sorted(set(sources.values())))
         tickets = {p: rank_ticket(ticket, p) for p in ranks}
         runtime = self._runtime
@@ -212,30 +130,15 @@ class TPPuller:
             p: self._peers.cached(t.host, t.port, t.engine_id, t.incarnation or None)
             for p, t in tickets.items()
         }
-        self.release_unread(ticket, producer)
+        self._group.release_unread(ticket, producer)
         job = _Job(ticket, tickets, producer, sources, local, remote, tokens, fanout)
         if all(peer is not None for peer in cached.values()):
             self._start(job, {p: peer for p, peer in cached.items() if peer is not None})
         else:
             # First contact with some rank: handshakes go to a worker thread (a gone
             # peer can take the whole handshake timeout), never the engine's step.
-            self._io().submit(self._connect_and_start, job)
+            self._io.submit(self._connect_and_start, job)
         return aggregate
-
-    def release_unread(self, ticket: Ticket, producer: HeadLayout) -> None:
-        """Producer ranks no consumer rank reads (replicas of a head the salt did not
-        pick) hold the request too: the first consumer rank holding their head tells
-        them to release it now rather than at lease expiry."""
-        tp = self._tp()
-        salt = zlib.crc32(ticket.request_id.encode())
-        unread = tuple(
-            p
-            for p in range(producer.tp_size)
-            if tp.heads.ranks_of(producer.heads_of(p).start).start == tp.rank
-            and not reader_ranks(producer, p, tp.heads, salt=salt)
-        )
-        if unread:
-            self.release_all(ticket, unread)
 
     def _released(self, ticket: Ticket, subs: dict[int, Transfer], failed: tuple[int, ...]) -> None:
         """The aggregate failed: ranks whose read did not complete free the request
@@ -247,7 +150,7 @@ class TPPuller:
             p
             for p, s in subs.items()
             if s.state is not TransferState.DONE
-            and (s.stats.failure is not FailureKind.HANDSHAKE or _refused_pairing(s.error))
+            and (s.stats.failure is not FailureKind.HANDSHAKE or refused_pairing(s.error))
         )
         log.warning(
             "pull of %s across TP sizes failed on producer rank(s) %s; releasing %s",
@@ -255,7 +158,7 @@ class TPPuller:
             list(failed),
             list(undone),
         )
-        self.release_all(ticket, undone)
+        self._group.release_all(ticket, undone)
 
     def _fail_all(self, fanout: Fanout, kind: FailureKind, error: KvxferError) -> None:
         for sub in fanout.subs.values():
@@ -370,14 +273,6 @@ class TPPuller:
                 capability=job.ticket.capability,
             )
         )
-
-
-def _refused_pairing(error: BaseException | None) -> bool:
-    """True when the producer answered the handshake and refused to pair with us."""
-    cause = error.__cause__ if isinstance(error, TransferError) and error.__cause__ else error
-    if isinstance(cause, LayoutError):
-        return True
-    return isinstance(cause, HandshakeRejected) and cause.code in ("layout", "role")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

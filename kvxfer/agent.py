@@ -28,16 +28,19 @@ The data path of a pull: :meth:`Agent.pull` checks the block ids
 a tick → engine. Registration and the handshake happen once per process and once per
 peer.
 
-The Agent owns its parts, each built with what it needs and none holding the Agent:
-:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
+The Agent is a facade over its parts, each built in its constructor with what it
+needs, none holding the Agent or another part's privates:
+:class:`~kvxfer._registrar.Registrar` (registered memory),
+:class:`~kvxfer._holds.HoldDesk` (a producer's holds and what peers are told of them),
 :class:`~kvxfer._push.PushWriter` (a push producer's writes),
-:class:`~kvxfer._peers.PeerCache` (handshaken peers),
-:class:`~kvxfer._leases.LeaseBook` (held blocks),
-:class:`~kvxfer._receptions.Receptions` (pushes awaited) and
-:class:`~kvxfer._side_channel.SideChannel` (the server peers call, the client), sharing
-:class:`~kvxfer._local.LocalEnd` (identity and registered memory). Block ids are
-normalised and checked by :mod:`kvxfer.blocks`; the value types live in
-:mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
+:class:`~kvxfer._pull.Puller` (a consumer's pulls),
+:class:`~kvxfer._receive.PushReceiver` (a consumer's push receptions),
+:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
+:class:`~kvxfer._peers.PeerCache` (handshaken peers) and
+:class:`~kvxfer._side_channel.SideChannel` (the server that dispatches peers' messages
+to the parts, and every message this agent sends), sharing
+:class:`~kvxfer._local.LocalEnd` (identity, registered memory, block-id checks). The
+value types live in :mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
 """
 
 from __future__ import annotations
@@ -52,38 +55,32 @@ from typing import Any
 import msgspec
 
 from kvxfer import blocks, wire
-from kvxfer._guard import FreeReason, GuardBook
+from kvxfer._guard import FreeReason
+from kvxfer._holds import HoldDesk
 from kvxfer._io import IoPool
-from kvxfer._leases import Lease, LeaseBook
-from kvxfer._liveness import Liveness
+from kvxfer._leases import LeaseBook
 from kvxfer._local import LocalEnd
 from kvxfer._peers import Peer, PeerCache
+from kvxfer._pull import Puller
 from kvxfer._push import PushWriter, Write
 from kvxfer._readers import ReaderCount
+from kvxfer._receive import PushReceiver
 from kvxfer._receptions import Receptions
-from kvxfer._runtime import ProbeVerdicts, Runtime
-from kvxfer._side_channel import SideChannel
+from kvxfer._registrar import Registrar
+from kvxfer._runtime import Runtime
+from kvxfer._side_channel import Answers, SideChannel
 from kvxfer._tp import TPPuller
-from kvxfer._tp_push import TPReceiver
+from kvxfer._tp_ranks import ProducerGroup
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
-from kvxfer.backend import Backend, BackendOptions, XferOp
+from kvxfer.backend import Backend, BackendOptions
 from kvxfer.blocks import BlockIds
 from kvxfer.control import SideChannelClient
-from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import (
-    ConfigError,
-    HandshakeRejected,
-    KvxferError,
-    LayoutError,
-    PlanError,
-    RegistrationError,
-)
-from kvxfer.heads import place_heads
-from kvxfer.layout import GroupKind, KVLayout, take_tensors
+from kvxfer.descriptors import DescriptorTable
+from kvxfer.errors import ConfigError
+from kvxfer.layout import KVLayout
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
-from kvxfer.tp_plan import HeadSection, head_section, prepared_rows
-from kvxfer.transfer import FailureKind, FailureStage, Transfer
+from kvxfer.transfer import Transfer
 from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
@@ -131,65 +128,43 @@ class Agent:
                 config.backend,
                 "chunk_mode, swa_window_mode and push_stream need a device-to-device backend",
             )
-        self._log_prefix = "RBLN NIXL (D2D): " if caps.device_to_device else "kvxfer: "
+        self._log_prefix = caps.log_prefix
         self._stages = caps.stages_through_host  # stage_out / stage_in do something
-        self.stats_counters = AgentStats()
+        self.stats_counters = stats = AgentStats()
+        local, lock = self._local, self._lock
         client = SideChannelClient(
             timeout_s=config.handshake_timeout_s,
             retries=config.handshake_retries,
             max_bytes=max(config.max_message_bytes, 1 << 16) * 4,
         )
-        self._peers = PeerCache(self._local, backend, client, self.stats_counters, self._log_prefix)
-        self._leases = LeaseBook(self.stats_counters)
-        self._receptions = Receptions(self._local, self._lock)
+        self._peers = peers = PeerCache(local, backend, client, stats, self._log_prefix)
+        self._side = side = SideChannel(local, backend, client)
+        self._io_pool = io = IoPool(8, "kvxfer-io")
+        self._leases = leases = LeaseBook(stats)
+        self._receptions = receptions = Receptions(local, lock)
         readers = ReaderCount()  # consumer ranks of a request read across TP sizes
-        self._runtime = Runtime(
-            self._local,
-            backend,
-            self._peers,
-            self._leases,
-            self._receptions,
-            self.stats_counters,
-            self._lock,
-            readers,
+        self._runtime = runtime = Runtime(
+            local, backend, peers, leases, receptions, stats, lock, readers, ping=side.ping, io=io
         )
-        self._push = PushWriter(
-            self._local, backend, self._runtime, self._peers, self._leases, self._lock
-        )
-        self._side = SideChannel(
-            self._local, backend, self._leases, self._push, client, self._lock, readers
-        )
+        self._push = PushWriter(local, backend, runtime, peers, leases, lock)
         self._leases.on_free = self._push.on_free
         if config.direction is Direction.PUSH:
             # A lease whose consumer registers after its hold() is written by a tick.
-            self._runtime.add_tick_hook(self._push.resume)
-        self._io_pool = IoPool(8, "kvxfer-io")
-        self._runtime.liveness = Liveness(
-            self._side.ping, self._io_pool.submit, ProbeVerdicts(self._runtime), self._count_probe
+            runtime.add_tick_hook(self._push.resume)
+        # What peers may send once handshaken, each to the part that owns it.
+        self._holds = holds = HoldDesk(local, leases, readers, lock)
+        self._answers = Answers(
+            handlers={wire.Release: holds.release, wire.PushRegister: self._push.on_register},
+            hold_state=holds.state,
         )
-        # Pulls of tickets from a producer of another TP size (several producer ranks).
-        self._tp = TPPuller(
-            self._local,
-            self._peers,
-            self._runtime,
-            self._io,
-            lambda t, n, r: self._send_release(t, readers=n, reader=r),
-            self._lock,
+        # Producers of another TP size: several ranks per request.
+        group = ProducerGroup(local, runtime, io, side)
+        tp = TPPuller(local, peers, runtime, io, group, lock)
+        self._puller = Puller(local, peers, runtime, side, io, tp, group)
+        self._receiver = PushReceiver(
+            local, runtime, receptions, side, io, group, backend.agent_name
         )
-        # Push receptions from a producer of another TP size (one per producer rank).
-        self._tp_push = TPReceiver(
-            self._local,
-            self._tp,
-            self._runtime,
-            self._receptions,
-            self._io,
-            self._send_push_register,
-        )
-        # What register(keep=...) / register_tensors() keep alive while registered.
-        self._kept: object = None
-
-    def _count_probe(self) -> None:
-        self.stats_counters.liveness_probes += 1
+        self._registrar = Registrar(local, backend, leases, lock, self._log_prefix)
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -228,16 +203,7 @@ class Agent:
             RegistrationError: a layout is already registered (or deferred), or the
                 transport refused the memory.
         """
-        with self._lock:
-            if self._local.layout is not None or self._local.deferred is not None:
-                raise RegistrationError("this agent already has a registered layout")
-            sources = take_tensors(layout)  # from now on the agent's to keep
-            self._kept = keep if keep is not None else sources
-            if defer:
-                self._local.deferred = layout
-                log.info("%sdeferring registration until the engine is warmed up", self._log_prefix)
-                return
-            self._register_now(layout)
+        self._registrar.register(layout, defer=defer, keep=keep)
 
     def register_tensors(
         self,
@@ -271,91 +237,18 @@ class Agent:
 
     def complete_registration(self) -> None:
         """Finish a deferred registration (no-op when nothing is deferred)."""
-        with self._lock:
-            if self._local.deferred is not None:
-                layout, self._local.deferred = self._local.deferred, None
-                self._register_now(layout)
-
-    def _register_now(self, layout: KVLayout) -> None:
-        tp = self.config.tp
-        if tp is not None:
-            # Peers of other TP sizes match regions by global head: an engine may
-            # describe its tensor's heads rank-locally (0..heads_per_rank-1).
-            layout = place_heads(layout, tp.heads, tp.rank)
-        exposed = self.backend.register(layout)
-        if self.backend.capabilities.guard:
-            # Before any peer sees our metadata (NIXL's covers the table).
-            words = self.backend.register_guard(GuardBook.slots_for(exposed.num_blocks))
-            self._leases.guard = GuardBook(words)
-        table = DescriptorTable.build(exposed, self.config.plan)
-        section = self._head_section(table)
-        self.backend.prepare_local(prepared_rows(table, section))
-        local = self._local
-        local.layout, local.exposed_layout, local.table = layout, exposed, table
-        local.heads = section
-        shards = len({(r.device_id, r.shard) for r in exposed.regions})
-        log.info(
-            "%sregistered %d regions / %d shards, %d descriptors, %d blocks of %d tokens",
-            self._log_prefix,
-            len(exposed.regions),
-            shards,
-            len(table.addr),
-            exposed.num_blocks,
-            exposed.block_size,
-        )
-        if section is not None:
-            log.info(
-                "%salso prepared %d one-head descriptor(s) for peers of other TP sizes",
-                self._log_prefix,
-                len(section.table),
-            )
-
-    def _head_section(self, table: DescriptorTable) -> HeadSection | None:
-        """The one-head descriptors this agent posts from when a peer of another TP
-        size holds fewer heads per region than its own regions (kvxfer.tp_plan).
-
-        Only a side that posts needs them (a pull's consumer, a push's producer): the
-        other side's table is cut by its peer at the handshake, from its layout. A
-        cut the table's options refuse (chunks or window granules of a head-major
-        cache) leaves none, and such pairs are refused by name when they plan."""
-        tp = self.config.tp
-        if tp is None or not self._local.posts or not self.backend.capabilities.head_sections:
-            return None
-        try:
-            return head_section(table, tp.heads, tp.rank)
-        except KvxferError as exc:
-            log.info("%sno one-head descriptors for other TP sizes: %s", self._log_prefix, exc)
-            return None
+        self._registrar.complete()
 
     @property
     def registered(self) -> bool:
         """True once memory is registered (not merely deferred)."""
         return self._local.table is not None
 
-    def _blocks(self, block_ids: BlockIds) -> blocks.Groups:
-        """The caller's block ids, checked against the registered layout (one flat list
-        serves every group): bad ids fail here, before anything is posted."""
-        _, layout = self._local.require_registered()
-        return blocks.block_groups(
-            block_ids, len(layout.groups), num_blocks=layout.num_blocks, broadcast=True
-        )
-
-    def _check_counts(self, local: blocks.Groups, num_tokens: int, cached_blocks: int) -> int:
-        """The block count rule (:func:`kvxfer.blocks.check_counts`) for this layout."""
-        _, layout = self._local.require_registered()
-        return blocks.check_counts(
-            local,
-            num_tokens=num_tokens,
-            block_size=layout.block_size,
-            cached_blocks=cached_blocks,
-            sliding=[g.kind is GroupKind.SLIDING for g in layout.groups],
-        )
-
     # -- side channel ---------------------------------------------------------------
     def serve(self) -> tuple[str, int]:
         """Start answering handshakes; returns the advertised ``(host, port)``."""
         with self._lock:
-            address = self._side.serve()
+            address = self._side.serve(self._answers)
             self._runtime.ensure_thread()
             return address
 
@@ -382,7 +275,7 @@ class Agent:
             RegistrationError: no memory registered yet.
             PlanError: a block id that is not an integer, out of range or repeated.
         """
-        local = self._blocks(block_ids)
+        local = self._local.block_groups(block_ids)
         if self._stages:
             self.backend.stage_out(list(local))
 
@@ -431,55 +324,38 @@ class Agent:
             PlanError: a block id that is not an integer, out of range or repeated, or
                 a block count that does not fit ``num_tokens`` (nothing is held).
         """
-        local = self._blocks(block_ids)
-        self._check_counts(local, num_tokens, 0)
+        local = self._local.block_groups(block_ids)
+        self._local.check_counts(local, num_tokens, 0)
         groups = blocks.to_wire(local)
         expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
-        host, port = self._side.address if self._side.serving else ("", 0)
+        address = self._side.address if self._side.serving else ("", 0)
         if self._stages and self.config.direction is Direction.PULL and not staged:
             # host bounce: the consumer reads the staging buffers, so fill them first
             # (a push stages each slice as it writes it: Backend.post_engine).
             self.backend.stage_out(list(local))
-        inline: list[Write] = []
+        writes: list[Write] = []
         with self._lock:
-            lease = self._leases.lease(request_id, groups, num_tokens, expiry)
-            lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
-            self._leases.arm(lease, capability, guard, pin=pin)  # its token and guard word
-            ticket = self._ticket(lease, host, port, guard)
-            if self._leases.take_early(request_id):
-                # The consumer finished (or gave up) before the engine got here: freed
-                # at once, its guard word overwritten (a pull of it fails closed).
-                self._leases.free(request_id, FreeReason.RELEASED)
-                return ticket
+            held = self._holds.hold(
+                request_id,
+                groups,
+                num_tokens,
+                expiry,
+                address,
+                capability=capability,
+                guard=guard,
+                pin=pin,
+            )
+            if isinstance(held, Ticket):
+                return held  # freed at once: its consumer was done before
+            lease, ticket = held
             if self.config.direction is Direction.PUSH and lease.targets:
-                self._push.start(lease, inline)
-        self._push.post_inline(inline)  # outside the lock: a post may copy every byte
+                writes = self._push.start(lease)
+        self._push.post_inline(writes)  # outside the lock: a post may copy every byte
         if self.config.direction is Direction.PULL:
             # The lease wants the progress thread's faster pace (see Runtime._run); a
             # push has nothing to poll until its writer posted, which wakes the thread.
             self._runtime.nudge()
         return ticket
-
-    def _ticket(
-        self, lease: Lease, host: str, port: int, asked: tuple[int, int] | None = None
-    ) -> Ticket:
-        # A caller's guard that could not be armed stays in its ticket (the vLLM
-        # scheduler's did already): the word there differs, so its pulls fail closed.
-        slot, generation = lease.guard or asked or (-1, 0)
-        return Ticket(
-            engine_id=self.config.engine_id,
-            host=host,
-            port=port,
-            request_id=lease.request_id,
-            block_ids=lease.blocks,
-            num_tokens=lease.num_tokens,
-            incarnation=self.incarnation,
-            lease_expiry=lease.expiry,
-            tp_size=self.config.tp.heads.tp_size if self.config.tp is not None else 1,
-            capability=lease.capability,
-            guard_slot=slot,
-            generation=generation,
-        )
 
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
         """push_stream: write the blocks prefill has closed so far (R-XFER-3).
@@ -488,16 +364,8 @@ class Agent:
         """
         if not self.config.push_stream:
             raise ConfigError("push_stream", False, "stream() needs push_stream enabled")
-        _, layout = self._local.require_registered()
-        groups = blocks.to_wire(self._blocks(block_ids))
-        inline: list[Write] = []
-        with self._lock:
-            lease = self._leases.lease(
-                request_id, groups, num_tokens, time.time() + self.config.lease_s
-            )
-            lease.blocks, lease.num_tokens = groups, num_tokens
-            self._push.stream(lease, num_tokens // layout.block_size, inline)
-        self._push.post_inline(inline)
+        groups = blocks.to_wire(self._local.block_groups(block_ids))
+        self._push.stream(request_id, groups, num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""
@@ -550,126 +418,9 @@ class Agent:
                 posted; the producer is told to release).
             ConfigError: a ticket ``tp_size`` that cannot split the model's heads.
         """
-        across_tp = self._tp.wants(ticket)
-        if across_tp:
-            self._tp.ranks(ticket)  # a ticket tp_size the heads do not allow: raise now
-        try:
-            local = self._blocks(local_blocks)
-            tokens = ticket.num_tokens if num_tokens is None else num_tokens
-            self._check_counts(local, tokens, cached_blocks)
-            remote = blocks.pair_remote(
-                local,
-                blocks.from_wire(ticket.block_ids),
-                num_tokens=tokens,
-                remote_num_tokens=ticket.num_tokens,
-                block_size=self._block_size(),
-                request_id=ticket.request_id,
-            )
-        except PlanError:
-            # Nothing will be read: let the producer free its blocks now, not at lease expiry.
-            if across_tp:
-                self._tp.release_all(ticket)
-            else:
-                self.abort(ticket)
-            raise
-        if across_tp:
-            return self._tp.pull(ticket, local, remote, tokens)
-        runtime = self._runtime
-        transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
-        transfer.meta.capability = ticket.capability
-        transfer.meta.producer_at = (ticket.host, ticket.port)
-        if ticket.lease_expiry:
-            transfer.meta.lease_expiry = ticket.lease_expiry
-            if runtime.lease_over(ticket.lease_expiry):
-                runtime.fail(
-                    transfer, FailureKind.LEASE_EXPIRED, runtime.expired_error(ticket.request_id)
-                )
-                return transfer
-        peer = self._peers.cached(
-            ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
+        return self._puller.pull(
+            ticket, local_blocks, num_tokens=num_tokens, cached_blocks=cached_blocks
         )
-        if peer is not None:
-            self._start_pull(transfer, peer, ticket, local, remote, tokens)
-        else:
-            # A first contact handshakes on a worker thread: the engine's step loop never
-            # waits for a peer (which can take the whole handshake timeout if it is gone).
-            self._io().submit(self._connect_and_pull, transfer, ticket, local, remote, tokens)
-        return transfer
-
-    def _block_size(self) -> int:
-        _, layout = self._local.require_registered()
-        return layout.block_size
-
-    def _connect_and_pull(
-        self,
-        transfer: Transfer,
-        ticket: Ticket,
-        local: blocks.Groups,
-        remote: blocks.Groups,
-        tokens: int,
-    ) -> None:
-        try:
-            # A producer that answers late (frozen, starved) is tried until the pull's
-            # deadline; one whose port refuses fails it at once (R-SAFE-6).
-            peer = self._peers.get(
-                ticket.host,
-                ticket.port,
-                ticket.engine_id,
-                ticket.incarnation or None,
-                until=transfer.deadline,
-            )
-        except KvxferError as exc:
-            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
-            if _refused_pairing(exc):
-                # The producer answered and refused to pair (layout, role): nothing will
-                # be read, so it frees the blocks now rather than at lease expiry. We are
-                # on a worker thread already. A producer that did not answer cannot be
-                # told; one that answered as another engine or incarnation does not
-                # hold this ticket's lease.
-                self._send_release(ticket)
-            return
-        self._start_pull(transfer, peer, ticket, local, remote, tokens)
-
-    def _release_after(self, ticket: Ticket, transfer: Transfer) -> None:
-        """A pull that fails from now on tells its producer to release at once."""
-
-        def release(reason: str) -> None:
-            # "": the pull is DONE (its guard word checked); else why it failed.
-            why = f"pull failed: {reason}" if reason else ""
-            self._io().submit(self._send_release, ticket, why, not reason, True)
-
-        transfer.meta.release = release
-
-    def _start_pull(
-        self,
-        transfer: Transfer,
-        peer: Peer,
-        ticket: Ticket,
-        local: blocks.Groups,
-        remote: blocks.Groups,
-        tokens: int,
-    ) -> None:
-        notice = self._local.encode(
-            wire.Notice(
-                kind=wire.NoticeKind.DONE,
-                request_id=ticket.request_id,
-                engine_id=self.config.engine_id,
-                incarnation=self.incarnation,
-                capability=ticket.capability,
-            )
-        )
-        if transfer.done:  # the agent closed meanwhile
-            return
-        self._release_after(ticket, transfer)
-        if not self._runtime.arm_guard(
-            transfer, peer, ticket.guard_slot, ticket.generation, notice
-        ):
-            return
-        on_data = b"" if transfer.meta.guard is not None else notice
-        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, on_data)
-
-    def _io(self) -> IoPool:
-        return self._io_pool
 
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
         """Give up a request: this agent's own transfers of it fail at once (FAILED,
@@ -681,56 +432,7 @@ class Agent:
         sizes (a ticket naming producer rank 0 and its ``tp_size``) every producer rank
         this rank reads is told, always from worker threads.
         """
-        capability = ticket.capability or self._runtime.capability_of(ticket.request_id)
-        self._runtime.abort_request(ticket.request_id)
-        ticket = msgspec.structs.replace(ticket, capability=capability)
-        if self._tp.wants(ticket):
-            # Across TP sizes: every producer rank this rank reads (or is the one to
-            # release, for replicas nobody reads) frees it, counted as one reader.
-            try:
-                self._tp.release_all(ticket)
-            except ConfigError as exc:
-                log.warning("could not release %s: %s", ticket.request_id, exc)
-            return
-        if not wait:
-            if not self._runtime.closed:
-                self._io().submit(self._send_release, ticket)
-            return
-        self._send_release(ticket)
-
-    def _send_release(
-        self,
-        ticket: Ticket,
-        reason: str = "consumer aborted",
-        done: bool = False,
-        brief: bool = False,
-        *,
-        readers: int = 1,
-        reader: int = 0,
-    ) -> None:
-        """``brief``: one short try (a pull's own DONE or failure notice): an io worker
-        never spends a dead producer's handshake budget on it; if it is lost, the
-        lease ends at its expiry instead. ``readers``/``reader``: this consumer rank
-        among those reading the request from that producer rank across TP sizes
-        (kvxfer._tp); the producer frees once every reader released or read."""
-        msg = wire.Release(
-            request_id=ticket.request_id,
-            reason=reason[:200],
-            engine_id=self.config.engine_id,
-            capability=ticket.capability,
-            done=done,
-            readers=readers,
-            reader=reader,
-        )
-        try:
-            if brief:
-                self._side.request(ticket.host, ticket.port, msg, timeout_s=1.0, retries=1)
-            else:
-                self._side.request(ticket.host, ticket.port, msg)
-        except KvxferError as exc:
-            log.warning(
-                "could not tell %s to release %s: %s", ticket.engine_id, ticket.request_id, exc
-            )
+        self._puller.abort(ticket, wait=wait)
 
     def expect_push(
         self,
@@ -764,97 +466,12 @@ class Agent:
         token (``Ticket.for_push(capability=...)``), the same on every rank; without
         one this raises ConfigError naming ``ticket.capability``.
         """
-        table, _ = self._local.require_registered()
-        local = self._blocks(local_blocks)
+        local = self._local.block_groups(local_blocks)
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
-        self._check_counts(local, tokens, cached_blocks)
+        self._local.check_counts(local, tokens, cached_blocks)
         if not self._side.serving:
             self.serve()  # before the transfer exists: a failure to bind leaves nothing behind
-        groups = blocks.to_wire(local)
-        runtime = self._runtime
-        if self._tp.wants(ticket):
-            try:
-                nbytes = build_plan(table, table, local, local, tokens).nbytes
-            except KvxferError:
-                nbytes = 0  # the producer ranks' plans say why
-            if not ticket.capability:
-                # Each rank minting its own would make a producer rank writing to two
-                # of them see two consumers, and refuse the second.
-                raise ConfigError(
-                    "ticket.capability",
-                    "",
-                    "a push across TP sizes needs the request's capability on the ticket, "
-                    "the same on every consumer rank (Ticket.for_push(capability=...))",
-                )
-            return self._tp_push.expect(
-                ticket,
-                local,
-                tokens,
-                ticket.capability,
-                nbytes,
-                self.address,
-                self.backend.agent_name,
-            )
-        transfer = runtime.new_transfer(ticket.request_id, groups)
-        # Probed while its registration has not returned (a producer that died refuses
-        # its port at once; the registration's own timeout is seconds per try).
-        transfer.meta.producer_at = (ticket.host, ticket.port)
-        # Binds the registration to us: notices must echo it, and a later registration
-        # of this request id by anyone else is refused (R-SAFE-3). A router that minted
-        # the request's capability gave it to both sides (the ticket's): the producer's
-        # hold then takes no registration without it.
-        transfer.meta.capability = ticket.capability or wire.new_capability()
-        # The bytes the producer will write are the bytes our own plan of these blocks
-        # covers (both sides share the layout shape); computed here for the stats.
-        try:
-            plan = build_plan(table, table, local, local, tokens)
-            transfer.stats.bytes, transfer.stats.descriptors = plan.nbytes, plan.num_descriptors
-        except KvxferError as exc:
-            runtime.fail(transfer, FailureKind.POST, exc)
-            return transfer
-        self._receptions.expect(transfer)
-        transfer.meta.writer_live = True  # from the registration on (R-SAFE-5)
-        host, port = self.address
-        msg = wire.PushRegister(
-            request_id=ticket.request_id,
-            engine_id=self.config.engine_id,
-            incarnation=self.incarnation,
-            block_ids=groups,
-            num_tokens=tokens,
-            agent_name=self.backend.agent_name,
-            host=host,
-            port=port,
-            capability=transfer.meta.capability,
-        )
-        # The registration is a side-channel round trip (a timeout when the producer is
-        # gone): it goes from a worker thread, and a failure lands on the transfer.
-        self._io().submit(self._send_push_register, ticket, msg, transfer)
-        # Awaiting notices now: out of its idle nap, the progress thread polls them at
-        # the in-flight pace (or, if a thread waits on this transfer, leaves that to it).
-        runtime.nudge()
-        return transfer
-
-    def _send_push_register(
-        self, ticket: Ticket, msg: wire.PushRegister, transfer: Transfer
-    ) -> None:
-        try:
-            reply = self._side.request(ticket.host, ticket.port, msg)
-        except KvxferError as exc:
-            # Refused: the producer will never write. No answer: it may have taken the
-            # registration all the same, so the reception stays quarantined until a
-            # probe of its hold says no write can come (R-SAFE-5).
-            refused = isinstance(exc, HandshakeRejected)
-            if not refused:
-                transfer.meta.push_from = (ticket.host, ticket.port)
-            self._runtime.fail(
-                transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION, quiet=refused
-            )
-            return
-        if isinstance(reply, wire.Ack) and reply.notice:
-            self._receptions.learn_final_notice(transfer, reply.notice)
-        # Registered: from now on a quiet reception asks this producer how it stands.
-        transfer.meta.last_progress = time.monotonic()
-        transfer.meta.push_from = (ticket.host, ticket.port)
+        return self._receiver.expect(ticket, local, tokens)
 
     # -- progress -------------------------------------------------------------------
     def progress(self) -> None:
@@ -878,17 +495,10 @@ class Agent:
         self._io_pool.shutdown()
         self._peers.close()
         self.backend.close()
-        self._kept = None  # deregistered: the engine's tensors are its own again
+        self._registrar.drop()  # deregistered: the engine's tensors are its own again
 
     def __enter__(self) -> Agent:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _refused_pairing(exc: KvxferError) -> bool:
-    """True when the producer answered the handshake and refused to pair with us."""
-    if isinstance(exc, LayoutError):
-        return True
-    return isinstance(exc, HandshakeRejected) and exc.code in ("layout", "role")

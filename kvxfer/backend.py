@@ -108,6 +108,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     the whole-block table, :func:`kvxfer.tp_plan.prepared_rows`) and posts any of its
     ids; False leaves a posting agent without one, and pairs across TP sizes that
     need it are refused by name."""
+    log_prefix: str = "kvxfer: "
+    """How the agent's log lines about this transport begin (a vendor's backend names
+    itself there, as operators of that hardware grep for it)."""
 
 
 class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -266,8 +266,8 @@ class SideChannelServer:
             now = time.monotonic()
             if now - last > SLOW_S:
                 log.warning(
-                    "side channel: one round of the server thread (a 0.1 s poll and the inline answers) "
-                    "took %.1fs: the process or its GIL did not run it",
+                    "side channel: one round of the server thread (a 0.1 s poll and the "
+                    "inline answers) took %.1fs: the process or its GIL did not run it",
                     now - last,
                 )
             last = now

@@ -22,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvxfer import _runtime
-from kvxfer._runtime import RECEPTION_TICK_S, WAITED_TICK_S
+from kvxfer import _progress
+from kvxfer._progress import RECEPTION_TICK_S, WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.compat import Fingerprint
@@ -490,7 +490,7 @@ def test_expect_push_wakes_an_idle_progress_thread(monkeypatch: pytest.MonkeyPat
     """A push reception awaits notices from the moment it is registered: the progress
     thread leaves its idle nap for it at once, so an engine that polls only now and
     then (or not at all) still sees the push settle promptly."""
-    monkeypatch.setattr(_runtime, "IDLE_NAP_S", 30.0)  # idle: asleep for 30 s
+    monkeypatch.setattr(_progress, "IDLE_NAP_S", 30.0)  # idle: asleep for 30 s
     agents = _push_agents(16)
     prod, cons = agents.prod, agents.cons
     ticks = _progress_thread_ticks(cons)
