@@ -335,7 +335,11 @@ class PluginAgent:
         prepared.release()  # type: ignore[attr-defined]
 
     def add_remote(self, metadata: bytes) -> str:
-        return _text(self._agent.add_remote_agent(metadata))
+        name = _text(self._agent.add_remote_agent(metadata))
+        # Connect now, at the handshake, rather than inside the first transfer: the
+        # first request then pays no endpoint set-up (issue 27).
+        self._agent.make_connection(name, self._plugins)
+        return name
 
     def remove_remote(self, agent: str) -> None:
         self._agent.remove_remote_agent(agent)
