@@ -23,9 +23,11 @@ from kvxfer.descriptors import DescriptorTable, Plan, build_plan
 from kvxfer.heads import split_heads
 from kvxfer.layout import KVLayout
 from kvxfer.merging import (
+    RUNS_MIN_PAIRS,
     address_order,
     chain_order,
     joins,
+    posted_units,
     region_chains,
     run_starts,
     transport_units,
@@ -193,6 +195,13 @@ def test_region_chains_need_the_same_stride_and_device_and_an_exact_abutment() -
     other = device.copy()
     other[2] = 1
     assert region_chains(base, stride, block_len, other)[:2] == [[0], [1]]
+    # Side by side in one block but not in the next: another device or stride.
+    two = np.array([0, 50], dtype=np.uint64), np.full(2, 50, dtype=np.uint64)
+    same = np.full(2, 500, dtype=np.uint64)
+    assert region_chains(two[0], same, two[1], np.array([0, 0])) == [[0, 1]]
+    assert region_chains(two[0], same, two[1], np.array([0, 1])) == [[0], [1]]
+    strides = np.array([400, 500], dtype=np.uint64)
+    assert region_chains(two[0], strides, two[1], np.array([0, 0])) == [[0], [1]]
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7])
@@ -234,3 +243,32 @@ def test_an_end_that_wraps_past_two_to_the_64_joins_nothing() -> None:
 def test_address_order_is_a_stable_sort() -> None:
     addr = np.array([30, 10, 20, 10], dtype=np.uint64)
     assert address_order(addr).tolist() == [1, 3, 2, 0]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "as_runs"), [(RUNS_MIN_PAIRS - 1, False), (RUNS_MIN_PAIRS, True)]
+)
+def test_small_posts_keep_prepared_ids_and_large_ones_whose_runs_merge_go_as_runs(
+    pairs: int, as_runs: bool
+) -> None:
+    """One contiguous run whose prepared ids are two apart (a block's heads): NIXL would
+    post every pair; per-request runs post one, from RUNS_MIN_PAIRS pairs on."""
+    la = np.arange(pairs, dtype=np.uint64) * np.uint64(8)
+    ids = np.arange(pairs, dtype=np.int64) * 2
+    joined = joins(la, la + np.uint64(1 << 20), np.full(pairs, 8, dtype=np.uint64))
+    assert posted_units(joined, ids, ids) == ((1, True) if as_runs else (pairs, False))
+    # Ids one apart: NIXL merges them itself, and prepared ids stay.
+    ones = np.arange(pairs, dtype=np.int64)
+    assert posted_units(joined, ones, ones) == (1, False)
+    # Runs of two that NIXL merges none of: half the units, so runs from RUNS_MIN_PAIRS on.
+    halves = joins(
+        np.repeat(np.arange(pairs // 2, dtype=np.uint64) * np.uint64(64), 2)
+        + np.tile(np.array([0, 8], dtype=np.uint64), pairs // 2),
+        np.repeat(np.arange(pairs // 2, dtype=np.uint64) * np.uint64(64), 2)
+        + np.tile(np.array([0, 8], dtype=np.uint64), pairs // 2),
+        np.full(pairs // 2 * 2, 8, dtype=np.uint64),
+    )
+    even = ids[: pairs // 2 * 2]
+    assert posted_units(halves, even, even) == (
+        (pairs // 2, True) if as_runs else (pairs // 2 * 2, False)
+    )
