@@ -272,3 +272,40 @@ def test_small_posts_keep_prepared_ids_and_large_ones_whose_runs_merge_go_as_run
     assert posted_units(halves, even, even) == (
         (pairs // 2, True) if as_runs else (pairs // 2 * 2, False)
     )
+
+
+def test_chunked_plans_over_one_region_per_head_post_a_blocks_heads_together() -> None:
+    """The general planning path (chunk_mode here) orders by local address too."""
+    from kvxfer.descriptors import PlanOptions
+    from kvxfer.layout import KVPart, Region
+
+    head_bytes = 16 * 64
+
+    def layout(base: int) -> KVLayout:
+        return KVLayout(
+            block_size=16,
+            regions=tuple(
+                Region(
+                    base=base + h * head_bytes,
+                    num_blocks=8,
+                    stride=8 * head_bytes,
+                    block_len=head_bytes,
+                    part=KVPart.K,
+                    head=h,
+                )
+                for h in range(8)
+            ),
+            num_kv_heads=1,
+        )
+
+    opts = PlanOptions(chunk_mode=True, chunk_tokens=4)
+    local = DescriptorTable.build(layout(1 << 20), opts)
+    remote = DescriptorTable.build(layout(1 << 30), opts)
+    plan = build_plan(local, remote, [2, 3, 4], [2, 3, 4], 2 * 16 + 5)
+    # Blocks 2-3 whole and the first two chunks of block 4, per head: blocks 2-3 and
+    # head 0's chunks of block 4 are one run on both sides, the other heads' one each
+    # (region by region, 3 runs a head: its block 2, its block 3, its two chunks).
+    assert _check_runs_cover(plan, local, remote) == _best(plan, local, remote) == 8
+    assert _check_runs_cover(plan, _unordered(local), remote) == 8
+    plain = build_plan(_unordered(local), remote, [2, 3, 4], [2, 3, 4], 2 * 16 + 5)
+    assert _check_runs_cover(plain, local, remote) == 24
