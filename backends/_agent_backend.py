@@ -102,12 +102,20 @@ def _descs(table: DescriptorTable) -> npt.NDArray[np.uint64]:
 class _Rows:
     """What a post needs of one prepared list to cut per-request runs from its ids."""
 
-    __slots__ = ("addr", "device", "length", "mem", "single_device")
+    __slots__ = ("abuts", "addr", "device", "length", "mem", "single_device")
 
     def __init__(self, table: DescriptorTable) -> None:
         self.addr, self.length, self.device = table.addr, table.length, table.device
         self.mem = _mem_kind_of(table)
         self.single_device = table.single_device
+        # Whether some descriptor ends where another starts that is not its neighbour in
+        # the list (one region per head): only then can a post merge more than NIXL
+        # does on prepared ids. Found once here, so that posts over lists without such
+        # pairs (one region per layer) skip the per-post address gathers.
+        order = np.argsort(self.addr, kind="stable")
+        addr, length = self.addr[order], self.length[order]
+        meet = addr[1:] == addr[:-1] + length[:-1]
+        self.abuts = bool((meet & (order[1:] != order[:-1] + 1)).any())
 
 
 class AgentBackend(Backend):
@@ -410,6 +418,8 @@ class AgentBackend(Backend):
         mine, theirs = self._local_rows, self._peer_rows.get(peer)
         n = len(local_ids)
         if n < RUNS_MIN_PAIRS or mine is None or theirs is None:
+            return None
+        if not (mine.abuts and theirs.abuts):
             return None
         if not isinstance(agent, RunsEndpoint):
             return None
