@@ -28,9 +28,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import Backend, BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
-from kvxfer.backends._nixl import NixlCall, NixlEndpoint, map_nixl_errors, nixl_error
+from kvxfer.backends._nixl import (
+    NixlCall,
+    NixlEndpoint,
+    RunsEndpoint,
+    map_nixl_errors,
+    nixl_error,
+)
 from kvxfer.errors import BackendError, KvxferError, PeerError, RegistrationError
 from kvxfer.layout import MemKind
+from kvxfer.merging import RUNS_MIN_PAIRS, joins, posted_units
 from kvxfer.wire import GuardTable
 
 if TYPE_CHECKING:
@@ -92,6 +99,25 @@ def _descs(table: DescriptorTable) -> npt.NDArray[np.uint64]:
     return np.stack([table.addr, table.length, table.device.astype(np.uint64)], axis=1)
 
 
+class _Rows:
+    """What a post needs of one prepared list to cut per-request runs from its ids."""
+
+    __slots__ = ("abuts", "addr", "device", "length", "mem", "single_device")
+
+    def __init__(self, table: DescriptorTable) -> None:
+        self.addr, self.length, self.device = table.addr, table.length, table.device
+        self.mem = _mem_kind_of(table)
+        self.single_device = table.single_device
+        # Whether some descriptor ends where another starts that is not its neighbour in
+        # the list (one region per head): only then can a post merge more than NIXL
+        # does on prepared ids. Found once here, so that posts over lists without such
+        # pairs (one region per layer) skip the per-post address gathers.
+        order = np.argsort(self.addr, kind="stable")
+        addr, length = self.addr[order], self.length[order]
+        meet = addr[1:] == addr[:-1] + length[:-1]
+        self.abuts = bool((meet & (order[1:] != order[:-1] + 1)).any())
+
+
 class AgentBackend(Backend):
     """A :class:`~kvxfer.backend.Backend` over one NIXL-style agent.
 
@@ -111,6 +137,11 @@ class AgentBackend(Backend):
         self._registrations: list[object] = []
         self._local: object | None = None
         self._peers: dict[PeerHandle, object] = {}  # peer -> its prepared descriptor list
+        # The rows behind the prepared lists (local, per peer): posts whose pairs merge
+        # into far fewer runs than NIXL merges on its own go as per-request run lists.
+        self._local_rows: _Rows | None = None
+        self._peer_rows: dict[PeerHandle, _Rows] = {}
+        self.runs_posted = 0  # posts sent as per-request run lists (stats, tests)
         self._xfers: dict[XferHandle, tuple[object, PeerHandle]] = {}
         self._ids = itertools.count(1)
         self._registered: KVLayout | None = None
@@ -185,6 +216,7 @@ class AgentBackend(Backend):
                     agent.release_descs(self._local)
                     self._local = None
                 self._local = agent.prep_descs(None, _mem_kind_of(table), _descs(table))
+                self._local_rows = _Rows(table)
 
     # -- guard table (fail-closed pulls; docs/RELIABILITY.md) -------------------------
     def register_guard(self, slots: int) -> npt.NDArray[np.uint64]:
@@ -283,6 +315,7 @@ class AgentBackend(Backend):
                     if old is not None:
                         agent.release_descs(old)
                     self._peers[name] = agent.prep_descs(name, _mem_kind_of(table), _descs(table))
+                    self._peer_rows[name] = _Rows(table)
             except KvxferError:
                 self._disconnect(agent, name)
                 raise
@@ -300,6 +333,7 @@ class AgentBackend(Backend):
     def remove_peer(self, peer: PeerHandle) -> None:
         with self._lock:
             prepared = self._peers.pop(peer, None)
+            self._peer_rows.pop(peer, None)
             agent = self._agent
             if prepared is None or agent is None:
                 return
@@ -349,7 +383,16 @@ class AgentBackend(Backend):
                 raise RegistrationError("post before prepare_local")
             # The hot path maps NIXL's failures inline (see kvxfer.backends._nixl).
             try:
-                xfer = agent.post(op, self._local, local_ids, remote, remote_ids, notification)
+                runs = self._runs(agent, peer, local_ids, remote_ids)
+                if runs is not None:
+                    assert isinstance(agent, RunsEndpoint)
+                    local_mem, local_runs, remote_mem, remote_runs = runs
+                    xfer = agent.post_runs(
+                        op, local_mem, local_runs, peer, remote_mem, remote_runs, notification
+                    )
+                    self.runs_posted += 1
+                else:
+                    xfer = agent.post(op, self._local, local_ids, remote, remote_ids, notification)
             except KvxferError:
                 raise
             except Exception as exc:
@@ -358,6 +401,47 @@ class AgentBackend(Backend):
             handle = XferHandle(next(self._ids))
             self._xfers[handle] = (xfer, peer)
             return handle
+
+    def _runs(
+        self,
+        agent: NixlEndpoint,
+        peer: PeerHandle,
+        local_ids: npt.NDArray[np.int64],
+        remote_ids: npt.NDArray[np.int64],
+    ) -> tuple[MemKind, npt.NDArray[np.uint64], MemKind, npt.NDArray[np.uint64]] | None:
+        """The request as per-request lists of address runs, when those post far fewer
+        units than the prepared ids (which NIXL merges only where they are one apart:
+        a block's heads, abutting in memory, lie a block list apart), else None.
+
+        Plans list each block's abutting regions together (:mod:`kvxfer.merging`), so
+        merging the pairs in posted order finds every run."""
+        mine, theirs = self._local_rows, self._peer_rows.get(peer)
+        n = len(local_ids)
+        if n < RUNS_MIN_PAIRS or mine is None or theirs is None:
+            return None
+        if not (mine.abuts and theirs.abuts):
+            return None
+        if not isinstance(agent, RunsEndpoint):
+            return None
+        la, ra = mine.addr[local_ids], theirs.addr[remote_ids]
+        length = mine.length[local_ids]
+        ld = None if mine.single_device is not None else mine.device[local_ids]
+        rd = None if theirs.single_device is not None else theirs.device[remote_ids]
+        joined = joins(la, ra, length, ld, rd)
+        if not posted_units(joined, local_ids, remote_ids)[1]:
+            return None
+        starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+        total = np.concatenate((np.zeros(1, dtype=np.uint64), np.cumsum(length, dtype=np.uint64)))
+        ends = np.append(starts[1:], n)
+        run_len = total[ends] - total[starts]
+        ldev = mine.device[local_ids[starts]].astype(np.uint64)
+        rdev = theirs.device[remote_ids[starts]].astype(np.uint64)
+        return (
+            mine.mem,
+            np.stack([la[starts], run_len, ldev], axis=1),
+            theirs.mem,
+            np.stack([ra[starts], run_len, rdev], axis=1),
+        )
 
     def status(self, handle: XferHandle) -> XferStatus:
         # A poll: see drain_notifications for why a busy agent answers "not yet".

@@ -64,6 +64,7 @@ __all__ = [
     "NixlEndpoint",
     "NixlErrorMap",
     "PluginAgent",
+    "RunsEndpoint",
     "import_nixl",
     "map_nixl_errors",
     "nixl_error",
@@ -262,6 +263,25 @@ class NixlEndpoint(Protocol):
         """Release the agent itself (everything else was released before)."""
 
 
+@runtime_checkable
+class RunsEndpoint(Protocol):
+    """An endpoint that also posts per-request descriptor lists (optional: an adapter
+    without it posts prepared lists only)."""
+
+    def post_runs(
+        self,
+        op: XferOp,
+        local_mem: MemKind,
+        local: npt.NDArray[np.uint64],
+        agent: str,
+        remote_mem: MemKind,
+        remote: npt.NDArray[np.uint64],
+        notification: bytes,
+    ) -> object:
+        """Create and start one transfer of ``N×3`` ``(addr, length, device)`` lists
+        paired by row, built for this request; returns a handle."""
+
+
 _OPS = {XferOp.READ: "READ", XferOp.WRITE: "WRITE"}
 
 
@@ -315,7 +335,11 @@ class PluginAgent:
         prepared.release()  # type: ignore[attr-defined]
 
     def add_remote(self, metadata: bytes) -> str:
-        return _text(self._agent.add_remote_agent(metadata))
+        name = _text(self._agent.add_remote_agent(metadata))
+        # Connect now, at the handshake, rather than inside the first transfer: the
+        # first request then pays no endpoint set-up (issue 27).
+        self._agent.make_connection(name, self._plugins)
+        return name
 
     def remove_remote(self, agent: str) -> None:
         self._agent.remove_remote_agent(agent)
@@ -337,6 +361,32 @@ class PluginAgent:
             np.ascontiguousarray(remote_ids, dtype=np.int32),
             notification,
             self._plugins,
+        )
+        if self._agent.transfer(xfer) == "ERR":
+            xfer.release()
+            raise BackendError(f"NIXL {self._plugin} failed to post a {op.value}")
+        return xfer
+
+    def post_runs(
+        self,
+        op: XferOp,
+        local_mem: MemKind,
+        local: npt.NDArray[np.uint64],
+        agent: str,
+        remote_mem: MemKind,
+        remote: npt.NDArray[np.uint64],
+        notification: bytes,
+    ) -> object:
+        """Create and start one transfer of per-request ``N×3`` ``(addr, length,
+        device)`` lists paired by row (:class:`RunsEndpoint`)."""
+        local_list = self._agent.get_xfer_descs(
+            np.ascontiguousarray(local, dtype=np.uint64), self._mem[local_mem]
+        )
+        remote_list = self._agent.get_xfer_descs(
+            np.ascontiguousarray(remote, dtype=np.uint64), self._mem[remote_mem]
+        )
+        xfer = self._agent.initialize_xfer(
+            _OPS[op], local_list, remote_list, agent, notification, self._plugins
         )
         if self._agent.transfer(xfer) == "ERR":
             xfer.release()

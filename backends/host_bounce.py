@@ -438,6 +438,13 @@ class HostBounceBackend(Backend):
         if len(local_ids) and (local_ids.min() < 0 or local_ids.max() >= nb * nregions):
             # Staging holds whole blocks (or their head pieces): any other is not ours.
             raise PlanError(f"{op.value}: local descriptor ids outside the whole-block section")
+        region = local_ids // nb
+        if len(region) > 1 and (region[1:] < region[:-1]).any():
+            # Plans post a block's abutting regions together (kvxfer.merging); staging
+            # copies and slices go region by region, and staging regions never abut,
+            # so the transport loses no merge in region order.
+            order = np.argsort(region, kind="stable")
+            local_ids, remote_ids = local_ids[order], remote_ids[order]
         cuts = slice_ids(local_ids, nb, self._slices)
         tasks = []
         for a, z in cuts:

@@ -44,6 +44,7 @@ from kvxfer._selection import (
 from kvxfer.blocks import BlockIds, Groups, block_array, block_groups
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
 from kvxfer.layout import KVLayout
+from kvxfer.merging import address_order, chain_order, region_chains, run_starts
 
 __all__ = [
     "TOKEN_MAJOR_LAYOUTS",
@@ -165,6 +166,14 @@ class DescriptorTable:
     # The same over every group at once (the groups' rows in group order), for the
     # common request that lists the same blocks for every group.
     _whole_all: tuple[IntArray, int] | None = None
+    # Posting order (kvxfer.merging): where regions of a group abut block by block (one
+    # region per head), plans list each block's abutting regions one after the other so
+    # the transport merges them. Per group, its regions' positions chain by chain, when
+    # every chain has the same length ``_chain``; ``_abuts`` whenever any two abut
+    # (plans the chain order cannot lay out are sorted by local address instead).
+    _order: tuple[IntArray, ...] | None = None
+    _chain: int = 1
+    _abuts: bool = False
 
     @classmethod
     def build(cls, layout: KVLayout, options: PlanOptions | None = None) -> DescriptorTable:
@@ -234,6 +243,14 @@ class DescriptorTable:
             and all(c.section is Section.WHOLE and not c.window for c in cuts)
             else None
         )
+        chains = [
+            region_chains(base[c.regions], stride[c.regions], block_len[c.regions], dev[c.regions])
+            for c in cuts
+        ]
+        abuts = any(len(chain) > 1 for group in chains for chain in group)
+        orders = [chain_order(group) for group in chains]
+        lengths_k = {o[1] for o in orders if o is not None}
+        ordered = abuts and all(o is not None for o in orders) and len(lengths_k) == 1
         return cls(
             layout=layout,
             options=options,
@@ -253,6 +270,9 @@ class DescriptorTable:
                 if whole is not None
                 else None
             ),
+            _order=tuple(o[0] for o in orders if o is not None) if ordered else None,
+            _chain=lengths_k.pop() if ordered else 1,
+            _abuts=abuts,
         )
 
     def __len__(self) -> int:
@@ -346,21 +366,19 @@ class Plan:
         if not merge or len(la) < 2:
             ld, rd = _devices(local_table, self.local_ids), _devices(remote_table, self.remote_ids)
             return Runs(la, ra, length, ld, rd)
-        # A run never wraps past 2**64: an end that overflows to 0 joins nothing (a
-        # real successor starts above its predecessor, never at address 0).
-        joins = (la[1:] == la[:-1] + length[:-1]) & (ra[1:] == ra[:-1] + length[:-1])
-        joins &= (la[1:] != 0) & (ra[1:] != 0)
         # Most caches sit on one device per side; only mixed ones pay for device gathers.
-        if local_table.single_device is None:
-            ld = local_table.device[self.local_ids]
-            joins &= ld[1:] == ld[:-1]
-        if remote_table.single_device is None:
-            rd = remote_table.device[self.remote_ids]
-            joins &= rd[1:] == rd[:-1]
-        if not joins.any():  # scattered blocks: nothing to merge
+        mixed_l = None if local_table.single_device is not None else local_table.device
+        mixed_r = None if remote_table.single_device is not None else remote_table.device
+        starts = run_starts(
+            la,
+            ra,
+            length,
+            None if mixed_l is None else mixed_l[self.local_ids],
+            None if mixed_r is None else mixed_r[self.remote_ids],
+        )
+        if len(starts) == len(la):  # scattered blocks: nothing to merge
             ld, rd = _devices(local_table, self.local_ids), _devices(remote_table, self.remote_ids)
             return Runs(la, ra, length, ld, rd)
-        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
         # Run lengths as differences of a running sum (cheaper than ufunc.reduceat).
         # uint64 throughout: concatenating with a Python 0 would promote to float64.
         total = np.concatenate((np.zeros(1, dtype=np.uint64), np.cumsum(length, dtype=np.uint64)))
@@ -448,6 +466,9 @@ def build_plan(
         touched.append(sel.touched(lb))
     lids = local_ids[0] if num_groups == 1 else np.concatenate(local_ids)
     rids = remote_ids[0] if num_groups == 1 else np.concatenate(remote_ids)
+    if local._abuts:
+        order = address_order(local.addr[lids])
+        lids, rids = lids[order], rids[order]
     return Plan(
         local_ids=lids,
         remote_ids=rids,
@@ -487,6 +508,9 @@ def _whole_plan(
     whole, remote_whole = local._whole, remote._whole
     assert whole is not None and remote_whole is not None  # equal keys: both or neither
     groups = 0
+    order = local._order
+    if order is not None:
+        return _chained_plan(local, remote, order, mine, theirs, num_tokens)
     if shared and len(whole) > 1 and local._whole_all and remote._whole_all:
         # Every group lists the same blocks (one list for the whole model, as engines
         # pass it): one broadcast over all groups' rows gives the same ids, in order.
@@ -500,12 +524,53 @@ def _whole_plan(
         remote_ids.append((remote_rows[:, None] + rb[None, :]).ravel())
         nbytes += block_bytes * len(lb)
     one = len(whole) == 1
+    lids = local_ids[0] if one else np.concatenate(local_ids)
+    rids = remote_ids[0] if one else np.concatenate(remote_ids)
+    if local._abuts:  # abutting regions in chains of unequal lengths
+        by_addr = address_order(local.addr[lids])
+        lids, rids = lids[by_addr], rids[by_addr]
+    return Plan(
+        local_ids=lids,
+        remote_ids=rids,
+        nbytes=nbytes,
+        num_tokens=num_tokens,
+        # The validated arrays are read-only copies: the engine may reuse its own.
+        local_blocks=mine * groups if groups else mine,
+        _key=local._key,
+    )
+
+
+def _chained_plan(
+    local: DescriptorTable,
+    remote: DescriptorTable,
+    order: tuple[IntArray, ...],
+    mine: Groups,
+    theirs: Groups,
+    num_tokens: int,
+) -> Plan:
+    """_whole_plan for a table whose regions abut in chains of ``local._chain``: the
+    ids laid out (chain, block, region of the chain), so that each block's abutting
+    regions are posted one after the other (:mod:`kvxfer.merging`). The remote rows
+    follow the local order: regions pair by position."""
+    whole, remote_whole = local._whole, remote._whole
+    assert whole is not None and remote_whole is not None  # equal keys: both or neither
+    k = local._chain
+    local_ids, remote_ids = [], []
+    nbytes = 0
+    for (rows, block_bytes), (remote_rows, _), rows_order, lb, rb in zip(
+        whole, remote_whole, order, mine, theirs
+    ):
+        lr = rows[rows_order].reshape(-1, k)
+        rr = remote_rows[rows_order].reshape(-1, k)
+        local_ids.append((lr[:, None, :] + lb[None, :, None]).ravel())
+        remote_ids.append((rr[:, None, :] + rb[None, :, None]).ravel())
+        nbytes += block_bytes * len(lb)
+    one = len(whole) == 1
     return Plan(
         local_ids=local_ids[0] if one else np.concatenate(local_ids),
         remote_ids=remote_ids[0] if one else np.concatenate(remote_ids),
         nbytes=nbytes,
         num_tokens=num_tokens,
-        # The validated arrays are read-only copies: the engine may reuse its own.
-        local_blocks=mine * groups if groups else mine,
+        local_blocks=mine,
         _key=local._key,
     )

@@ -295,6 +295,8 @@ def assemble(
         "kvxfer_vs_memcpy": _paired(memcpy, kv),
         "nixl_vs_memcpy": _paired(memcpy, raw),
         "first_transfer_s": first["s"],
+        # The first request after the handshake over the steady median (issue 27: 1.2).
+        "first_vs_steady": first["s"] / kv_s if kv_s else None,
         "nixl_first_transfer_s": raw_first["s"],
         **extra,
         "samples": {k: list(v) for k, v in times.items()},
@@ -308,16 +310,19 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
 def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
     """One line per TP case: descriptors, bytes, GB/s of the three, the ratios."""
     head = (
-        f"{'case':<50} {'ranks':>5} {'descs':>7} {'runs':>6} {'NHD descs':>9} {'MB':>6} "
+        f"{'case':<50} {'ranks':>5} {'descs':>7} {'posted':>6} {'nixl u':>6} {'runs':>6} "
+        f"{'NHD descs':>9} {'MB':>6} "
         f"{'kvxfer':>6} {'nixl':>6} {'n.runs':>6} {'memcpy':>6} {'x nixl':>6} {'x runs':>6} "
-        f"{'x mcpy':>6}"
+        f"{'x mcpy':>6} {'1st/st':>6}"
     )
     lines = [
         "pulls across TP sizes: one decode rank; GB/s (decimal), medians; x: kvxfer over",
         "raw NIXL posting the planner's ids on prepared lists (nixl), its merged runs as",
-        "per-request lists (n.runs), and memcpy, paired per rep; descs: posted (one per",
-        "head per block, HND), runs: after merging, NHD descs: a token-major cache's",
-        "strided head slices (refused by kvxfer)",
+        "per-request lists (n.runs), and memcpy, paired per rep; descs: planned pairs (one",
+        "per head per block, HND); posted: transfer units kvxfer's backend posts; nixl u:",
+        "units NIXL merges the prepared ids into; runs: the fewest that cover the bytes;",
+        "NHD descs: a token-major cache's strided head slices (refused by kvxfer); 1st/st:",
+        "the first pull after the handshake over the steady median",
         head,
     ]
     for r in results:
@@ -326,10 +331,11 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
             continue
         lines.append(
             f"{r['label']:<50} {len(r['producer_ranks']):>5} {r['descriptors_posted']:>7} "
+            f"{_f(r.get('units_posted'), '{}'):>6} {_f(r.get('nixl_units'), '{}'):>6} "
             f"{_f(r.get('runs'), '{}'):>6} {r['descriptors_nhd_strided']:>9} "
             f"{r['bytes_moved'] / 1e6:>6.1f} {_f(r['kvxfer_gbps']):>6} {_f(r['nixl_gbps']):>6} "
             f"{_f(r['nixl_runs_gbps']):>6} {_f(r['memcpy_gbps']):>6} "
             f"{_f(r['kvxfer_vs_nixl']):>6} {_f(r['kvxfer_vs_nixl_runs']):>6} "
-            f"{_f(r['kvxfer_vs_memcpy']):>6}"
+            f"{_f(r['kvxfer_vs_memcpy']):>6} {_f(r.get('first_vs_steady')):>6}"
         )
     return "\n".join(lines)

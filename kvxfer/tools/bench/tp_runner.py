@@ -147,6 +147,8 @@ class TPRunner:
             times["memcpy"].append(self.call("decode", "memcpy", first["bytes"]))
         extra = {
             "runs": raw_first["runs"],
+            "units_posted": raw_first["units_posted"],
+            "nixl_units": raw_first["nixl_units"],
             "descriptors_per_rank": raw_first["descriptors_per_rank"],
             "handshake_s": peers["handshake_s"],
             "handshakes_in_timed_reps": (max(hs) - first["handshakes"]) if hs else None,

@@ -277,14 +277,39 @@ class TPRankProc:
             ]
             self.raw.xfer_many("READ", posts, DONE_NOTICE, 300)
         s = time.perf_counter() - t0
+        posted, nixl_units = self._units(plans)
         return {
             "s": s,
             "bytes": sum(rp.plan.nbytes for rp in plans),
             "descriptors": sum(rp.plan.num_descriptors for rp in plans),
+            "units_posted": posted,
+            "nixl_units": nixl_units,
             "descriptors_per_rank": {str(rp.rank): rp.plan.num_descriptors for rp in plans},
             "runs": sum(len(rp.runs()) for rp in plans),
             "bad": self._mismatches() if payload["verify"] else None,
         }
+
+    def _units(self, plans: Any) -> tuple[int, int]:
+        """Transfer units of the plans as kvxfer's NIXL backend posts them (per-request
+        runs or prepared ids, :func:`kvxfer.merging.posted_units`), and as NIXL merges
+        the prepared ids alone."""
+        from kvxfer.merging import joins, posted_units, transport_units
+
+        local = self.planner.local
+        posted = nixl_units = 0
+        for rp in plans:
+            remote = self.planner.remotes[rp.rank]
+            lid, rid = rp.plan.local_ids, rp.plan.remote_ids
+            joined = joins(
+                local.addr[lid],
+                remote.addr[rid],
+                local.length[lid],
+                local.device[lid],
+                remote.device[rid],
+            )
+            posted += posted_units(joined, lid, rid)[0]
+            nixl_units += transport_units(joined, lid, rid)
+        return posted, nixl_units
 
     def cmd_memcpy(self, nbytes: int) -> float:
         assert self.memcpy is not None
