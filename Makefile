@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: env demo test lint typecheck unit e2e bench clean properties mutation
+.PHONY: env demo test check lint typecheck unit e2e bench clean properties mutation
 
 env:
 	@bash scripts/setup_env.sh
@@ -21,6 +21,13 @@ typecheck: env
 # The whole suite: lint, strict typing, unit + property + process + end-to-end tests.
 test: env
 	bash scripts/run_tests.sh
+
+# The inner loop (docs/TESTING.md): lint, format, layering, strict typing, then the tests
+# that run inside pytest's own process (unit, and the properties at the `dev` budget).
+# Tests marked e2e (vLLM), netns or proc (child processes) are left to `make test`.
+CHECK_TESTS := -m "not e2e and not netns and not proc"
+check: lint typecheck
+	$(PY) -m pytest -p no:cacheprovider -q $(CHECK_TESTS) tests
 
 # The descriptor properties with 10x the CI example budget (docs/TESTING.md).
 PROPERTY_TESTS := tests/test_descriptor_properties.py tests/test_descriptor_errors.py \

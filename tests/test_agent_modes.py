@@ -15,6 +15,8 @@ import pytest
 
 from tests.agent_proc import AgentProc, ProcSpec
 
+pytestmark = pytest.mark.proc
+
 SEED = 11
 BS = 16
 

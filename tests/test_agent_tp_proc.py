@@ -9,9 +9,12 @@ import random
 import time
 
 import msgspec
+import pytest
 
 from kvxfer import wire
 from tests.agent_proc import AgentProc, ProcSpec
+
+pytestmark = pytest.mark.proc
 
 SEED = 5
 KV_HEADS = 2

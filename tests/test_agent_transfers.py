@@ -9,6 +9,8 @@ import pytest
 
 from tests.agent_proc import AgentProc, ProcSpec
 
+pytestmark = pytest.mark.proc
+
 SEED = 77
 NUM_BLOCKS = 96
 

@@ -16,6 +16,8 @@ import pytest
 from kvxfer.backends.nixl_rbln import ADAPTER_ENV
 from tests.agent_proc import AgentProc, ProcSpec
 
+pytestmark = pytest.mark.proc
+
 SEED = 31
 
 

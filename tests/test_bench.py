@@ -429,6 +429,7 @@ def test_memcpy_bench_threads_share_the_same_bytes(threads: int) -> None:
 
 
 # -- one real run ---------------------------------------------------------------------------
+@pytest.mark.proc
 def test_smoke_tiny_case_through_two_processes(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

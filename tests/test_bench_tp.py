@@ -18,6 +18,8 @@ from kvxfer.tools.bench import cases as bc
 from kvxfer.tools.bench import tp_cases as tc
 from kvxfer.tools.bench.cli import main as bench_main
 
+pytestmark = pytest.mark.proc
+
 QWEN = bc.SHAPES[bc.QWEN]  # 28 layers x 8 KV heads x 128, bf16
 
 

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.proc
+
 
 def test_demo_json_reports_verified_pull_and_push() -> None:
     out = subprocess.run(

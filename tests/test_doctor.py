@@ -17,6 +17,8 @@ import pytest
 from kvxfer.tools.doctor import AUTH_SECRET_ENV, main
 from tests.railfakes import STANDARD_NICS, NetNs, build_sysfs, netns_context
 
+pytestmark = pytest.mark.proc
+
 HAS_RDMA = Path("/sys/class/infiniband").is_dir()
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
 

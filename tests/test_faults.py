@@ -236,7 +236,13 @@ def test_a_pull_of_a_ticket_minted_before_its_hold_waits_for_the_hold(
     producer, engine, consumer = pull
     ticket = _minted_before_hold(producer, "early", "cc" * 16, 7, 0xABC)
     t = consumer.agent.pull(ticket, [5, 6])
-    time.sleep(0.03)  # the read (and its first guard read) before the hold
+    # The read and a guard word found "not held yet" before the hold (waited for, not
+    # a fixed nap: on a loaded host 30 ms did not always see the read through).
+    deadline = time.monotonic() + 10
+    while consumer.agent.stats().guard_rereads < 1:
+        assert t.poll() is TransferState.PENDING, t.error
+        assert time.monotonic() < deadline, "the pull never read the guard word before the hold"
+        time.sleep(0.002)
     engine.hold("early", [1, 2], capability="cc" * 16, guard=(7, 0xABC))
     settle(t, 5, engine)
     assert t.state is TransferState.DONE, t.error

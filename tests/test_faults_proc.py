@@ -16,6 +16,8 @@ from kvxfer.types import Direction
 from tests.agent_proc import AgentProc, ProcSpec
 from tests.faultkit import REASONS, Stranger
 
+pytestmark = pytest.mark.proc
+
 SEED = 17
 
 

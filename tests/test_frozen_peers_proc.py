@@ -30,6 +30,8 @@ import pytest
 
 from tests.agent_proc import AgentProc, ProcSpec
 
+pytestmark = pytest.mark.proc
+
 SEED = 29
 FREEZE_S = 3.0
 TIMEOUT_S = 10.0

@@ -26,7 +26,7 @@ from kvxfer.tools.bench.netns import NetnsPair
 from tests.agent_proc import AgentProc
 from tests.two_hosts import BLOCK, qwen_spec, shaped_hosts
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.netns, pytest.mark.proc, pytest.mark.timeout(300)]
 
 BLOCKS = 64  # 64 x 16 tokens x 112 KiB = 112 MiB a request
 NUM_BLOCKS = 2 * BLOCKS + 8

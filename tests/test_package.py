@@ -105,6 +105,7 @@ def test_registry_duplicates_and_missing_modules() -> None:
         get_backend("old-api")
 
 
+@pytest.mark.proc  # a whole mypy --strict run
 def test_mypy_strict_user_code_sees_every_public_name(tmp_path: Path) -> None:
     """`from kvxfer import X` type-checks under mypy --strict for every X in __all__
     (no "does not explicitly export" for the lazily loaded names). Only the user's file

@@ -23,7 +23,7 @@ from kvxfer.tools.bench.netns import NetnsPair
 from tests.agent_proc import AgentProc
 from tests.two_hosts import BLOCK, qwen_spec, shaped_hosts
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.proc, pytest.mark.timeout(600)]
 
 BLOCKS = 256  # per request: 256 x 16 tokens x 112 KiB = 448 MiB
 NUM_BLOCKS = 2 * BLOCKS + 8  # room for the request and a warm-up, on either side

@@ -1,4 +1,6 @@
-"""Session fixtures for the end-to-end tests: the tiny model and a unified server.
+"""Session fixtures for the end-to-end tests: the tiny model, the unified references
+(bf16 and float32) and the pull and push pairs, each started once per session and
+shared by every module that needs that configuration.
 
 Set ``KVXFER_SKIP_E2E=1`` (or ``KVXFER_SKIP_VLLM=1``, as scripts/setup_env.sh
 uses) to skip every ``e2e`` test; otherwise a missing vLLM is an error, not a skip,
@@ -17,7 +19,7 @@ import pytest
 
 from .model import build_tiny_model
 from .pd import PDPair, start_pair
-from .servers import VllmServer, start_server
+from .servers import F32_ARGS, VllmServer, start_server
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,6 +62,22 @@ def unified_server(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServ
         # The first generation pays one-off costs (kernel selection, detokenizer
         # set-up); take them here so test timings measure steady state.
         server.complete("warm up", max_tokens=2)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def unified_f32(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
+    """The float32 reference (TP1): test_pd_tp's pairs across TP sizes and
+    test_pd_two_hosts' sites compare against the same instance. Started without
+    waiting: each user waits for it together with its own servers, so the start-ups
+    overlap (``wait_all_healthy`` returns at once for a server already up)."""
+    _require_vllm()
+    server = start_server(
+        "unified-f32", tiny_model_dir, e2e_log_dir, extra_args=F32_ARGS, wait=False
+    )
+    try:
         yield server
     finally:
         server.stop()

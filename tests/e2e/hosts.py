@@ -30,7 +30,7 @@ from kvxfer.tools.bench.netns import NetnsPair, netns_pair, netns_unavailable
 
 from . import sidecar
 from .pd import PD_ENV, kv_config, tokens
-from .servers import REPO_ROOT, VllmServer, adopt, start_server, wait_all_healthy
+from .servers import F32_ARGS, REPO_ROOT, VllmServer, adopt, start_server, wait_all_healthy
 
 SIDE_CHANNEL_PORT = 5600  # llm-d's
 PREFILL_PORT = 8000
@@ -40,7 +40,7 @@ SIDECAR_PORT = 8000
 #: and a loaded host make a load under concurrency take several seconds (7.4 s seen).
 TRANSFER_TIMEOUT_S = 20
 #: Float32 (the test bed's float32 tiny model): AVX2-only hosts have no bf16 kernels.
-DTYPE_ARGS = ("--dtype", "float32")
+DTYPE_ARGS = F32_ARGS
 
 
 @dataclasses.dataclass

@@ -66,6 +66,10 @@ BASE_ARGS: tuple[str, ...] = (
     "--kv-cache-memory-bytes",
     str(128 << 20),
 )
+#: The float32 instances (references and pairs that must agree across TP sizes and on
+#: hosts without bf16 kernels): in bf16 the sums of a TP group or an AVX2-only host's
+#: kernels change greedy output with no transfer involved.
+F32_ARGS: tuple[str, ...] = ("--dtype", "float32")
 # vLLM's CPU default is 128 tokens per block; 32 (the smallest size the CPU attention
 # backend takes) gives the tests multi-block prompts and partial last blocks well
 # inside --max-model-len 512. Every instance of one comparison must use the same size.

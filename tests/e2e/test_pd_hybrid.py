@@ -86,7 +86,11 @@ def hybrid_model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def hybrid_unified(hybrid_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
-    server = start_server("unified-hybrid", hybrid_model_dir, e2e_log_dir, extra_args=ARGS)
+    """Started without waiting: the first pair waits for it with its own two servers
+    (three start-ups overlap instead of the reference starting alone after them)."""
+    server = start_server(
+        "unified-hybrid", hybrid_model_dir, e2e_log_dir, extra_args=ARGS, wait=False
+    )
     try:
         yield server
     finally:
@@ -95,7 +99,10 @@ def hybrid_unified(hybrid_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmSe
 
 @pytest.fixture(scope="module", params=CASES)
 def hybrid_pair(
-    request: pytest.FixtureRequest, hybrid_model_dir: Path, e2e_log_dir: Path
+    request: pytest.FixtureRequest,
+    hybrid_model_dir: Path,
+    e2e_log_dir: Path,
+    hybrid_unified: VllmServer,
 ) -> Iterator[PDPair]:
     mode, direction = request.param
     device, extra = MODES[mode]
@@ -115,7 +122,7 @@ def hybrid_pair(
         for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))
     ]
     try:
-        wait_all_healthy(servers)
+        wait_all_healthy([*servers, hybrid_unified])
     except BaseException:
         for s in servers:
             s.stop()

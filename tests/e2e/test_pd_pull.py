@@ -8,17 +8,20 @@ proxy itself is tested elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
-import threading
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from .pd import PDPair, decode, prefill, prompt_ids, reference, start_prefill, through_pd
-from .servers import HttpError, VllmServer
+from .servers import HttpError, VllmServer, wait_all_healthy
 from .test_unified_baseline import PROMPTS
 
 pytestmark = pytest.mark.e2e
@@ -93,39 +96,68 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     assert p.metric("vllm:kvxfer_leases_expired_total") == 0
 
 
+def _open_request(server: VllmServer, prompt: str, **params: Any) -> socket.socket:
+    """Send a completion request and return its connection unread: closing it is the
+    client hanging up (vLLM then aborts the request)."""
+    data = json.dumps(server.completion_body(prompt, **params)).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    sock.sendall(head + data)
+    return sock
+
+
+def _hang_up(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _wait_metric(server: VllmServer, name: str, ok: Callable[[float], bool], what: str) -> None:
+    deadline = time.monotonic() + 60  # generous: only a hang takes this long
+    while not ok(server.metric(name)):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
     pull_pair: PDPair,
 ) -> None:
     """Decode is full (--max-num-seqs 8 busy), so the P/D request waits unscheduled; the
     client gives up, vLLM aborts it, and the producer's blocks are freed now (a
-    Release over the side channel), not at the 30 s lease expiry."""
+    Release over the side channel), not at the 30 s lease expiry.
+
+    Each step is waited for, not timed: the 8 busy requests running, then the P/D
+    request waiting behind them, then its client hangs up (a fixed nap and a 0.5 s
+    client timeout could, on a loaded host, let the P/D request be scheduled first or
+    hang up before it reached the scheduler). The busy requests' clients hang up at
+    the end, so decode is idle again at once instead of generating their tokens."""
     p, d = pull_pair.prefill, pull_pair.decode
     params = prefill(p, "a request nobody waits for")
     aborted0 = p.metric("vllm:kvxfer_leases_aborted_total")
     expired0 = p.metric("vllm:kvxfer_leases_expired_total")
-    busy = [
-        threading.Thread(
-            target=d.complete, args=(f"keep decode busy {i}",), kwargs={"max_tokens": 300}
+    busy = [_open_request(d, f"keep decode busy {i}", max_tokens=400) for i in range(8)]
+    try:
+        _wait_metric(d, "vllm:num_requests_running", lambda n: n >= len(busy), "not 8 running")
+        late = _open_request(
+            d, "a request nobody waits for", kv_transfer_params=params, max_tokens=4
         )
-        for i in range(8)
-    ]
-    for t in busy:
-        t.start()
-    time.sleep(0.5)  # the 8 are running; the next request must wait
-    with pytest.raises(OSError):  # urllib's timeout: the client hangs up
-        d.complete(
-            "a request nobody waits for",
-            kv_transfer_params=params,
-            max_tokens=4,
-            timeout=0.5,
-        )
-    deadline = time.monotonic() + 10
-    while p.metric("vllm:kvxfer_leases_aborted_total") - aborted0 < 1:
-        assert time.monotonic() < deadline, "the producer still holds the aborted request"
-        time.sleep(0.2)
-    assert p.metric("vllm:kvxfer_leases_expired_total") == expired0
-    for t in busy:
-        t.join(timeout=60)
+        try:
+            _wait_metric(d, "vllm:num_requests_waiting", lambda n: n >= 1, "nothing waiting")
+            assert d.metric("vllm:num_requests_running") == len(busy)
+        finally:
+            _hang_up(late)
+        deadline = time.monotonic() + 10
+        while p.metric("vllm:kvxfer_leases_aborted_total") - aborted0 < 1:
+            assert time.monotonic() < deadline, "the producer still holds the aborted request"
+            time.sleep(0.2)
+        assert p.metric("vllm:kvxfer_leases_expired_total") == expired0
+    finally:
+        for sock in busy:
+            _hang_up(sock)
+    _wait_metric(d, "vllm:num_requests_running", lambda n: n == 0, "decode still busy")
 
 
 def test_idle_instances_neither_spin_nor_pin_cpus(pull_pair: PDPair) -> None:
@@ -148,12 +180,14 @@ def test_idle_instances_neither_spin_nor_pin_cpus(pull_pair: PDPair) -> None:
 # --- a prefill instance dies under its decode instance (keep these last) ---------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def doomed_prefill(
     tiny_model_dir: Path, e2e_log_dir: Path, pull_pair: PDPair
 ) -> Iterator[VllmServer]:
-    """A second pull producer that the test kills (the shared one stays up)."""
-    server = start_prefill("prefill-pull-doomed", "pull", tiny_model_dir, e2e_log_dir)
+    """A second pull producer that the last test kills (the shared one stays up).
+    Started, without waiting, once the shared pair is up (autouse: with this module's
+    first test), so its start-up overlaps the tests before the one that kills it."""
+    server = start_prefill("prefill-pull-doomed", "pull", tiny_model_dir, e2e_log_dir, wait=False)
     try:
         yield server
     finally:
@@ -167,6 +201,7 @@ def test_killed_prefill_fails_the_load_and_decode_keeps_serving(
     fails (HTTP 500), the failure is in decode's log and metrics, and decode serves
     the next requests, P/D ones included."""
     d = pull_pair.decode
+    wait_all_healthy([doomed_prefill])
     prompt = PROMPTS["multi_block_partial"]
     # Decode has handshaken with the doomed producer once (a cached peer).
     assert decode(d, prompt, prefill(doomed_prefill, prompt)) == reference(unified_server, prompt)

@@ -124,19 +124,29 @@ class TPPair(PDPair):
 
 
 @pytest.fixture(scope="module")
-def unified_servers() -> Iterator[dict[str, VllmServer]]:
+def unified_servers(
+    tiny_model_dir: Path, unified_f32: VllmServer
+) -> Iterator[dict[str, VllmServer]]:
     """Unified reference instances by (TP, dtype, model), started on first use and
-    shared by the pull and the push pair that compare against them."""
-    started: dict[str, VllmServer] = {}
+    shared by the pull and the push pair that compare against them. The TP1 float32
+    one of the tiny model is the session's (test_pd_two_hosts compares against it
+    too); this module stops only those it started."""
+    shared = _unified_name(1, "float32", tiny_model_dir)
+    started: dict[str, VllmServer] = {shared: unified_f32}
     yield started
-    for s in started.values():
-        s.stop()
+    for name, s in started.items():
+        if name != shared:
+            s.stop()
+
+
+def _unified_name(tp: int, dtype: str, model: Path) -> str:
+    return f"unified-tp{tp}-{dtype}-{model.name}"
 
 
 def _unified(
     started: dict[str, VllmServer], tp: int, dtype: str, model: Path, logs: Path
 ) -> VllmServer:
-    name = f"unified-tp{tp}-{dtype}-{model.name}"
+    name = _unified_name(tp, dtype, model)
     if name not in started:
         started[name] = start_server(name, model, logs, extra_args=_tp_args(tp, dtype), wait=False)
     return started[name]

@@ -41,7 +41,6 @@ import pytest
 
 from . import netns_http
 from .hosts import (
-    DTYPE_ARGS,
     TRANSFER_TIMEOUT_S,
     Site,
     start_site,
@@ -49,7 +48,7 @@ from .hosts import (
     two_hosts,
 )
 from .pd import MAX_TOKENS, decode, prefill, prompt_ids, reference
-from .servers import HttpError, VllmServer, start_server
+from .servers import HttpError, VllmServer
 from .sidecar import PREFILL_HEADER
 from .test_unified_baseline import PROMPTS
 
@@ -62,15 +61,10 @@ TIMEOUT_S = float(TRANSFER_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def unified32(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
-    """The float32 reference on the test host; waited for with the first site."""
-    server = start_server(
-        "unified-f32", tiny_model_dir, e2e_log_dir, extra_args=DTYPE_ARGS, wait=False
-    )
-    try:
-        yield server
-    finally:
-        server.stop()
+def unified32(unified_f32: VllmServer) -> VllmServer:
+    """The float32 reference on the test host (the session's, shared with
+    test_pd_tp); waited for with the first site."""
+    return unified_f32
 
 
 @pytest.fixture(scope="module", params=["pull", "push"])

@@ -25,7 +25,7 @@ import pytest
 from kvxfer.adapters.vllm.proxy import start_proxy
 
 from .pd import MAX_TOKENS, PD_EXTRA, PDPair, reference, start_prefill
-from .servers import VllmServer
+from .servers import VllmServer, wait_all_healthy
 from .test_unified_baseline import PROMPTS
 
 pytestmark = pytest.mark.e2e
@@ -39,9 +39,14 @@ BOUND_S = 8.0
 assert PD_EXTRA["transfer_timeout_s"] > BOUND_S
 
 
-@pytest.fixture
-def doomed(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[VllmServer]:
-    server = start_prefill("prefill-pull-under-load", "pull", tiny_model_dir, e2e_log_dir)
+@pytest.fixture(scope="module", autouse=True)
+def doomed(tiny_model_dir: Path, e2e_log_dir: Path, pull_pair: PDPair) -> Iterator[VllmServer]:
+    """The prefill instance the last test kills. Started, without waiting, once the
+    shared pair is up (autouse: with the module's first test, the steady load), so its
+    start-up overlaps that test instead of running alone."""
+    server = start_prefill(
+        "prefill-pull-under-load", "pull", tiny_model_dir, e2e_log_dir, wait=False
+    )
     try:
         yield server
     finally:
@@ -106,54 +111,6 @@ def _load(
     return results
 
 
-def test_prefill_killed_under_load_fails_fast_and_never_wrong(
-    doomed: VllmServer, pull_pair: PDPair, unified_server: VllmServer
-) -> None:
-    d = pull_pair.decode
-    url, stop = start_proxy(
-        [doomed.url],
-        [d.url],
-        mode="pull",
-        health_interval_s=0.5,
-        short_prompt_tokens=0,  # every request through P/D
-    )
-    names = list(PROMPTS)
-    prompts = [f"Load {i}: {PROMPTS[names[i % len(names)]]}" for i in range(REQUESTS)]
-    killed_at: list[float] = []
-
-    def kill_after(done: int) -> None:
-        if done == KILL_AFTER and not killed_at:
-            killed_at.append(time.monotonic())
-            doomed.kill()  # the server and its engine, mid-load
-
-    try:
-        results = _load(url, prompts, join_s=300, on_done=kill_after)
-        assert killed_at and len(results) == REQUESTS
-        # The proxy takes the dead instance out within its health checks: requests sent
-        # well after the kill are answered (decode-only), each with its own output.
-        time.sleep(max(0.0, killed_at[0] + 3.0 - time.monotonic()))
-        late = [
-            (p, *_post(url, p)) for p in (f"After the kill {i}: {prompts[i]}" for i in range(4))
-        ]
-    finally:
-        stop()
-    slow = [(s, round(t1 - t0, 1)) for _, s, _, t0, t1 in results if t1 - t0 > BOUND_S]
-    assert not slow, f"requests that took over {BOUND_S} s (status, seconds): {slow}"
-    ok = [(p, got) for p, s, got, _, _ in results if s == 200]
-    failed = [s for _, s, _, _, _ in results if s != 200]
-    assert all(s in (500, 502, 503) for s in failed), failed
-    assert [s for _, s, _ in late] == [200] * len(late), late
-    # Every answer is the prompt's own: through P/D before the kill, decode-only after.
-    answers = ok + [(p, got) for p, _, got in late]
-    wrong = [p for p, got in answers if got != reference(unified_server, p)]
-    assert not wrong, f"{len(wrong)} outputs differ from unified: {wrong[:3]}"
-    assert d.complete("still serving", max_tokens=4)["choices"][0]["text"] is not None
-    print(
-        f"under load: {len(ok)} answered, {len(failed)} failed fast, slowest "
-        f"{max(t1 - t0 for *_, t0, t1 in results):.2f} s; {len(late)} answered after the kill"
-    )
-
-
 STEADY_REQUESTS = 150
 STEADY_PROMPTS = 30  # distinct prompts (each its unified reference), five times each
 
@@ -197,3 +154,52 @@ def test_a_steady_load_through_the_proxy_ends_with_no_error(
         if line.startswith("vllm:kvxfer_guard_failures_total") and not line.endswith(" 0.0")
     ]
     assert not guard_failures, guard_failures
+
+
+def test_prefill_killed_under_load_fails_fast_and_never_wrong(
+    doomed: VllmServer, pull_pair: PDPair, unified_server: VllmServer
+) -> None:
+    d = pull_pair.decode
+    wait_all_healthy([doomed])
+    url, stop = start_proxy(
+        [doomed.url],
+        [d.url],
+        mode="pull",
+        health_interval_s=0.5,
+        short_prompt_tokens=0,  # every request through P/D
+    )
+    names = list(PROMPTS)
+    prompts = [f"Load {i}: {PROMPTS[names[i % len(names)]]}" for i in range(REQUESTS)]
+    killed_at: list[float] = []
+
+    def kill_after(done: int) -> None:
+        if done == KILL_AFTER and not killed_at:
+            killed_at.append(time.monotonic())
+            doomed.kill()  # the server and its engine, mid-load
+
+    try:
+        results = _load(url, prompts, join_s=300, on_done=kill_after)
+        assert killed_at and len(results) == REQUESTS
+        # The proxy takes the dead instance out within its health checks: requests sent
+        # well after the kill are answered (decode-only), each with its own output.
+        time.sleep(max(0.0, killed_at[0] + 3.0 - time.monotonic()))
+        late = [
+            (p, *_post(url, p)) for p in (f"After the kill {i}: {prompts[i]}" for i in range(4))
+        ]
+    finally:
+        stop()
+    slow = [(s, round(t1 - t0, 1)) for _, s, _, t0, t1 in results if t1 - t0 > BOUND_S]
+    assert not slow, f"requests that took over {BOUND_S} s (status, seconds): {slow}"
+    ok = [(p, got) for p, s, got, _, _ in results if s == 200]
+    failed = [s for _, s, _, _, _ in results if s != 200]
+    assert all(s in (500, 502, 503) for s in failed), failed
+    assert [s for _, s, _ in late] == [200] * len(late), late
+    # Every answer is the prompt's own: through P/D before the kill, decode-only after.
+    answers = ok + [(p, got) for p, _, got in late]
+    wrong = [p for p, got in answers if got != reference(unified_server, p)]
+    assert not wrong, f"{len(wrong)} outputs differ from unified: {wrong[:3]}"
+    assert d.complete("still serving", max_tokens=4)["choices"][0]["text"] is not None
+    print(
+        f"under load: {len(ok)} answered, {len(failed)} failed fast, slowest "
+        f"{max(t1 - t0 for *_, t0, t1 in results):.2f} s; {len(late)} answered after the kill"
+    )
