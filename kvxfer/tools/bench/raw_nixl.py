@@ -195,11 +195,7 @@ class RawNixl:
                         )
                     )
                     states.append(self._nixl.transfer(handles[-1]))
-                while "PROC" in states and time.monotonic() < deadline:
-                    states = [
-                        self._nixl.check_xfer_state(h) if s == "PROC" else s
-                        for h, s in zip(handles, states)
-                    ]
+                states = self._wait_all(handles, states, deadline)
                 t1 = time.perf_counter()
                 for h in handles:
                     h.release()
@@ -208,6 +204,24 @@ class RawNixl:
         if any(s != "DONE" for s in states):
             raise RuntimeError(f"raw NIXL {op}s ended in states {states}")
         return t1 - t0
+
+    def _wait_all(self, handles: list[Any], states: list[str], deadline: float) -> list[str]:
+        """Busy-poll every posted handle until none is in progress or the deadline."""
+        while "PROC" in states and time.monotonic() < deadline:
+            states = [
+                self._nixl.check_xfer_state(h) if s == "PROC" else s
+                for h, s in zip(handles, states, strict=True)
+            ]
+        return states
+
+    def _runs_xfer(self, op: str, runs: Any, peer: str, notif: bytes) -> Any:
+        """One transfer of per-request ``(addr, length, device)`` lists built from
+        pre-merged runs, initialized (not posted)."""
+        local = np.stack([runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], 1)
+        remote = np.stack([runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], 1)
+        ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), "DRAM")
+        rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), "DRAM")
+        return self._nixl.initialize_xfer(op, ld, rd, peer, notif)
 
     def xfer_runs_many(
         self, op: str, posts: Sequence[tuple[Any, str]], notif: bytes, timeout_s: float
@@ -226,21 +240,9 @@ class RawNixl:
                 t0 = time.perf_counter()
                 states = []
                 for runs, peer in posts:
-                    local = np.stack(
-                        [runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], 1
-                    )
-                    remote = np.stack(
-                        [runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], 1
-                    )
-                    ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), "DRAM")
-                    rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), "DRAM")
-                    handles.append(self._nixl.initialize_xfer(op, ld, rd, peer, notif))
+                    handles.append(self._runs_xfer(op, runs, peer, notif))
                     states.append(self._nixl.transfer(handles[-1]))
-                while "PROC" in states and time.monotonic() < deadline:
-                    states = [
-                        self._nixl.check_xfer_state(h) if s == "PROC" else s
-                        for h, s in zip(handles, states)
-                    ]
+                states = self._wait_all(handles, states, deadline)
                 t1 = time.perf_counter()
                 for h in handles:
                     h.release()
@@ -282,15 +284,7 @@ class RawNixl:
         try:
             with self._lock:
                 t0 = time.perf_counter()
-                local = np.stack(
-                    [runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], 1
-                )
-                remote = np.stack(
-                    [runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], 1
-                )
-                ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), "DRAM")
-                rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), "DRAM")
-                handle = self._nixl.initialize_xfer(op, ld, rd, peer, notif)
+                handle = self._runs_xfer(op, runs, peer, notif)
                 t1 = time.perf_counter()
                 state = self._nixl.transfer(handle)
                 while state == "PROC" and time.monotonic() < deadline:
