@@ -280,6 +280,23 @@ class PeerCache:
         """Re-handshake before the next use (a transfer against it failed)."""
         peer.suspect = True
 
+    def drop_suspect(self, peer: Peer) -> None:
+        """Forget a suspect peer now and remove it from the backend, rather than at its
+        next use: the transport then ends what is still in flight on its connection
+        (NIXL fails the transfers of a removed agent), so a transfer stuck on a dead
+        connection does not wait for the next request to that peer. Idempotent."""
+        if not peer.suspect:
+            return
+        key = (peer.host, int(peer.port))
+        with self._lock:
+            if self._peers.get(key) is not peer:
+                return  # dropped already, or replaced by a new handshake
+            self._peers.pop(key, None)
+        try:
+            self._backend.remove_peer(peer.handle)
+        except KvxferError as exc:
+            log.debug("removing suspect %r: %s", peer, exc)
+
     def close(self) -> None:
         """Forget every peer and remove it from the backend."""
         with self._lock:

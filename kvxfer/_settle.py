@@ -130,6 +130,16 @@ class Settler:
                 with self._lock:
                     if meta.handle is handle:
                         meta.handle = None
+            elif meta.doomed[0] in _SUSPECT_KINDS:
+                # In flight after a timeout or a transport failure: its connection is
+                # likely dead (a link that died mid-write leaves TCP in retransmission
+                # backoff for minutes). Removing the peer now makes the transport end
+                # it; at the next use it would wait for a request that may not come,
+                # and a new write to that peer would queue behind it.
+                busy = True
+                for peer in (meta.peer, meta.push_peer):
+                    if peer is not None:
+                        self._peers.drop_suspect(peer)
             else:
                 busy = True
         if busy and not self.closed:

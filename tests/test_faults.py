@@ -29,7 +29,7 @@ from kvxfer.backend import BackendOptions
 from kvxfer.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError
 from kvxfer.testing.fake_backend import FakeBackend
-from kvxfer.transfer import Transfer, TransferState
+from kvxfer.transfer import FailureKind, Transfer, TransferState
 from kvxfer.types import Direction, Role
 from tests.faultkit import (
     BLOCK,
@@ -178,6 +178,35 @@ def test_an_aborted_pull_that_the_transport_cannot_cancel_stays_quarantined(
     stats = consumer.agent.stats()
     assert (stats.quarantined, stats.quarantines) == (0, 1)
     assert stats.quarantine_s_max >= 0.2
+
+
+def test_a_timed_out_transfer_stuck_in_flight_ends_when_its_peer_is_dropped() -> None:
+    """A transfer that timed out with its handle still in flight (a link that died under
+    it: TCP sits in retransmission backoff for minutes) has its suspect peer removed
+    from the backend at once, so the transport ends it and its blocks leave quarantine;
+    before, it waited for the next use of that peer, which may never come (seen end to
+    end: a push WRITE after the link came back hung until another request to that
+    consumer arrived, over a minute). The next pull connects anew and lands."""
+    producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED, lease_s=60.0)
+    consumer = Side(Role.CONSUMER, Direction.PULL, transfer_timeout_s=1.0)
+    engine = Engine(producer)
+    try:
+        ticket = engine.hold("stuck", [1, 2])
+        consumer.faults(stall=True, uncancellable=True)  # in flight, nothing moves
+        t = consumer.agent.pull(ticket, [5, 6])
+        settle(t, 5)
+        assert t.state is TransferState.FAILED and t.stats.failure is FailureKind.TIMEOUT
+        handshakes = consumer.agent.stats().handshakes
+        consumer.faults()
+        after = consumer.agent.pull(engine.hold("after", [3, 4]), [7, 8])
+        settle(after, 5, engine)
+        assert after.state is TransferState.DONE, after.error
+        assert landed_intact(consumer, [7, 8], [3, 4])
+        assert consumer.agent.stats().handshakes == handshakes + 1  # connected anew
+        assert consumer.agent.stats().quarantined == 0
+    finally:
+        consumer.close()
+        producer.close()
 
 
 # -- block ids: integers only, no repeats, any size out of range is a kvxfer error ------
