@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -227,3 +227,13 @@ def until(predicate: Callable[[], bool], timeout: float) -> float | None:
 
 def replace(ticket: Ticket, **changes: Any) -> Ticket:
     return msgspec.structs.replace(ticket, **changes)
+
+
+def pull_pair() -> Iterator[tuple[Side, Engine, Side]]:
+    """A pull producer (its cache filled, 60 s leases), its engine and a consumer
+    (10 s deadline), closed after use: the body of the ``pull`` fixtures."""
+    producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED, lease_s=60.0)
+    consumer = Side(Role.CONSUMER, Direction.PULL, transfer_timeout_s=10.0)
+    yield producer, Engine(producer), consumer
+    consumer.close()
+    producer.close()

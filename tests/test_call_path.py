@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.types import Direction, Role
-from tests.faultkit import PRODUCER_SEED, Engine, Side, settle
+from tests.faultkit import Engine, Side, pull_pair, settle
 
 ROOT = Path(__file__).resolve().parent.parent
 #: kvxfer files one pull enters today, and how often it comes back to one it left.
@@ -30,11 +29,7 @@ MAX_RETURNS = 20
 
 @pytest.fixture
 def pair() -> Iterator[tuple[Side, Engine, Side]]:
-    producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED, lease_s=60.0)
-    consumer = Side(Role.CONSUMER, Direction.PULL, transfer_timeout_s=10.0)
-    yield producer, Engine(producer), consumer
-    consumer.close()
-    producer.close()
+    yield from pull_pair()
 
 
 def _pull_path(producer: Side, engine: Engine, consumer: Side) -> list[str]:

@@ -39,6 +39,7 @@ from tests.faultkit import (
     Stranger,
     assert_fails_closed,
     landed_intact,
+    pull_pair,
     push_registered,
     replace,
     settle,
@@ -49,11 +50,7 @@ from tests.faultkit import (
 
 @pytest.fixture
 def pull() -> Iterator[tuple[Side, Engine, Side]]:
-    producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED, lease_s=60.0)
-    consumer = Side(Role.CONSUMER, Direction.PULL, transfer_timeout_s=10.0)
-    yield producer, Engine(producer), consumer
-    consumer.close()
-    producer.close()
+    yield from pull_pair()
 
 
 @pytest.fixture
