@@ -322,6 +322,10 @@ def test_relate_and_bars() -> None:
     assert [b["worst_case"] for b in missed] == [bounce["label"]]
     text = report.format_table(results, list(bars.values()))
     assert "MISSED" in text and direct["label"] in text and "FAILED" in text
+    # The first transfer over the steady median, per case.
+    row = next(line for line in text.splitlines() if line.startswith(direct["label"]))
+    first_over = direct["first_transfer_s"] / direct["kvxfer_s"]
+    assert "1st/st" in text and row.split()[-1] == f"{first_over:.2f}"
     # The bounce bar says where the machine puts the floor (3 copies x 0.2 s / 0.2 s direct).
     note = bars["host_bounce time vs direct ucx"]["note"]
     assert "floor" in note and "median 3.00x direct" in note and "in 1 of 1 cases" in note
