@@ -40,8 +40,12 @@ two method calls per transfer or poll.
 from __future__ import annotations
 
 import enum
+import importlib
+import importlib.util
 import os
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,10 +99,58 @@ def import_nixl() -> Any:
     for key, value in _UCX_TCP_KEEPALIVE.items():
         os.environ.setdefault(key, value)
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        api = importlib.import_module(_nixl_api_module())
     except ImportError as exc:
         raise missing_dependency("nixl", "nixl", exc) from exc
-    return nixl_agent, nixl_agent_config
+    return api.nixl_agent, api.nixl_agent_config
+
+
+#: The wheels the ``nixl`` meta package chooses from when no CUDA version picks one, in
+#: its order.
+_NIXL_WHEELS = ("nixl_cu13", "nixl_cu12", "nixl_rocm")
+
+
+def _nixl_api_module() -> str:
+    """Where to import NIXL's API from: ``nixl._api``, or the wheel it would pick.
+
+    The ``nixl`` meta package picks its wheel (``nixl_cu12``, ``nixl_cu13``, ...) by the
+    CUDA version of the process. Where nothing CUDA is imported yet and torch on disk is
+    a CPU build, or absent, it finds none by reading; it then imports torch to ask, gets
+    no version either, and takes the first wheel installed. That torch import is ~3 s
+    of CPU in every process that only moves bytes (a bench or test child, ``kvxfer
+    doctor``, a non-torch engine). In exactly that case this takes the same first wheel
+    without importing torch; in every other case the meta package decides.
+    """
+    if "nixl" in sys.modules or any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy")):
+        return "nixl._api"
+    if _torch_cuda_on_disk() is not False:
+        return "nixl._api"
+    for wheel in _NIXL_WHEELS:
+        if importlib.util.find_spec(wheel) is not None:
+            return f"{wheel}._api"
+    return "nixl._api"  # none: the meta package's import raises the error to show
+
+
+def _torch_cuda_on_disk() -> bool | None:
+    """Whether the installed torch was built with CUDA (False also when there is no
+    torch), read from its ``version.py`` without importing torch; None if unknown."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return False
+    if not spec.origin:
+        return None
+    try:
+        text = Path(spec.origin).with_name("version.py").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        # torch writes e.g. ``cuda: Optional[str] = None`` or ``cuda: Optional[str] = '12.8'``
+        if line.startswith("cuda") and "=" in line:
+            return line.split("=", 1)[1].strip() != "None"
+    return None
 
 
 # -- failures ---------------------------------------------------------------------------

@@ -8,9 +8,12 @@ then with failures provoked from a real NIXL agent, then through a backend's hot
 from __future__ import annotations
 
 import ast
+import importlib.machinery
+import importlib.util
 import itertools
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,6 +24,7 @@ import numpy.typing as npt
 import pytest
 
 from kvxfer.backend import BackendOptions, Capabilities, PeerHandle, XferOp, XferStatus
+from kvxfer.backends import _nixl
 from kvxfer.backends._agent_backend import AgentBackend
 from kvxfer.backends._nixl import NixlCall, map_nixl_errors, nixl_error, start_plugin_agent
 from kvxfer.backends.host_bounce import NOT_AVAILABLE, HostBounceBackend
@@ -260,6 +264,66 @@ def test_without_nixl_host_bounce_raises_the_nixl_hint_not_the_rbln_line(
     with caplog.at_level(logging.DEBUG), pytest.raises(MissingDependency, match="kvxfer\\[nixl\\]"):
         HostBounceBackend(BackendOptions(agent_name=f"edge-{os.getpid()}-{next(_names)}"))
     assert NOT_AVAILABLE not in caplog.messages
+
+
+# -- which NIXL module is imported ----------------------------------------------------
+def _spec_of(tmp_path: Path, cuda: str) -> Any:
+    """find_spec for a torch whose version.py says ``cuda: Optional[str] = <cuda>``."""
+    pkg = tmp_path / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text(f"from typing import Optional\ncuda: Optional[str] = {cuda}\n")
+    spec = importlib.machinery.ModuleSpec("torch", None, origin=str(pkg / "__init__.py"))
+    return lambda name, *a: spec if name == "torch" else _real_find_spec(name, *a)
+
+
+_real_find_spec = importlib.util.find_spec
+
+
+@pytest.mark.parametrize(
+    ("cuda", "expected"), [("None", False), ("'12.8'", True), ("'13.0'", True)]
+)
+def test_torchs_cuda_build_is_read_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str, expected: bool
+) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", _spec_of(tmp_path, cuda))
+    assert _nixl._torch_cuda_on_disk() is expected
+
+
+def test_the_meta_package_decides_unless_no_cuda_version_could_pick_a_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert "nixl" in sys.modules  # this module imported it: the meta package's choice stands
+    assert _nixl._nixl_api_module() == "nixl._api"
+    monkeypatch.delitem(sys.modules, "nixl")
+    for cuda_stack in ("torch", "cuda.bindings", "cupy"):
+        monkeypatch.delitem(sys.modules, cuda_stack, raising=False)
+    first = next(w for w in _nixl._NIXL_WHEELS if _real_find_spec(w) is not None)
+    monkeypatch.setattr(_nixl, "_torch_cuda_on_disk", lambda: False)  # CPU torch, or none
+    assert _nixl._nixl_api_module() == f"{first}._api"
+    for unknown_or_cuda in (None, True):
+        monkeypatch.setattr(_nixl, "_torch_cuda_on_disk", lambda v=unknown_or_cuda: v)
+        assert _nixl._nixl_api_module() == "nixl._api"
+    monkeypatch.setattr(_nixl, "_torch_cuda_on_disk", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", object())  # a CUDA stack already imported
+    assert _nixl._nixl_api_module() == "nixl._api"
+
+
+@pytest.mark.proc
+def test_a_process_that_only_moves_bytes_does_not_import_torch() -> None:
+    """The ~3 s torch import the meta package would make on a CPU host is skipped, and
+    the agent class is the one the meta package exports."""
+    code = (
+        "import sys; from kvxfer.backends._nixl import import_nixl; agent, _ = import_nixl(); "
+        "torch = 'torch' in sys.modules; import nixl._api; "
+        "print(agent is nixl._api.nixl_agent, torch)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    # A CUDA torch on disk (a GPU host) leaves the choice, and the torch import, to NIXL.
+    torch_imported = _nixl._torch_cuda_on_disk() is not False
+    assert out.stdout.split() == ["True", str(torch_imported)], out.stdout + out.stderr
 
 
 # -- import rules ----------------------------------------------------------------------
