@@ -98,11 +98,16 @@ def import_nixl() -> Any:
     # value the operator set wins.
     for key, value in _UCX_TCP_KEEPALIVE.items():
         os.environ.setdefault(key, value)
+    module = _nixl_api_module()
     try:
-        api = importlib.import_module(_nixl_api_module())
+        if module == "nixl._api":
+            from nixl._api import nixl_agent, nixl_agent_config
+        else:
+            api = importlib.import_module(module)
+            nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     except ImportError as exc:
         raise missing_dependency("nixl", "nixl", exc) from exc
-    return api.nixl_agent, api.nixl_agent_config
+    return nixl_agent, nixl_agent_config
 
 
 #: The wheels the ``nixl`` meta package chooses from when no CUDA version picks one, in
