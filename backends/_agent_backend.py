@@ -145,6 +145,7 @@ class AgentBackend(Backend):
         self._xfers: dict[XferHandle, tuple[object, PeerHandle]] = {}
         self._ids = itertools.count(1)
         self._registered: KVLayout | None = None
+        self._metadata: bytes | None = None  # NIXL's blob for peers; None: read it again
         self._closed = False
         # Fail-closed pulls: our guard table and the landing words of our guard reads
         # (one registered host array), peers' prepared guard tables, reads in flight.
@@ -176,10 +177,17 @@ class AgentBackend(Backend):
         return self._agent
 
     def metadata(self) -> bytes:
+        # Read from NIXL once per change of what is registered, then served from here:
+        # every handshake asks for it (a Welcome carries it), and NIXL 1.5.1's binding
+        # keeps the GIL through getLocalMD, so a call that waits inside NIXL (for the
+        # agent's own lock, say, while UCX works) stops every thread of the process.
+        # A producer whose decode ranks handshook at once stalled 1-6 s right after.
         with self._lock:
             agent = self._live()
-            with map_nixl_errors(NixlCall.START, f"{self._description}: agent metadata"):
-                return agent.metadata()
+            if self._metadata is None:
+                with map_nixl_errors(NixlCall.START, f"{self._description}: agent metadata"):
+                    self._metadata = agent.metadata()
+            return self._metadata
 
     def _quietly(self, call: NixlCall, what: str, step: Callable[[], object], level: int) -> None:
         """A teardown step whose failure is logged, not raised: nothing is left to undo."""
@@ -202,6 +210,7 @@ class AgentBackend(Backend):
                     f"{self._description} refused {len(spans)} {kind.value} "
                     f"range(s) on device {device}"
                 )
+                self._metadata = None
                 with map_nixl_errors(NixlCall.REGISTER, what):
                     reg = agent.register(kind, device, [(s, e - s) for s, e in spans])
                 self._registrations.append(reg)
@@ -230,6 +239,7 @@ class AgentBackend(Backend):
             words = np.zeros(slots + LANDING_WORDS, dtype=np.uint64)
             base = int(words.ctypes.data)
             what = f"{self._description} refused the guard table ({words.nbytes} B of DRAM)"
+            self._metadata = None
             with map_nixl_errors(NixlCall.REGISTER, what):
                 reg = agent.register(MemKind.DRAM, 0, [(base, words.nbytes)])
             self._registrations.append(reg)

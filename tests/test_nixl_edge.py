@@ -364,3 +364,33 @@ def test_backends_import_no_testing_code_and_no_rbln_code_below_rbln() -> None:
 
     for module in graph:
         walk(module, ())
+
+
+def test_the_metadata_blob_is_read_from_nixl_once_per_registration_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every handshake's Welcome carries the blob; NIXL's getLocalMD keeps the GIL, so it
+    is read again only after memory was registered (new keys for peers to use)."""
+    from kvxfer.backends._nixl import PluginAgent
+    from kvxfer.backends.ucx import UcxBackend
+
+    reads: list[bytes] = []
+    real = PluginAgent.metadata
+
+    def counted(self: PluginAgent) -> bytes:
+        reads.append(real(self))
+        return reads[-1]
+
+    monkeypatch.setattr(PluginAgent, "metadata", counted)
+    backend = UcxBackend(BackendOptions(agent_name=f"edge-md-{os.getpid()}-{next(_names)}"))
+    try:
+        first = backend.metadata()
+        assert backend.metadata() == first and len(reads) == 1
+        backend.register(PatternCache(CacheShape(num_blocks=4)).layout)
+        after = backend.metadata()
+        assert len(reads) == 2 and backend.metadata() == after and len(reads) == 2
+        assert after != first  # the registered memory's keys are in it
+        backend.register_guard(4)
+        assert backend.metadata() != after and len(reads) == 3
+    finally:
+        backend.close()
