@@ -291,7 +291,7 @@ def test_torchs_cuda_build_is_read_from_disk(
 
 
 def test_the_meta_package_decides_unless_no_cuda_version_could_pick_a_wheel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert "nixl" in sys.modules  # this module imported it: the meta package's choice stands
     assert _nixl._nixl_api_module() == "nixl._api"
