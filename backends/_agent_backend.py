@@ -35,14 +35,14 @@ from kvxfer.backends._nixl import (
     map_nixl_errors,
     nixl_error,
 )
+from kvxfer.core.layout import MemKind
+from kvxfer.core.merging import RUNS_MIN_PAIRS, joins, posted_units
+from kvxfer.core.wire import GuardTable
 from kvxfer.errors import BackendError, KvxferError, PeerError, RegistrationError
-from kvxfer.layout import MemKind
-from kvxfer.merging import RUNS_MIN_PAIRS, joins, posted_units
-from kvxfer.wire import GuardTable
 
 if TYPE_CHECKING:
-    from kvxfer.descriptors import DescriptorTable
-    from kvxfer.layout import KVLayout
+    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.layout import KVLayout
 
 __all__ = ["LANDING_WORDS", "AgentBackend", "merged_intervals"]
 
@@ -423,7 +423,7 @@ class AgentBackend(Backend):
         units than the prepared ids (which NIXL merges only where they are one apart:
         a block's heads, abutting in memory, lie a block list apart), else None.
 
-        Plans list each block's abutting regions together (:mod:`kvxfer.merging`), so
+        Plans list each block's abutting regions together (:mod:`kvxfer.core.merging`), so
         merging the pairs in posted order finds every run."""
         mine, theirs = self._local_rows, self._peer_rows.get(peer)
         n = len(local_ids)

@@ -53,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import XferOp, XferStatus
+from kvxfer.core.layout import MemKind
 from kvxfer.errors import (
     BackendError,
     KvxferError,
@@ -61,7 +62,6 @@ from kvxfer.errors import (
     TransferError,
     missing_dependency,
 )
-from kvxfer.layout import MemKind
 
 __all__ = [
     "NixlCall",
@@ -356,7 +356,7 @@ class PluginAgent:
     Args:
         agent: The ``nixl_agent``, its plugin backend created.
         plugin: The plugin every call is pinned to (``"UCX"``, ``"RBLN"``).
-        mem_names: NIXL memory type of each :class:`~kvxfer.layout.MemKind`.
+        mem_names: NIXL memory type of each :class:`~kvxfer.core.layout.MemKind`.
     """
 
     def __init__(self, agent: Any, plugin: str, mem_names: Mapping[MemKind, str]) -> None:
@@ -489,7 +489,7 @@ def start_plugin_agent(
         plugin: The NIXL backend plugin.
         params: The plugin's init parameters.
         progress_thread: NIXL's own progress thread (it spins a core while idle).
-        mem_names: NIXL memory type of each :class:`~kvxfer.layout.MemKind`.
+        mem_names: NIXL memory type of each :class:`~kvxfer.core.layout.MemKind`.
 
     Raises:
         MissingDependency: NIXL is not installed.

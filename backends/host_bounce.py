@@ -53,6 +53,7 @@ from kvxfer.backend import (
     XferStatus,
 )
 from kvxfer.backends._bounce import Copier, CopyDirection, CopyTask, Pipelined, slice_ids
+from kvxfer.core.layout import MemKind
 from kvxfer.errors import (
     BackendError,
     ConfigError,
@@ -61,13 +62,12 @@ from kvxfer.errors import (
     RegistrationError,
     missing_dependency,
 )
-from kvxfer.layout import MemKind
 from kvxfer.registry import get_backend
 
 if TYPE_CHECKING:
-    from kvxfer.descriptors import DescriptorTable
-    from kvxfer.layout import KVLayout, Region
-    from kvxfer.wire import GuardTable
+    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.layout import KVLayout, Region
+    from kvxfer.core.wire import GuardTable
 
 __all__ = [
     "NOT_AVAILABLE",
@@ -313,7 +313,7 @@ class HostBounceBackend(Backend):
 
     def _head_pieces(self, table: DescriptorTable) -> list[tuple[int, int, int]]:
         """The rows past the whole-block table (a one-head section of each region,
-        :func:`kvxfer.tp_plan.prepared_rows`) as pieces ``(region, lo, hi)``: bytes
+        :func:`kvxfer.core.tp_plan.prepared_rows`) as pieces ``(region, lo, hi)``: bytes
         ``[lo, hi)`` of every block of a staging region, ``num_blocks`` rows each.
         Staging copies a piece's bytes only: two producer ranks' reads into one
         block land, and are copied in, side by side."""
@@ -440,7 +440,7 @@ class HostBounceBackend(Backend):
             raise PlanError(f"{op.value}: local descriptor ids outside the whole-block section")
         region = local_ids // nb
         if len(region) > 1 and (region[1:] < region[:-1]).any():
-            # Plans post a block's abutting regions together (kvxfer.merging); staging
+            # Plans post a block's abutting regions together (kvxfer.core.merging); staging
             # copies and slices go region by region, and staging regions never abut,
             # so the transport loses no merge in region order.
             order = np.argsort(region, kind="stable")

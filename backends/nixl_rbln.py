@@ -38,8 +38,8 @@ from kvxfer.backend import BackendOptions, Capabilities
 from kvxfer.backends._agent_backend import AgentBackend
 from kvxfer.backends._nixl import NixlCall, map_nixl_errors
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter
+from kvxfer.core.layout import MemKind
 from kvxfer.errors import BackendError, MissingDependency
-from kvxfer.layout import MemKind
 
 __all__ = ["ADAPTER_ENV", "ADAPTER_GROUP", "NixlRblnBackend", "load_adapter"]
 

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 from kvxfer.backends._nixl import NixlEndpoint, start_plugin_agent
-from kvxfer.layout import MemKind
+from kvxfer.core.layout import MemKind
 
 __all__ = ["NixlAgentAdapter", "RblnAdapter", "RblnAgent"]
 
@@ -79,7 +79,7 @@ class NixlAgentAdapter:
 
     Args:
         plugin: The NIXL backend plugin name.
-        mem_names: NIXL memory type of each :class:`~kvxfer.layout.MemKind`.
+        mem_names: NIXL memory type of each :class:`~kvxfer.core.layout.MemKind`.
         description: Line for logs.
         emulated: Whether this adapter stands in for the NPU (see the protocol).
     """

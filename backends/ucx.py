@@ -17,7 +17,7 @@ from typing import ClassVar
 from kvxfer.backend import BackendOptions, Capabilities
 from kvxfer.backends._agent_backend import AgentBackend, merged_intervals
 from kvxfer.backends._nixl import import_nixl, start_plugin_agent
-from kvxfer.layout import MemKind
+from kvxfer.core.layout import MemKind
 
 __all__ = ["UcxBackend", "import_nixl", "merged_intervals"]
 
@@ -35,7 +35,7 @@ class UcxBackend(AgentBackend):
         if options.rails:
             # UCX reads its device list at context creation: pin the data plane to the
             # selected rails (and stripe or not, R-RAIL-3) before the agent exists.
-            from kvxfer.rails import ucx_environment
+            from kvxfer.io.rails import ucx_environment
 
             os.environ.update(ucx_environment(options.rails, options.stripe_width))
         # NIXL's progress thread spins a core while idle; the agent polls instead.

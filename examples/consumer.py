@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, Direction, Fingerprint, Role, Ticket
-from kvxfer.layout import KVLayout, KVPart, Region
+from kvxfer.core.layout import KVLayout, KVPart, Region
 
 BLOCK_SIZE, NUM_BLOCKS, LAYERS, TOKEN_BYTES = 16, 256, 4, 8 * 128 * 2
 

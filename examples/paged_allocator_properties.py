@@ -3,8 +3,8 @@
 A decode engine with a paged KV cache and a prefix cache pulls each prompt's KV from a
 prefill engine. Only the blocks its prefix cache does not hold are pulled: the engine
 passes the *suffix* of its block table (and the producer's) to
-:func:`kvxfer.descriptors.build_plan`. This script checks, for random prompt streams
-sharing prefixes and random :class:`~kvxfer.descriptors.PlanOptions` (drawn by
+:func:`kvxfer.core.descriptors.build_plan`. This script checks, for random prompt streams
+sharing prefixes and random :class:`~kvxfer.core.descriptors.PlanOptions` (drawn by
 ``kvxfer.testing.strategies.plan_options``), that after copying the plan's runs byte by
 byte between two real numpy caches:
 
@@ -27,8 +27,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
-from kvxfer.layout import KVLayout, KVPart, Region
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.layout import KVLayout, KVPart, Region
 from kvxfer.testing import strategies as kst
 
 BLOCK_SIZE, LAYERS, TOKEN_BYTES = 4, 2, 8

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from kvxfer import Agent, AgentConfig, Direction, Fingerprint, Role
-from kvxfer.layout import KVLayout, KVPart, Region
+from kvxfer.core.layout import KVLayout, KVPart, Region
 
 BLOCK_SIZE, NUM_BLOCKS, LAYERS, TOKEN_BYTES = 16, 256, 4, 8 * 128 * 2  # 8 heads × 128 × bf16
 

@@ -36,22 +36,22 @@ from kvxfer.errors import __all__ as _errors_all
 # `import kvxfer` stays cheap (numpy and msgspec load only when needed).
 _LAZY: dict[str, str] = {
     # layout
-    "KVLayout": "kvxfer.layout",
-    "Region": "kvxfer.layout",
-    "Group": "kvxfer.layout",
-    "GroupKind": "kvxfer.layout",
-    "SplitAxis": "kvxfer.layout",
-    "MemKind": "kvxfer.layout",
-    "KVPart": "kvxfer.layout",
+    "KVLayout": "kvxfer.core.layout",
+    "Region": "kvxfer.core.layout",
+    "Group": "kvxfer.core.layout",
+    "GroupKind": "kvxfer.core.layout",
+    "SplitAxis": "kvxfer.core.layout",
+    "MemKind": "kvxfer.core.layout",
+    "KVPart": "kvxfer.core.layout",
     # descriptors
-    "DescriptorTable": "kvxfer.descriptors",
-    "Plan": "kvxfer.descriptors",
-    "PlanOptions": "kvxfer.descriptors",
-    "build_plan": "kvxfer.descriptors",
-    "chunk_size": "kvxfer.descriptors",
+    "DescriptorTable": "kvxfer.core.descriptors",
+    "Plan": "kvxfer.core.descriptors",
+    "PlanOptions": "kvxfer.core.descriptors",
+    "build_plan": "kvxfer.core.descriptors",
+    "chunk_size": "kvxfer.core.descriptors",
     # compat
-    "Fingerprint": "kvxfer.compat",
-    "check_layout": "kvxfer.compat",
+    "Fingerprint": "kvxfer.core.compat",
+    "check_layout": "kvxfer.core.compat",
     # engine-neutral vocabulary
     "Role": "kvxfer.types",
     "Direction": "kvxfer.types",
@@ -93,20 +93,20 @@ if TYPE_CHECKING:  # pragma: no cover - names for type checkers and IDEs
     from kvxfer.agent import AgentConfig as AgentConfig
     from kvxfer.agent import PushPost as PushPost
     from kvxfer.agent import Ticket as Ticket
-    from kvxfer.compat import Fingerprint as Fingerprint
-    from kvxfer.compat import check_layout as check_layout
-    from kvxfer.descriptors import DescriptorTable as DescriptorTable
-    from kvxfer.descriptors import Plan as Plan
-    from kvxfer.descriptors import PlanOptions as PlanOptions
-    from kvxfer.descriptors import build_plan as build_plan
-    from kvxfer.descriptors import chunk_size as chunk_size
-    from kvxfer.layout import Group as Group
-    from kvxfer.layout import GroupKind as GroupKind
-    from kvxfer.layout import KVLayout as KVLayout
-    from kvxfer.layout import KVPart as KVPart
-    from kvxfer.layout import MemKind as MemKind
-    from kvxfer.layout import Region as Region
-    from kvxfer.layout import SplitAxis as SplitAxis
+    from kvxfer.core.compat import Fingerprint as Fingerprint
+    from kvxfer.core.compat import check_layout as check_layout
+    from kvxfer.core.descriptors import DescriptorTable as DescriptorTable
+    from kvxfer.core.descriptors import Plan as Plan
+    from kvxfer.core.descriptors import PlanOptions as PlanOptions
+    from kvxfer.core.descriptors import build_plan as build_plan
+    from kvxfer.core.descriptors import chunk_size as chunk_size
+    from kvxfer.core.layout import Group as Group
+    from kvxfer.core.layout import GroupKind as GroupKind
+    from kvxfer.core.layout import KVLayout as KVLayout
+    from kvxfer.core.layout import KVPart as KVPart
+    from kvxfer.core.layout import MemKind as MemKind
+    from kvxfer.core.layout import Region as Region
+    from kvxfer.core.layout import SplitAxis as SplitAxis
     from kvxfer.transfer import Transfer as Transfer
     from kvxfer.transfer import TransferState as TransferState
     from kvxfer.transfer import TransferStats as TransferStats

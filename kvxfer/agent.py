@@ -22,24 +22,25 @@ producer's :meth:`Agent.hold` then writes into them (and :meth:`Agent.stream` wr
 blocks early, during prefill, with ``push_stream``).
 
 The data path of a pull: :meth:`Agent.pull` checks the block ids
-(:func:`kvxfer.blocks.block_groups`) → :meth:`Runtime.post <kvxfer._runtime.Runtime.post>`
-→ :func:`kvxfer.descriptors.build_plan` (ids into prepared descriptor tables) →
+(:func:`kvxfer.core.blocks.block_groups`) →
+:meth:`Runtime.post <kvxfer._agent.runtime.Runtime.post>`
+→ :func:`kvxfer.core.descriptors.build_plan` (ids into prepared descriptor tables) →
 :meth:`Backend.post_engine <kvxfer.backend.Backend.post_engine>` → completion seen by
 a tick → engine. Registration and the handshake happen once per process and once per
 peer.
 
 The Agent is a facade over its parts, each built in its constructor with what it
 needs, none holding the Agent or another part's privates:
-:class:`~kvxfer._registrar.Registrar` (registered memory),
-:class:`~kvxfer._holds.HoldDesk` (a producer's holds and what peers are told of them),
-:class:`~kvxfer._push.PushWriter` (a push producer's writes),
-:class:`~kvxfer._pull.Puller` (a consumer's pulls),
-:class:`~kvxfer._receive.PushReceiver` (a consumer's push receptions),
-:class:`~kvxfer._runtime.Runtime` (posting, settling, the progress loop),
-:class:`~kvxfer._peers.PeerCache` (handshaken peers) and
-:class:`~kvxfer._side_channel.SideChannel` (the server that dispatches peers' messages
+:class:`~kvxfer._agent.registrar.Registrar` (registered memory),
+:class:`~kvxfer._agent.holds.HoldDesk` (a producer's holds and what peers are told of them),
+:class:`~kvxfer._agent.push_write.PushWriter` (a push producer's writes),
+:class:`~kvxfer._agent.pull.Puller` (a consumer's pulls),
+:class:`~kvxfer._agent.push_receive.PushReceiver` (a consumer's push receptions),
+:class:`~kvxfer._agent.runtime.Runtime` (posting, settling, the progress loop),
+:class:`~kvxfer._agent.peers.PeerCache` (handshaken peers) and
+:class:`~kvxfer._agent.side_channel.SideChannel` (the server that dispatches peers' messages
 to the parts, and every message this agent sends), sharing
-:class:`~kvxfer._local.LocalEnd` (identity, registered memory, block-id checks). The
+:class:`~kvxfer._agent.local.LocalEnd` (identity, registered memory, block-id checks). The
 value types live in :mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
 """
 
@@ -54,30 +55,30 @@ from typing import Any
 
 import msgspec
 
-from kvxfer import blocks, wire
-from kvxfer._guard import FreeReason
-from kvxfer._holds import HoldDesk
-from kvxfer._io import IoPool
-from kvxfer._leases import LeaseBook
-from kvxfer._local import LocalEnd
-from kvxfer._peers import Peer, PeerCache
-from kvxfer._pull import Puller
-from kvxfer._push import PushWriter, Write
-from kvxfer._readers import ReaderCount
-from kvxfer._receive import PushReceiver
-from kvxfer._receptions import Receptions
-from kvxfer._registrar import Registrar
-from kvxfer._runtime import Runtime
-from kvxfer._side_channel import Answers, SideChannel
-from kvxfer._tp import TPPuller
-from kvxfer._tp_ranks import ProducerGroup
+from kvxfer._agent.guard import FreeReason
+from kvxfer._agent.holds import HoldDesk
+from kvxfer._agent.leases import LeaseBook
+from kvxfer._agent.local import LocalEnd
+from kvxfer._agent.peers import Peer, PeerCache
+from kvxfer._agent.pull import Puller
+from kvxfer._agent.push_receive import PushReceiver
+from kvxfer._agent.push_write import PushWriter, Write
+from kvxfer._agent.readers import ReaderCount
+from kvxfer._agent.receptions import Receptions
+from kvxfer._agent.registrar import Registrar
+from kvxfer._agent.runtime import Runtime
+from kvxfer._agent.side_channel import Answers, SideChannel
+from kvxfer._agent.tp_producers import ProducerGroup
+from kvxfer._agent.tp_pull import TPPuller
+from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend, BackendOptions
-from kvxfer.blocks import BlockIds
-from kvxfer.control import SideChannelClient
-from kvxfer.descriptors import DescriptorTable
+from kvxfer.core import blocks, wire
+from kvxfer.core.blocks import BlockIds
+from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.layout import KVLayout
 from kvxfer.errors import ConfigError
-from kvxfer.layout import KVLayout
+from kvxfer.io.control import SideChannelClient
 from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import Transfer
@@ -187,7 +188,7 @@ class Agent:
         """Register the KV cache memory described by ``layout`` (R-REG-1, R-REG-2).
 
         A layout records addresses, not tensors. The tensors a layout was built from
-        (:meth:`KVLayout.from_kv_caches <kvxfer.layout.KVLayout.from_kv_caches>`,
+        (:meth:`KVLayout.from_kv_caches <kvxfer.core.layout.KVLayout.from_kv_caches>`,
         ``from_tensors``) pass to the agent, which references them until
         :meth:`close`, so that
         memory is not collected while peers may still read or write it; ``keep``
@@ -217,7 +218,7 @@ class Agent:
 
         ``kv_caches`` holds one tensor per layer, ``(2, num_blocks, block_size,
         kv_heads, head_dim)`` by default; ``layout_options`` are the other keywords of
-        :meth:`KVLayout.from_kv_caches <kvxfer.layout.KVLayout.from_kv_caches>`
+        :meth:`KVLayout.from_kv_caches <kvxfer.core.layout.KVLayout.from_kv_caches>`
         (``kv_dim``, ``kv_layout``, ``layer_groups``, ``groups``, ...). The agent holds
         a reference to every tensor, so dropping the engine's own (``del pool``) does
         not free memory a peer may still move bytes into or out of.
@@ -408,7 +409,7 @@ class Agent:
         With :attr:`AgentConfig.tp` set and a ticket of another ``tp_size``, the
         request is read from every producer rank holding this rank's heads (rank *p*
         at ``ticket.port + p``), one sub-transfer per rank folded into the one
-        returned transfer (:mod:`kvxfer._tp`).
+        returned transfer (:mod:`kvxfer._agent.tp_pull`).
 
         Raises:
             RegistrationError: no memory registered yet.
@@ -461,7 +462,7 @@ class Agent:
 
         Across TP sizes (this agent's :attr:`AgentConfig.tp` and the ticket's
         ``tp_size`` differ) this rank registers with every producer rank holding one of
-        its heads, and the transfer settles once each of them wrote (kvxfer._tp_push).
+        its heads, and the transfer settles once each of them wrote (kvxfer._agent.tp_push_receive).
         Its consumer ranks must show one capability: give the ticket the router's
         token (``Ticket.for_push(capability=...)``), the same on every rank; without
         one this raises ConfigError naming ``ticket.capability``.

@@ -11,10 +11,10 @@ import enum
 
 import msgspec
 
-from kvxfer.compat import Fingerprint
-from kvxfer.descriptors import PlanOptions
+from kvxfer.core.compat import Fingerprint
+from kvxfer.core.descriptors import PlanOptions
+from kvxfer.core.heads import TPRank
 from kvxfer.errors import ConfigError
-from kvxfer.heads import TPRank
 from kvxfer.types import Direction, Role
 
 __all__ = ["AgentConfig", "AgentStats", "PushPost"]
@@ -70,7 +70,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             and this rank), announced in the handshake; None: no TP identity (peers are
             then paired region by region, rank *r* with rank *r*). With it, a pull whose
             ticket names another ``tp_size`` reads from every producer rank holding
-            this rank's heads (:mod:`kvxfer._tp`).
+            this rank's heads (:mod:`kvxfer._agent.tp_pull`).
     """
 
     engine_id: str
@@ -105,7 +105,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "must be a PushPost: " + ", ".join(repr(p.value) for p in PushPost),
             )
         if self.tp is not None and not isinstance(self.tp, TPRank):
-            raise ConfigError("tp", self.tp, "must be a kvxfer.heads.TPRank or None")
+            raise ConfigError("tp", self.tp, "must be a kvxfer.core.heads.TPRank or None")
         if not self.engine_id:
             raise ConfigError("engine_id", self.engine_id, "must be a non-empty string")
         for key in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):

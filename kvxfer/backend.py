@@ -49,9 +49,9 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from kvxfer.descriptors import DescriptorTable
-    from kvxfer.layout import KVLayout, MemKind
-    from kvxfer.wire import GuardTable
+    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.layout import KVLayout, MemKind
+    from kvxfer.core.wire import GuardTable
 
 __all__ = [
     "BACKEND_API_VERSION",
@@ -105,7 +105,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Registers a guard table and reads peers' guard words (fail-closed pulls)."""
     head_sections: bool = True
     """Takes a local table with more rows than its layout's (a one-head section after
-    the whole-block table, :func:`kvxfer.tp_plan.prepared_rows`) and posts any of its
+    the whole-block table, :func:`kvxfer.core.tp_plan.prepared_rows`) and posts any of its
     ids; False leaves a posting agent without one, and pairs across TP sizes that
     need it are refused by name."""
     log_prefix: str = "kvxfer: "

@@ -16,15 +16,14 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from kvxfer.errors import KvxferError, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
-    from kvxfer._peers import Peer
-    from kvxfer.backend import XferHandle
+    from kvxfer.backend import PeerHandle, XferHandle
 
 __all__ = [
     "FailureKind",
@@ -103,6 +102,20 @@ class TransferStats(msgspec.Struct, kw_only=True):
     stage: FailureStage | None = None
 
 
+class PeerRef(Protocol):
+    """What a transfer's bookkeeping knows of the peer it moves bytes with.
+
+    The Agent's handshaken peer (``kvxfer._agent.peers.Peer``) is one; the record
+    names only what settling and probing read, so it sits below the Agent's parts.
+    """
+
+    host: str
+    port: int
+    incarnation: int
+    handle: PeerHandle
+    suspect: bool
+
+
 class TransferMeta(msgspec.Struct, kw_only=True):
     """The agent's bookkeeping of one transfer (engines never need it).
 
@@ -146,11 +159,11 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         awaiting_hold: A guarded pull whose guard word says its hold has not come yet:
             only the word is read again until it does, then data and word.
         unreachable_since: A failed push reception: since when its producer has had
-            no route (kvxfer._liveness), 0 while it has one.
+            no route (kvxfer._agent.liveness), 0 while it has one.
     """
 
     posting: bool = False
-    peer: Peer | None = None
+    peer: PeerRef | None = None
     handle: XferHandle | None = None
     lease_expiry: float | None = None
     notice_bytes: bytes | None = None
@@ -158,7 +171,7 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     covered: list[set[int]] | None = None
     final: bool = False
     lease: str | None = None
-    push_peer: Peer | None = None
+    push_peer: PeerRef | None = None
     on_settled: Callable[[Transfer, bool], None] | None = None
     guard: tuple[int, int] | None = None
     guarding: bool = False
@@ -209,7 +222,7 @@ class Transfer:
         self._settled = False  # claimed by the one _settle call that wins
         self._error: KvxferError | None = None
         # The blocks a FAILED transfer reports invalid when not all of local_blocks
-        # (a transfer aggregated over several producer ranks: kvxfer._fanout).
+        # (a transfer aggregated over several producer ranks: kvxfer._agent.fanout).
         self._invalid: tuple[int, ...] | None = None
         # Made by the first wait() (most transfers are polled or settle inside post).
         self._done: threading.Event | None = None

@@ -15,7 +15,7 @@ if [ ${#modules[@]} -eq 0 ]; then
     modules=(descriptors _selection merging blocks layout compat wire)
 fi
 for m in "${modules[@]}"; do
-    echo "== mutmut: kvxfer.$m"
-    "$VENV/bin/mutmut" run --max-children "$JOBS" "kvxfer.$m.*" >/dev/null
+    echo "== mutmut: kvxfer.core.$m"
+    "$VENV/bin/mutmut" run --max-children "$JOBS" "kvxfer.core.$m.*" >/dev/null
 done
 "$VENV/bin/mutmut" results --all true | "$VENV/bin/python" scripts/mutation_score.py

@@ -44,7 +44,7 @@ class ProcSpec(msgspec.Struct, frozen=True, kw_only=True):
     handshake_timeout_s: float = 2.0
     rbln_emulated: bool = False
     shards: int = 1
-    tp_size: int = 0  # > 0: a TP rank (kvxfer.heads.TPRank), head-major per-head cache
+    tp_size: int = 0  # > 0: a TP rank (kvxfer.core.heads.TPRank), head-major per-head cache
     tp_rank: int = 0
     netns: str = ""  # a network namespace the child enters first (a host of its own)
     host: str = "127.0.0.1"  # the side channel's address (the namespace's own)
@@ -64,8 +64,8 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
     if spec.rbln_emulated:
         os.environ["KVXFER_RBLN_ADAPTER"] = "emulated"
     from kvxfer.agent import Agent, AgentConfig, Ticket
-    from kvxfer.compat import Fingerprint
-    from kvxfer.descriptors import PlanOptions
+    from kvxfer.core.compat import Fingerprint
+    from kvxfer.core.descriptors import PlanOptions
     from kvxfer.testing.kvcache import HostKVCache, ModelShape
     from kvxfer.types import Direction, Role
 
@@ -79,7 +79,7 @@ def _serve(conn: Connection, spec: ProcSpec) -> None:
     cache: Any
     tp = None
     if spec.tp_size:
-        from kvxfer.heads import HeadLayout, TPRank
+        from kvxfer.core.heads import HeadLayout, TPRank
         from kvxfer.testing.tp_kvcache import TPHostCache
 
         heads = HeadLayout(num_kv_heads=spec.kv_heads, tp_size=spec.tp_size)

@@ -19,10 +19,10 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvxfer import wire
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
+from kvxfer.core import wire
+from kvxfer.core.compat import Fingerprint
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState

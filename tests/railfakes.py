@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.rails import CommandRunner, command_runner
+from kvxfer.io.rails import CommandRunner, command_runner
 
 _STATE_NUMBERS = {"NOP": 0, "DOWN": 1, "INIT": 2, "ARMED": 3, "ACTIVE": 4, "ACTIVE_DEFER": 5}
 

@@ -1,5 +1,5 @@
 """Block ids at the Agent's door: checked against the registered layout at the call
-(kvxfer.blocks), so bad ids fail before anything is posted; Agent.stage_out forwards
+(kvxfer.core.blocks), so bad ids fail before anything is posted; Agent.stage_out forwards
 to a staging backend only."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import PlanError, RegistrationError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape

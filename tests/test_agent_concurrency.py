@@ -22,11 +22,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvxfer import _progress
-from kvxfer._progress import RECEPTION_TICK_S, WAITED_TICK_S
+from kvxfer._agent import progress as _progress
+from kvxfer._agent.progress import RECEPTION_TICK_S, WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import ConfigError, TransferTimeout
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape

@@ -21,7 +21,7 @@ import pytest
 from kvxfer import Ticket
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import ConfigError, PlanError, TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
@@ -111,7 +111,7 @@ def test_a_layout_built_from_tensors_keeps_them_registered_without_keep() -> Non
     constructor's tensors stay alive while registered (issue 28: they were collected
     while NIXL still held their addresses)."""
     torch = pytest.importorskip("torch")
-    from kvxfer.layout import KVLayout, tensors_of
+    from kvxfer.core.layout import KVLayout, tensors_of
 
     pools = [torch.zeros(2, NUM_BLOCKS, 16, 2, 8) for _ in range(2)]
     refs = [weakref.ref(p) for p in pools]

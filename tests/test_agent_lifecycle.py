@@ -18,7 +18,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 from kvxfer.agent import Agent, AgentConfig, Ticket
 from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import TransferState

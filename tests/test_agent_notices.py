@@ -11,11 +11,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvxfer import wire
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
-from kvxfer.compat import Fingerprint
-from kvxfer.descriptors import DescriptorTable
+from kvxfer.core import wire
+from kvxfer.core.compat import Fingerprint
+from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.errors import TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape

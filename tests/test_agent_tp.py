@@ -13,13 +13,13 @@ import zlib
 import msgspec
 import pytest
 
-from kvxfer import wire
-from kvxfer._guard import GuardBook
-from kvxfer._readers import ReaderCount
+from kvxfer._agent.guard import GuardBook
+from kvxfer._agent.readers import ReaderCount
 from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Ticket
+from kvxfer.core import wire
+from kvxfer.core.heads import HeadLayout, needed_ranks
 from kvxfer.errors import ConfigError, KvxferError, TransferError
-from kvxfer.heads import HeadLayout, needed_ranks
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import TransferState
 from kvxfer.types import Direction

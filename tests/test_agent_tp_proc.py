@@ -11,7 +11,7 @@ import time
 import msgspec
 import pytest
 
-from kvxfer import wire
+from kvxfer.core import wire
 from tests.agent_proc import AgentProc, ProcSpec
 
 pytestmark = pytest.mark.proc

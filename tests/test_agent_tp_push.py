@@ -11,10 +11,10 @@ import time
 import msgspec
 import pytest
 
-from kvxfer import wire
 from kvxfer.agent import Ticket
+from kvxfer.core import wire
+from kvxfer.core.heads import HeadLayout
 from kvxfer.errors import ConfigError, TransferError
-from kvxfer.heads import HeadLayout
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role

@@ -1,7 +1,7 @@
 """Pairs across tensor-parallel sizes with no per-head setting (issue 26): ranks that
 describe their cache as engines do by default, one region per (layer, K/V) holding
 all their heads, pull and push across TP sizes byte for byte, cut at pairing
-(kvxfer.heads.pairing_heads): the consumer derives the producer's narrower table at
+(kvxfer.core.heads.pairing_heads): the consumer derives the producer's narrower table at
 the handshake, and only a side that posts holding more heads per region than its
 peer posts from its one-head section. Equal TP sizes keep their whole-block plans.
 
@@ -17,10 +17,10 @@ import random
 import msgspec
 import pytest
 
-from kvxfer import wire
-from kvxfer._guard import GuardBook
+from kvxfer._agent.guard import GuardBook
 from kvxfer.agent import Agent, Ticket
-from kvxfer.heads import HeadLayout
+from kvxfer.core import wire
+from kvxfer.core.heads import HeadLayout
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction
 from tests.tp_ranks import NUM_BLOCKS, Rank, consumers, producers

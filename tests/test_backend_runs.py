@@ -18,9 +18,9 @@ import pytest
 
 from kvxfer.backend import BackendOptions, XferOp, XferStatus
 from kvxfer.backends.ucx import UcxBackend
-from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.heads import HeadLayout, split_heads
-from kvxfer.layout import KVLayout, KVPart, Region
+from kvxfer.core.descriptors import DescriptorTable, build_plan
+from kvxfer.core.heads import HeadLayout, split_heads
+from kvxfer.core.layout import KVLayout, KVPart, Region
 
 HEADS = 4
 HEAD_BYTES = 256

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.testing.kvcache import HostKVCache
 from kvxfer.tools.bench import cases as bc
 from kvxfer.tools.bench import cli as bench

@@ -1,4 +1,4 @@
-"""kvxfer.blocks: the one normaliser of block id lists (R-DESC-1, R-DESC-7)."""
+"""kvxfer.core.blocks: the one normaliser of block id lists (R-DESC-1, R-DESC-7)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer import blocks
-from kvxfer.blocks import block_array, block_groups, describe, to_wire
+from kvxfer.core import blocks
+from kvxfer.core.blocks import block_array, block_groups, describe, to_wire
 from kvxfer.errors import PlanError
 
 

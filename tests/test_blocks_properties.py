@@ -1,4 +1,4 @@
-"""Properties of kvxfer.blocks beyond its example tests: both repeat checks, the side
+"""Properties of kvxfer.core.blocks beyond its example tests: both repeat checks, the side
 and group every error names, flat lists and broadcast, the log summary's cut-over.
 
 build_plan validates every request's ids through these functions (R-DESC-1, R-DESC-7).
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer.blocks import block_array, block_groups, describe
+from kvxfer.core.blocks import block_array, block_groups, describe
 from kvxfer.errors import PlanError
 from kvxfer.testing import strategies as kst
 

@@ -1,4 +1,4 @@
-"""kvxfer.compat: the compatibility hash (R-COMPAT-1/2) and the layout check (R-COMPAT-3)."""
+"""kvxfer.core.compat: the compatibility hash (R-COMPAT-1/2) and the layout check (R-COMPAT-3)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.compat import Fingerprint, check_layout
+from kvxfer.core.compat import Fingerprint, check_layout
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, Region
 from kvxfer.errors import ConfigError, LayoutMismatch
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, Region
 from kvxfer.testing import strategies as kst
 from kvxfer.types import Direction
 
@@ -45,7 +45,7 @@ def test_golden_canonical_encoding_and_digest() -> None:
 
 def test_digest_is_the_same_in_another_process() -> None:
     code = (
-        "from kvxfer.compat import Fingerprint\n"
+        "from kvxfer.core.compat import Fingerprint\n"
         "from kvxfer.types import Direction\n"
         "print(Fingerprint(model='Qwen/Qwen3-0.6B', revision='c1899de', dtype='bfloat16',"
         " kv_cache_dtype='bfloat16', attention_backend='RBLN_ATTN', protocol_version=1,"

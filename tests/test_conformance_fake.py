@@ -9,7 +9,7 @@ import pytest
 
 from kvxfer import registry
 from kvxfer.backend import XferOp, XferStatus
-from kvxfer.descriptors import DescriptorTable
+from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.testing.conformance import (
     CHECKS,
     BackendConformance,

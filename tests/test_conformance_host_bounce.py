@@ -24,9 +24,9 @@ from kvxfer.backends.host_bounce import (
 )
 from kvxfer.backends.nixl_rbln import ADAPTER_ENV
 from kvxfer.backends.ucx import UcxBackend
-from kvxfer.descriptors import DescriptorTable, build_plan
+from kvxfer.core.descriptors import DescriptorTable, build_plan
+from kvxfer.core.layout import KVLayout, MemKind, split_kv
 from kvxfer.errors import BackendError, ConfigError, PlanError, RegistrationError
-from kvxfer.layout import KVLayout, MemKind, split_kv
 from kvxfer.testing.conformance import BackendConformance, BackendSpec
 from kvxfer.testing.fake_backend import FakeBackend, Faults
 from kvxfer.testing.patterns import CacheShape, PatternCache

@@ -23,9 +23,9 @@ from kvxfer.backends.host_bounce import NOT_AVAILABLE, default_transport
 from kvxfer.backends.nixl_rbln import ADAPTER_ENV, ADAPTER_GROUP, NixlRblnBackend, load_adapter
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter, RblnAgent
 from kvxfer.backends.ucx import UcxBackend
-from kvxfer.descriptors import DescriptorTable
+from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.layout import KVLayout, KVPart, MemKind, Region, SplitAxis
 from kvxfer.errors import BackendError, MissingDependency
-from kvxfer.layout import KVLayout, KVPart, MemKind, Region, SplitAxis
 from kvxfer.testing.conformance import BackendConformance, BackendSpec
 from kvxfer.testing.rbln_emulation import EmulatedRblnAdapter
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvxfer.control import SideChannelClient, SideChannelServer
 from kvxfer.errors import HandshakeError, HandshakeTimeout
+from kvxfer.io.control import SideChannelClient, SideChannelServer
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_a_process_with_a_pending_request_exits_within_a_second_of_close(
     script = textwrap.dedent(
         f"""
         import sys, threading, time
-        from kvxfer.control import SideChannelClient
+        from kvxfer.io.control import SideChannelClient
         client = SideChannelClient(timeout_s=5.0, retries=2)
         def run():
             try:

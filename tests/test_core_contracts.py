@@ -14,10 +14,10 @@ import torch  # the torch extra is part of the test environment
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
+from kvxfer.core import wire
+from kvxfer.core.layout import Group, GroupKind, KVLayout, Region, SplitAxis, split_kv
 from kvxfer.errors import AuthError, LayoutError, WireError
-from kvxfer.layout import Group, GroupKind, KVLayout, Region, SplitAxis, split_kv
 from kvxfer.testing import strategies as kst
 
 # --- layout ----------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan, chunk_size
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan, chunk_size
+from kvxfer.core.layout import Group, GroupKind, KVLayout, Region
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
-from kvxfer.layout import Group, GroupKind, KVLayout, Region
 from kvxfer.testing import strategies as kst
 
 #: What the message must say for each flaw (the rule broken).

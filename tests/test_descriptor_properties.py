@@ -19,8 +19,8 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given
 
-from kvxfer.descriptors import DescriptorTable, Plan, PlanOptions, Runs, build_plan
-from kvxfer.layout import Group, GroupKind, KVLayout, Region, SplitAxis
+from kvxfer.core.descriptors import DescriptorTable, Plan, PlanOptions, Runs, build_plan
+from kvxfer.core.layout import Group, GroupKind, KVLayout, Region, SplitAxis
 from kvxfer.testing import strategies as kst
 
 Ints = npt.NDArray[np.object_]  # Python ints: exact at any width
@@ -207,7 +207,7 @@ def _abutting(layout: KVLayout) -> bool:
 @given(kst.plan_cases())
 def test_descriptors_come_in_the_fixed_order(case: kst.PlanCase) -> None:
     # Group by group, region by region, listed block by listed block, then by offset;
-    # with abutting regions the same descriptors in posting order (kvxfer.merging).
+    # with abutting regions the same descriptors in posting order (kvxfer.core.merging).
     plan, local, _ = _plan(case, case.options)
     addr, length = _gather(local, plan.local_ids)
     region, block, offset = _locate(case.local, addr, length)

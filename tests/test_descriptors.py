@@ -6,9 +6,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan, chunk_size
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan, chunk_size
+from kvxfer.core.layout import Group, GroupKind, KVLayout, Region, SplitAxis
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
-from kvxfer.layout import Group, GroupKind, KVLayout, Region, SplitAxis
 
 TB = 4  # bytes per token in every region of these examples
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.errors import BackendError, PeerError, RegistrationError
 from kvxfer.registry import get_backend
 from kvxfer.testing.fake_backend import FakeBackend, Faults, fabric_members

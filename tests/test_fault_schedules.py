@@ -27,7 +27,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvxfer import wire
+from kvxfer.core import wire
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 from tests.faultkit import (

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import zmq
 
-from kvxfer import wire
 from kvxfer.agent import Ticket
 from kvxfer.backend import BackendOptions
-from kvxfer.descriptors import DescriptorTable
+from kvxfer.core import wire
+from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.errors import KvxferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.transfer import FailureKind, Transfer, TransferState

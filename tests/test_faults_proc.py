@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvxfer import wire
-from kvxfer.compat import Fingerprint
+from kvxfer.core import wire
+from kvxfer.core.compat import Fingerprint
 from kvxfer.types import Direction
 from tests.agent_proc import AgentProc, ProcSpec
 from tests.faultkit import REASONS, Stranger

@@ -1,4 +1,4 @@
-"""kvxfer.handshake: the sans-I/O handshake (R-HS-1/3/5/6, R-COMPAT-3/4)."""
+"""kvxfer.core.handshake: the sans-I/O handshake (R-HS-1/3/5/6, R-COMPAT-3/4)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.descriptors import PlanOptions
+from kvxfer.core import wire
+from kvxfer.core.descriptors import PlanOptions
+from kvxfer.core.handshake import Initiator, PeerInfo, Responder, roles_pair
+from kvxfer.core.layout import KVLayout, Region
+from kvxfer.core.wire import RejectCode
 from kvxfer.errors import (
     AuthError,
     CompatError,
@@ -36,10 +39,7 @@ from kvxfer.errors import (
     ProtocolVersionError,
     WireError,
 )
-from kvxfer.handshake import Initiator, PeerInfo, Responder, roles_pair
-from kvxfer.layout import KVLayout, Region
 from kvxfer.types import Direction, Role
-from kvxfer.wire import RejectCode
 
 HASH = "a" * 64
 SECRET = "correct horse battery staple"
@@ -185,7 +185,7 @@ def test_compat_mismatch_rejected_with_both_hashes() -> None:
 
 
 def test_compat_check_skipped_when_not_enforced(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvxfer.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.core.handshake"):
         r = responder(enforce_compat=False)
         assert "skips the compatibility hash check" in caplog.text
         i = initiator(compat_hash="b" * 64, enforce_compat=False)
@@ -321,7 +321,7 @@ def test_a_failing_provider_is_internal_and_the_listener_survives(
     producer = Producer()
     producer.fail = True
     r, i = responder(producer), initiator()
-    with caplog.at_level(logging.ERROR, logger="kvxfer.handshake"):
+    with caplog.at_level(logging.ERROR, logger="kvxfer.core.handshake"):
         assert rejection(r.respond(i.hello())).code is RejectCode.INTERNAL
     assert "backend exploded" in caplog.text
     producer.fail = False
@@ -470,7 +470,7 @@ def test_garbage_reply_is_a_wire_error() -> None:
 def test_hostile_input_gets_a_log_line_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     r = responder(clock=clock)
-    with caplog.at_level(logging.WARNING, logger="kvxfer.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.core.handshake"):
         for n in range(50):
             assert rejection(r.respond(b"junk%d" % n)).code is RejectCode.MALFORMED
         lines = [rec for rec in caplog.records if "rejected a frame" in rec.getMessage()]

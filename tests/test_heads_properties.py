@@ -18,9 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
-from kvxfer.heads import (
+from kvxfer.core.descriptors import DescriptorTable, build_plan
+from kvxfer.core.heads import (
     HeadLayout,
     check_head_layouts,
     heads_per_region,
@@ -33,10 +32,11 @@ from kvxfer.heads import (
     source_ranks,
     split_heads,
 )
-from kvxfer.layout import KVLayout, KVPart, SplitAxis
+from kvxfer.core.layout import KVLayout, KVPart, SplitAxis
+from kvxfer.core.tp_plan import TPPlanner
+from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
 from kvxfer.testing import tp_strategies as tps
 from kvxfer.testing.patterns import locate
-from kvxfer.tp_plan import TPPlanner
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]

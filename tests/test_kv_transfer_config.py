@@ -13,7 +13,7 @@ from kvxfer.adapters.vllm.kv_transfer_config import (
     TransferConfig,
     parse_kv_transfer_config,
 )
-from kvxfer.descriptors import PlanOptions
+from kvxfer.core.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
 from kvxfer.types import Direction, Role
 

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
-from kvxfer.errors import LayoutError
-from kvxfer.layout import (
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.layout import (
     Group,
     GroupKind,
     KVLayout,
@@ -23,6 +22,7 @@ from kvxfer.layout import (
     SplitAxis,
     split_kv,
 )
+from kvxfer.errors import LayoutError
 from kvxfer.testing import strategies as kst
 
 

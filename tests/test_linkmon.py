@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvxfer.errors import ConfigError
-from kvxfer.linkmon import LINK_DOWN_EXIT_STATUS, LinkMonitor, sysfs_link_probe
-from kvxfer.rails import Rail
+from kvxfer.io.linkmon import LINK_DOWN_EXIT_STATUS, LinkMonitor, sysfs_link_probe
+from kvxfer.io.rails import Rail
 from tests.railfakes import FakeNic, build_sysfs, set_port_state
 
 
@@ -169,8 +169,8 @@ def test_thread_fires_on_real_clock() -> None:
 
 PRODUCER = """
 import logging, sys
-from kvxfer.linkmon import LinkMonitor, sysfs_link_probe
-from kvxfer.rails import Rail
+from kvxfer.io.linkmon import LinkMonitor, sysfs_link_probe
+from kvxfer.io.rails import Rail
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 root, deadline = sys.argv[1], float(sys.argv[2])

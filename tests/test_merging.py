@@ -1,4 +1,4 @@
-"""Posting order and run merging (kvxfer.merging, R-DESC-6, issue 27).
+"""Posting order and run merging (kvxfer.core.merging, R-DESC-6, issue 27).
 
 Plans list each block's abutting regions together, so that the transfer units posted
 (runs merged from consecutive pairs, as the transport merges them) are the fewest that
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from kvxfer.descriptors import DescriptorTable, Plan, build_plan
-from kvxfer.heads import split_heads
-from kvxfer.layout import KVLayout
-from kvxfer.merging import (
+from kvxfer.core.descriptors import DescriptorTable, Plan, build_plan
+from kvxfer.core.heads import split_heads
+from kvxfer.core.layout import KVLayout
+from kvxfer.core.merging import (
     RUNS_MIN_PAIRS,
     address_order,
     chain_order,
@@ -32,9 +32,9 @@ from kvxfer.merging import (
     run_starts,
     transport_units,
 )
+from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.testing import strategies as kst
 from kvxfer.testing import tp_strategies as tps
-from kvxfer.tp_plan import TPPlanner
 
 
 def _unordered(table: DescriptorTable) -> DescriptorTable:
@@ -131,8 +131,8 @@ def test_tp_plans_post_a_blocks_heads_together_and_their_runs_move_the_same_byte
 def test_one_head_regions_of_a_block_merge_into_one_run_per_block() -> None:
     """Issue 27's case: 8 heads one region each (HND) on both sides, 3 blocks: 24 pairs
     a block list apart in the table, 3 runs (6 when only the first half is read)."""
-    from kvxfer.heads import HeadLayout
-    from kvxfer.layout import KVPart, Region
+    from kvxfer.core.heads import HeadLayout
+    from kvxfer.core.layout import KVPart, Region
 
     heads = HeadLayout(num_kv_heads=8, tp_size=1)
     head_bytes = 64 * 16
@@ -276,8 +276,8 @@ def test_small_posts_keep_prepared_ids_and_large_ones_whose_runs_merge_go_as_run
 
 def test_chunked_plans_over_one_region_per_head_post_a_blocks_heads_together() -> None:
     """The general planning path (chunk_mode here) orders by local address too."""
-    from kvxfer.descriptors import PlanOptions
-    from kvxfer.layout import KVPart, Region
+    from kvxfer.core.descriptors import PlanOptions
+    from kvxfer.core.layout import KVPart, Region
 
     head_bytes = 16 * 64
 

@@ -29,7 +29,8 @@ from kvxfer.backends._agent_backend import AgentBackend
 from kvxfer.backends._nixl import NixlCall, map_nixl_errors, nixl_error, start_plugin_agent
 from kvxfer.backends.host_bounce import NOT_AVAILABLE, HostBounceBackend
 from kvxfer.backends.nixl_rbln import ADAPTER_ENV
-from kvxfer.descriptors import DescriptorTable
+from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.layout import MemKind
 from kvxfer.errors import (
     BackendError,
     KvxferError,
@@ -38,7 +39,6 @@ from kvxfer.errors import (
     RegistrationError,
     TransferError,
 )
-from kvxfer.layout import MemKind
 from kvxfer.testing.patterns import CacheShape, PatternCache
 
 _names = itertools.count()

@@ -17,8 +17,9 @@ HEAVY = ("nixl", "torch", "zmq", "pyverbs", "vllm", "nixl_rbln")
 
 def test_import_kvxfer_is_light() -> None:
     code = (
-        "import sys, kvxfer, kvxfer.layout, kvxfer.descriptors, kvxfer.compat, kvxfer.wire, "
-        "kvxfer.handshake, kvxfer.types, kvxfer.agent, kvxfer.cli; "
+        "import sys, kvxfer, kvxfer.core.layout, kvxfer.core.descriptors, kvxfer.core.compat, "
+        "kvxfer.core.wire, "
+        "kvxfer.core.handshake, kvxfer.types, kvxfer.agent, kvxfer.cli; "
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

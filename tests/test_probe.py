@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvxfer.agent import Agent, AgentConfig
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.tools import probe
 from kvxfer.types import Direction, Role

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvxfer.errors import ConfigError, RailError
-from kvxfer.rails import (
+from kvxfer.io.rails import (
     CommandRunner,
     Discovery,
     HostNetwork,
@@ -402,7 +402,7 @@ def test_shared_rails_keep_local_order_and_match_by_name() -> None:
     ]
     assert shared_rails(local, remote) == (rail(1), rail(2))
     assert shared_rails(local, []) == ()
-    # The handshake carries names (kvxfer.wire): names work on either side.
+    # The handshake carries names (kvxfer.core.wire): names work on either side.
     assert shared_rails(local, ["mlx5_2:1", "mlx5_0:2"]) == (rail(2),)
     assert shared_rails(["mlx5_0:1", "mlx5_2:1"], remote) == ("mlx5_2:1",)
     assert rails_for_transfer(("mlx5_2:1", "mlx5_3:1"), None) == ("mlx5_2:1",)
@@ -449,7 +449,7 @@ def test_rails_and_discovery_roundtrip_through_msgspec() -> None:
 
 def test_import_stays_light() -> None:
     code = (
-        "import sys, kvxfer.rails, kvxfer.linkmon\n"
+        "import sys, kvxfer.io.rails, kvxfer.io.linkmon\n"
         "heavy = {'zmq', 'torch', 'nixl', 'vllm', 'pyverbs'} & set(sys.modules)\n"
         "print(sorted(heavy))"
     )

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.agent import Agent, AgentConfig
-from kvxfer.compat import Fingerprint
+from kvxfer.core import wire
+from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import CompatError, HandshakeRejected, LayoutMismatch, PeerError
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.types import Direction, Role

@@ -18,8 +18,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvxfer import control, wire
 from kvxfer.agent import Agent
+from kvxfer.core import wire
+from kvxfer.io import control
 from kvxfer.types import Direction, Role
 from tests.faultkit import Side, Stranger
 
@@ -169,7 +170,7 @@ def test_a_late_answer_is_logged_with_where_its_time_went(
     """A peer that saw a late Welcome can be traced from the producer's log: the
     request's wait for a worker and its time in the handler, separately."""
     entered, release = _block_metadata(producer)
-    with caplog.at_level(logging.WARNING, logger="kvxfer.control"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.io.control"):
         handshake = _connect_in_background(consumer.agent, producer)
         try:
             assert entered.wait(10), "the handshake never reached the producer's Welcome"

@@ -11,12 +11,12 @@ import re
 import msgspec
 import pytest
 
-from kvxfer import wire
 from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
-from kvxfer.compat import check_pair
+from kvxfer.core import wire
+from kvxfer.core.compat import check_pair
+from kvxfer.core.heads import HeadLayout, TPRank, needed_ranks
+from kvxfer.core.layout import KVLayout
 from kvxfer.errors import ConfigError, HandshakeRejected, LayoutMismatch
-from kvxfer.heads import HeadLayout, TPRank, needed_ranks
-from kvxfer.layout import KVLayout
 from kvxfer.testing import tp_strategies as tps
 from kvxfer.types import Direction
 from tests.test_handshake import Producer, hello, initiator, responder

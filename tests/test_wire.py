@@ -1,4 +1,4 @@
-"""kvxfer.wire: framing, two-phase decode, bounds, evolution, auth, and fuzzing (R-HS-1/5)."""
+"""kvxfer.core.wire: framing, two-phase decode, bounds, evolution, auth, and fuzzing (R-HS-1/5)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
-from kvxfer.descriptors import PlanOptions
+from kvxfer.core import wire
+from kvxfer.core.descriptors import PlanOptions
+from kvxfer.core.layout import KVLayout, Region
 from kvxfer.errors import (
     AuthError,
     CompatError,
@@ -19,7 +20,6 @@ from kvxfer.errors import (
     ProtocolVersionError,
     WireError,
 )
-from kvxfer.layout import KVLayout, Region
 from kvxfer.testing import strategies as kst
 from kvxfer.types import Direction, Role
 

@@ -14,9 +14,9 @@ import pytest
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.backends.host_bounce import HostBounceBackend
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
+from kvxfer.core.heads import HeadLayout, TPRank
 from kvxfer.errors import KvxferError
-from kvxfer.heads import HeadLayout, TPRank
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.tp_kvcache import TPHostCache
 from kvxfer.types import Direction, Role

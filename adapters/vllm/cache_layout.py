@@ -1,4 +1,4 @@
-"""vLLM's KV cache tensors as a :class:`~kvxfer.layout.KVLayout` (no copies).
+"""vLLM's KV cache tensors as a :class:`~kvxfer.core.layout.KVLayout` (no copies).
 
 :func:`describe_kv_caches` turns the per-layer tensors vLLM hands
 ``register_kv_caches`` into regions: one per layer for whole blocks, or token-major
@@ -15,9 +15,9 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from kvxfer.descriptors import PlanOptions, chunk_size
+from kvxfer.core.descriptors import PlanOptions, chunk_size
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, split_kv
 from kvxfer.errors import ConfigError
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, split_kv
 
 __all__ = [
     "CPU_VEC_INTERIOR",
@@ -80,7 +80,7 @@ def describe_kv_caches(
     layers are one region each and move whole blocks (``kv_layout`` ``"HND"`` unless a
     group is split), or with ``head_regions`` one region per head (its K and V parts of
     each block; pairs across TP sizes no longer need it: a head-major region is cut
-    per head at the handshake, :func:`kvxfer.heads.split_heads`).
+    per head at the handshake, :func:`kvxfer.core.heads.split_heads`).
 
     Raises:
         ConfigError: a group must be cut but the cache's interior is unknown.

@@ -167,7 +167,7 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _start_link_monitor(self) -> None:
         if not self._rails or self.cfg.link_down_exit_s <= 0:
             return
-        from kvxfer.linkmon import LinkMonitor, sysfs_link_probe
+        from kvxfer.io.linkmon import LinkMonitor, sysfs_link_probe
 
         self._linkmon = LinkMonitor(sysfs_link_probe(self._rails), self.cfg.link_down_exit_s)
         self._linkmon.start()
@@ -208,7 +208,7 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             interior=interior,
             # One region per head where this instance is tensor-parallel (as before);
             # pairs across TP sizes no longer need it on either side: they are cut at
-            # the handshake (kvxfer.heads.pairing_heads).
+            # the handshake (kvxfer.core.heads.pairing_heads).
             head_regions=self._tp_size > 1
             if self.cfg.head_regions is None
             else self.cfg.head_regions,

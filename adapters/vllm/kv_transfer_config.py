@@ -24,7 +24,7 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
-from kvxfer.descriptors import PlanOptions
+from kvxfer.core.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
 from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
 
@@ -92,7 +92,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
         head_regions: Describe a head-major cache one region per (layer, KV head);
             None: only when this instance's tensor_parallel_size is over 1. No longer
             needed by pairs across TP sizes (they are cut per head at the handshake,
-            kvxfer.heads.pairing_heads); still accepted: it only sets how many
+            kvxfer.core.heads.pairing_heads); still accepted: it only sets how many
             descriptors requests post (true on a TP1 instance multiplies those of
             equal-TP pairs by the KV heads, and logs a warning saying so).
         passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.

@@ -5,7 +5,7 @@ upstream-shaped ``kv_transfer_params`` (:func:`ticket_params`), so routers writt
 for vLLM's NIXL connector forward it untouched; a consumer's worker side reads it back
 per tensor-parallel rank (:func:`remote_ticket`, :func:`release_ticket`). Every read
 checks its key and fails with :class:`~kvxfer.errors.ConfigError` naming the key, the
-value and the rule; block lists go through :func:`kvxfer.blocks.block_groups`
+value and the rule; block lists go through :func:`kvxfer.core.blocks.block_groups`
 (integers only, no repeats; a flat list is one KV group).
 
 Keys, upstream's first::
@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvxfer.agent import Ticket
-from kvxfer.blocks import block_groups, from_wire, pair_remote, to_wire
+from kvxfer.core.blocks import block_groups, from_wire, pair_remote, to_wire
 from kvxfer.errors import ConfigError, PlanError
 from kvxfer.types import Direction
 
@@ -460,7 +460,7 @@ def _by_block_index(
     transfer_id: str,
 ) -> WireGroups:
     """Pair each group's remote and local lists by the request's block index, with the
-    core's one pairing routine (:func:`kvxfer.blocks.pair_remote`): both lists end at
+    core's one pairing routine (:func:`kvxfer.core.blocks.pair_remote`): both lists end at
     their request's last block. A remote list longer than the prompt's blocks (a
     producer that does not cut: it decoded further) starts at block 0."""
     held = -(-remote_tokens // block_size)

@@ -53,7 +53,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvxfer import wire
 from kvxfer.adapters.vllm import timeline
 from kvxfer.adapters.vllm.params import (
     WireGroups,
@@ -64,6 +63,7 @@ from kvxfer.adapters.vllm.params import (
     ticket_params,
 )
 from kvxfer.agent import Ticket
+from kvxfer.core import wire
 from kvxfer.errors import ConfigError
 from kvxfer.types import Direction, Role
 

@@ -26,10 +26,10 @@ from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_tra
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
 from kvxfer.backend import Backend, BackendOptions
-from kvxfer.compat import Fingerprint
+from kvxfer.core.compat import Fingerprint
+from kvxfer.core.heads import HeadLayout, TPRank, place_heads, region_heads
+from kvxfer.core.layout import Group, GroupKind, KVLayout, MemKind
 from kvxfer.errors import ConfigError, KvxferError
-from kvxfer.heads import HeadLayout, TPRank, place_heads, region_heads
-from kvxfer.layout import Group, GroupKind, KVLayout, MemKind
 from kvxfer.types import Direction
 
 __all__ = [
@@ -106,7 +106,7 @@ class KVGroups(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's KV cache groups as kvxfer sees them.
 
     Attributes:
-        groups: one :class:`~kvxfer.layout.Group` per vLLM KV cache group, in vLLM's
+        groups: one :class:`~kvxfer.core.layout.Group` per vLLM KV cache group, in vLLM's
             order (full attention, or sliding window with its window in tokens).
         layer_groups: the group of each attention layer, by vLLM's layer name.
     """
@@ -217,7 +217,7 @@ def data_plane_rails(
     Raises:
         RailError: RDMA devices present, none qualifies (or the NUMA node is unknown).
     """
-    from kvxfer.rails import accelerator_numa, discover, evaluate
+    from kvxfer.io.rails import accelerator_numa, discover, evaluate
 
     found = discover(sysfs_root=sysfs_root, runner=runner, pyverbs=pyverbs)
     if not found.ports:
@@ -398,7 +398,7 @@ def tp_identity(vllm_config: Any, tp_rank: int) -> TPRank:
     """This worker's place in its TP group: the model's KV heads (all ranks; one
     latent head under MLA) and how ``tensor_parallel_size`` splits them. A pull from a
     producer of another TP size reads each head from the rank holding it
-    (:mod:`kvxfer._tp`).
+    (:mod:`kvxfer._agent.tp_pull`).
 
     Raises:
         ConfigError: the TP size cannot split the model's KV heads (vLLM refuses

@@ -37,9 +37,9 @@ from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
 from kvxfer.adapters.vllm.params import across_tp, pairing_error, release_ticket, remote_ticket
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
-from kvxfer.descriptors import DescriptorTable, PlanOptions
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions
+from kvxfer.core.layout import Group, GroupKind, KVLayout
 from kvxfer.errors import RegistrationError
-from kvxfer.layout import Group, GroupKind, KVLayout
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 
@@ -298,7 +298,7 @@ class WorkerSide:
             ticket = remote_ticket(
                 load.remote_params,
                 # Across TP sizes the ticket names producer rank 0 and the Agent reads
-                # the ranks holding this rank's heads (kvxfer._tp); else rank r pairs r.
+                # the ranks holding this rank's heads (kvxfer._agent.tp_pull); else rank r pairs r.
                 tp_rank=self._paired_rank(load.remote_params),
                 transfer_id=load.transfer_id,
                 local_blocks=load.local_blocks,

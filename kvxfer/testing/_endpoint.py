@@ -24,9 +24,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import Backend, BackendOptions, Capabilities, PeerHandle, XferOp, XferStatus
-from kvxfer.descriptors import DescriptorTable, PlanOptions
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions
+from kvxfer.core.layout import KVLayout, MemKind
 from kvxfer.errors import BackendError, TransferTimeout
-from kvxfer.layout import KVLayout, MemKind
 from kvxfer.registry import get_backend
 from kvxfer.testing.patterns import CacheShape, PatternCache
 

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import Capabilities, XferOp, XferStatus
-from kvxfer.descriptors import DescriptorTable, PlanOptions
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions
 from kvxfer.testing._endpoint import (
     BackendSpec,
     Endpoint,

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvxfer.backend import XferHandle, XferOp, XferStatus
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.errors import BackendError, KvxferError, PeerError
 from kvxfer.testing._harness import BackendSpec, CacheShape, Harness, Moved
 

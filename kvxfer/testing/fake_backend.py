@@ -56,13 +56,13 @@ from kvxfer.backend import (
     XferOp,
     XferStatus,
 )
+from kvxfer.core.layout import MemKind
+from kvxfer.core.wire import GuardTable
 from kvxfer.errors import BackendError, PeerError, RegistrationError
-from kvxfer.layout import MemKind
-from kvxfer.wire import GuardTable
 
 if TYPE_CHECKING:
-    from kvxfer.descriptors import DescriptorTable
-    from kvxfer.layout import KVLayout
+    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.layout import KVLayout
 
 __all__ = ["FakeBackend", "Faults", "fabric_members"]
 

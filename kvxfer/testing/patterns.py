@@ -13,8 +13,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.descriptors import DescriptorTable
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
+from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
 
 __all__ = ["CacheShape", "PatternCache", "expected_after", "locate"]
 

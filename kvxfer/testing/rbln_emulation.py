@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAgent
-from kvxfer.layout import MemKind
+from kvxfer.core.layout import MemKind
 
 __all__ = ["EmulatedRblnAdapter"]
 

@@ -43,9 +43,9 @@ import numpy as np
 from hypothesis import reject
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import PlanOptions
+from kvxfer.core.descriptors import PlanOptions
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
 from kvxfer.errors import LayoutError
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
 
 __all__ = [
     "ADDRESS_LIMIT",

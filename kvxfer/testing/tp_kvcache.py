@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.heads import HeadLayout
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
+from kvxfer.core.heads import HeadLayout
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
 
 __all__ = ["Mismatch", "TPHostCache"]
 

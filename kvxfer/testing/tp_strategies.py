@@ -26,9 +26,9 @@ import msgspec
 import numpy as np
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import PlanOptions
-from kvxfer.heads import HeadLayout
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, Region, SplitAxis
+from kvxfer.core.descriptors import PlanOptions
+from kvxfer.core.heads import HeadLayout
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, Region, SplitAxis
 from kvxfer.testing.strategies import Request, plan_options, requests
 
 __all__ = [
@@ -218,7 +218,7 @@ def tp_cases(
 
     ``uncut``: each side per head or per (layer, part, shard) independently, as
     engines describe them by default, for the pairing to cut
-    (:func:`kvxfer.heads.pairing_heads`); give a head-major ``kv_layout`` then. The
+    (:func:`kvxfer.core.heads.pairing_heads`); give a head-major ``kv_layout`` then. The
     options are the defaults but for ``coalesce`` where the blocks are not
     token-major (chunks and window granules need token-major blocks)."""
     model = draw(model_strategy if model_strategy is not None else tp_models())

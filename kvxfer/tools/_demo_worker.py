@@ -44,7 +44,7 @@ class DemoParams(msgspec.Struct, frozen=True, kw_only=True):
 
 def _agent(params: DemoParams, engine_id: str, role: Role, direction: Direction) -> Any:
     from kvxfer.agent import Agent, AgentConfig
-    from kvxfer.compat import Fingerprint
+    from kvxfer.core.compat import Fingerprint
 
     fp = Fingerprint(
         model="demo/qwen3-0.6b-shaped",

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import msgspec
 
+from kvxfer.core.handshake import MIN_SECRET_BYTES
 from kvxfer.errors import RailError
-from kvxfer.handshake import MIN_SECRET_BYTES
-from kvxfer.rails import (
+from kvxfer.io.rails import (
     Discovery,
     NumaNode,
     Rail,

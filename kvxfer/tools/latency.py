@@ -127,7 +127,7 @@ def pattern(spec: LatencySpec, region: int) -> npt.NDArray[np.uint8]:
 
 
 def _layout(spec: LatencySpec, regions: Sequence[npt.NDArray[np.uint8]]) -> Any:
-    from kvxfer.layout import KVLayout, KVPart, Region
+    from kvxfer.core.layout import KVLayout, KVPart, Region
 
     return KVLayout(
         block_size=spec.block_size,
@@ -147,7 +147,7 @@ def _layout(spec: LatencySpec, regions: Sequence[npt.NDArray[np.uint8]]) -> Any:
 
 def _agent(spec: LatencySpec, engine_id: str, role: Role, layout: Any) -> Any:
     from kvxfer.agent import Agent, AgentConfig
-    from kvxfer.compat import Fingerprint
+    from kvxfer.core.compat import Fingerprint
 
     fingerprint = Fingerprint(
         model="latency/synthetic",
@@ -168,7 +168,7 @@ class _RawNixl:
 
     def __init__(self, name: str, layout: Any, poll_s: float | None) -> None:
         from kvxfer.backends.ucx import import_nixl
-        from kvxfer.descriptors import DescriptorTable
+        from kvxfer.core.descriptors import DescriptorTable
 
         nixl_agent, nixl_agent_config = import_nixl()
 
@@ -307,8 +307,8 @@ def measure_latency(spec: LatencySpec | None = None) -> list[LatencyRow]:
             transfer did not complete.
     """
     from kvxfer.agent import Ticket
-    from kvxfer.descriptors import build_plan
-    from kvxfer.layout import KVLayout
+    from kvxfer.core.descriptors import build_plan
+    from kvxfer.core.layout import KVLayout
     from kvxfer.transfer import TransferState
 
     spec = spec or LatencySpec()
@@ -330,7 +330,7 @@ def measure_latency(spec: LatencySpec | None = None) -> list[LatencyRow]:
             raise RuntimeError("the producer process did not start")
         _host, _port, metas, remote_layout_bytes = conn.recv()
         remote_layout = msgspec.msgpack.decode(remote_layout_bytes, type=KVLayout)
-        from kvxfer.descriptors import DescriptorTable
+        from kvxfer.core.descriptors import DescriptorTable
 
         remote_table = DescriptorTable.build(remote_layout)
         remote_dls = {

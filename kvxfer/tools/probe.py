@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from kvxfer import wire
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.adapters.vllm.kv_transfer_config import CONNECTORS
-from kvxfer.compat import Fingerprint
+from kvxfer.core import wire
+from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import KvxferError
 from kvxfer.types import Direction
 
@@ -69,7 +69,7 @@ def probe(
         HandshakeRejected: the instance refused the ping (e.g. authentication).
         ProtocolVersionError: it speaks another kvxfer protocol version.
     """
-    from kvxfer.control import SideChannelClient
+    from kvxfer.io.control import SideChannelClient
 
     key = secret.encode() if secret else None
     frame = wire.encode(wire.Ping(engine_id="kvxfer-probe"), "", auth_key=key)

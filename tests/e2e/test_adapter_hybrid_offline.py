@@ -22,9 +22,9 @@ from kvxfer.adapters.vllm.kv_transfer_config import parse_kv_transfer_config
 from kvxfer.adapters.vllm.params import remote_ticket
 from kvxfer.adapters.vllm.scheduler import SchedulerSide
 from kvxfer.adapters.vllm.worker import WorkerSide, describe_kv_caches, token_major_groups
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.layout import Group, GroupKind, KVPart
 from kvxfer.errors import ConfigError
-from kvxfer.layout import Group, GroupKind, KVPart
 from kvxfer.types import Direction, Role
 
 from .test_adapter_offline import FakeRequest, _new_acc, _results, _until
@@ -67,7 +67,7 @@ def _options(extra: dict[str, Any]) -> PlanOptions:
 def _worker(role: str, direction: str, extra: dict[str, Any], caches: dict[str, Any]) -> WorkerSide:
     from kvxfer.agent import Agent, AgentConfig
     from kvxfer.backend import BackendOptions
-    from kvxfer.compat import Fingerprint
+    from kvxfer.core.compat import Fingerprint
     from kvxfer.testing.fake_backend import FakeBackend
 
     connector = "RblnNixlPushConnector" if direction == "push" else "RblnNixlPullConnector"
@@ -381,7 +381,7 @@ def test_a_failed_deferred_registration_stops_the_engine() -> None:
     unregistered."""
     from kvxfer.agent import Agent, AgentConfig
     from kvxfer.backend import BackendOptions
-    from kvxfer.compat import Fingerprint
+    from kvxfer.core.compat import Fingerprint
     from kvxfer.errors import RegistrationError
     from kvxfer.testing.fake_backend import FakeBackend
 

@@ -352,7 +352,7 @@ def _worker(
 ) -> WorkerSide:
     from kvxfer.agent import Agent, AgentConfig
     from kvxfer.backend import BackendOptions
-    from kvxfer.compat import Fingerprint
+    from kvxfer.core.compat import Fingerprint
     from kvxfer.testing.fake_backend import FakeBackend
 
     connector = "RblnNixlPushConnector" if direction == "push" else "RblnNixlPullConnector"
@@ -833,7 +833,7 @@ def test_head_regions_describe_one_region_per_global_head_that_tp_planning_accep
     region per KV head (its K and V parts of every block), numbered globally on a
     tensor-parallel rank, and the TP algebra takes that layout as the rank's heads."""
     from kvxfer.adapters.vllm.worker import describe_kv_caches
-    from kvxfer.heads import HeadLayout, region_heads
+    from kvxfer.core.heads import HeadLayout, region_heads
 
     caches = _caches(fill=False)
     whole = describe_kv_caches(caches, block_size=BS, num_blocks=NUM_BLOCKS, kv_layout="HND")
@@ -861,7 +861,7 @@ def test_head_regions_describe_one_region_per_global_head_that_tp_planning_accep
         region_heads(whole, HeadLayout(num_kv_heads=2 * HEADS, tp_size=2), 1)
     # Issue 26: the default description (one region per layer) cut per head at
     # pairing is exactly this one, region for region: no setting needed.
-    from kvxfer.heads import place_heads, split_heads
+    from kvxfer.core.heads import place_heads, split_heads
 
     heads = HeadLayout(num_kv_heads=2 * HEADS, tp_size=2)
     for rank in (0, 1):
@@ -891,7 +891,7 @@ def test_replicated_heads_are_numbered_by_the_head_a_rank_holds() -> None:
     ``tp_rank * heads`` would name a head the model does not have; the connector passes
     the rank's first head from its TP identity."""
     from kvxfer.adapters.vllm.worker import describe_kv_caches
-    from kvxfer.heads import HeadLayout, region_heads
+    from kvxfer.core.heads import HeadLayout, region_heads
 
     caches = {
         name: t[:, :1].contiguous() for name, t in _caches(fill=False).items()

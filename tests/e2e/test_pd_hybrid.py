@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 
 from kvxfer.adapters.vllm.worker import describe_kv_caches, token_major_groups
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
-from kvxfer.layout import Group, GroupKind
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.layout import Group, GroupKind
 
 from .model import HYBRID_SPEC, build_tiny_model
 from .pd import PD_ENV, PDPair, decode, kv_config, prefill, tokens

@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.heads import HeadLayout, needed_ranks
+from kvxfer.core.heads import HeadLayout, needed_ranks
 
 from . import kv_digests
 from .model import TinyModelSpec, build_tiny_model
@@ -82,7 +82,7 @@ PAIRS_TP4 = [(1, 4, "float32", mode, 2) for mode in ("pull", "push")]
 # never: once the TP1 producer answered none of the four ranks' Hellos for 5 s, once a
 # 16 KiB READ from it did not complete in 10 s while its side-channel port took no
 # connection (issue 25; not understood yet). The producer's side channel now logs
-# where a late answer's time went (kvxfer.control.SLOW_S). The TP1 -> TP2 pairs run
+# where a late answer's time went (kvxfer.io.control.SLOW_S). The TP1 -> TP2 pairs run
 # with the default 10 s deadline like every other pair (pull and push passed in each of
 # those runs).
 SELECTED = (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else [])
@@ -313,7 +313,7 @@ def _worker_pid(server: VllmServer, rank: int) -> int | None:
 def _ranks_read(pair: TPPair, params: dict[str, Any]) -> set[int]:
     """The producer ranks the decode instance reads this request from (every rank
     unless heads are replicated there: then one replica per head, salted by the id
-    the producer's agents hold it under, as kvxfer._tp picks it)."""
+    the producer's agents hold it under, as kvxfer._agent.tp_pull picks it)."""
     p_tp, d_tp, kv = int(params["tp_size"]), pair.decode_tp, pair.kv_heads
     salt = zlib.crc32(kv_digests.transfer_id(params).encode())
     p_heads = HeadLayout(num_kv_heads=kv, tp_size=p_tp)

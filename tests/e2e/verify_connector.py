@@ -43,7 +43,7 @@ import torch
 from kvxfer.adapters.vllm import connector as kvxfer_connector
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec
 from kvxfer.adapters.vllm.startup import tp_identity
-from kvxfer.layout import GroupKind
+from kvxfer.core.layout import GroupKind
 
 from .kv_digests import ENV
 

@@ -240,7 +240,7 @@ def case_blocks(case: Case, side: str) -> npt.NDArray[np.int64]:
 # -- bytes the algebra must move ------------------------------------------------------------
 def _chunk(range_tokens: int, bound: int) -> int:
     # Smallest s >= bound dividing range_tokens (restated here, independently of
-    # kvxfer.descriptors, so the bench checks the algebra rather than trusting it).
+    # kvxfer.core.descriptors, so the bench checks the algebra rather than trusting it).
     if bound >= range_tokens:
         return range_tokens
     return next(s for s in range(bound, range_tokens + 1) if range_tokens % s == 0)

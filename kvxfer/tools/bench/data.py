@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.layout import KVLayout
+from kvxfer.core.layout import KVLayout
 
 __all__ = ["MemcpyBench", "fill_regions", "verify_regions", "zero_rows"]
 

@@ -32,8 +32,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.descriptors import DescriptorTable, PlanOptions, build_plan
-from kvxfer.layout import Group, GroupKind, KVLayout, KVPart, Region
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, Region
 
 __all__ = ["CASES", "HybridRow", "main", "rows", "table"]
 

@@ -114,7 +114,7 @@ class Measure:
 
     def cmd_plan_cost(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Engine block list → ids → coalesced runs → NIXL request, each timed."""
-        from kvxfer.descriptors import build_plan
+        from kvxfer.core.descriptors import build_plan
 
         case = msgspec.convert(payload["case"], bc.Case)
         assert self.state.tables is not None and self.state.dlists is not None

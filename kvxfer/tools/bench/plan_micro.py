@@ -7,7 +7,7 @@ beside the NIXL request and the transfer).
 one region is ``block_size * 2 KiB``. For each case the script times, median of
 repeats:
 
-* ``plan``: :func:`kvxfer.descriptors.build_plan` alone (ids for the backend);
+* ``plan``: :func:`kvxfer.core.descriptors.build_plan` alone (ids for the backend);
 * ``plan+runs(flat)``: plus gathering addresses without merging;
 * ``plan+runs(merged)`` with the request's blocks contiguous on both sides, in runs
   of 4 blocks (a recycled free list), and scattered (random permutations), where
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.descriptors import DescriptorTable, build_plan
-from kvxfer.layout import KVLayout, KVPart, MemKind, Region
+from kvxfer.core.descriptors import DescriptorTable, build_plan
+from kvxfer.core.layout import KVLayout, KVPart, MemKind, Region
 
 __all__ = ["main"]
 

@@ -2,8 +2,8 @@
 
 One :class:`RawNixl` per bench process: a plain ``nixl_agent`` with the UCX plugin that
 registers the very buffers the kvxfer agent registered, prepares descriptor lists from
-the same :class:`~kvxfer.descriptors.DescriptorTable` arrays and posts
-``make_prepped_xfer`` with the same index arrays :func:`~kvxfer.descriptors.build_plan`
+the same :class:`~kvxfer.core.descriptors.DescriptorTable` arrays and posts
+``make_prepped_xfer`` with the same index arrays :func:`~kvxfer.core.descriptors.build_plan`
 produced. A background thread keeps its UCX worker progressing (connection set-up and
 notifications need the passive side to progress, as kvxfer's progress thread does);
 every NIXL call goes through one lock because NIXL agents without a listener thread
@@ -22,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backends.ucx import import_nixl, merged_intervals
-from kvxfer.descriptors import DescriptorTable
-from kvxfer.layout import KVLayout
+from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.layout import KVLayout
 
 __all__ = ["RawNixl"]
 

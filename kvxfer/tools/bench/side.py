@@ -68,7 +68,7 @@ class BenchSide:
 
     def plan(self, case: bc.Case, tables: tuple[Any, Any]) -> Any:
         """kvxfer's plan of the case on the given (local, remote) tables."""
-        from kvxfer.descriptors import build_plan
+        from kvxfer.core.descriptors import build_plan
 
         mine, theirs = self.blocks(case, own=True), self.blocks(case, own=False)
         return build_plan(tables[0], tables[1], self.groups(mine), self.groups(theirs), case.tokens)

@@ -7,10 +7,10 @@ block) and prefill TP2 → decode TP1 (the decode rank reads every head, half fr
 of two producer processes, in one request). Both caches are head-major (HND) and
 described as the vLLM adapter describes them by default: one region per (layer, K/V)
 on a TP1 side, one per (layer, K/V, head) on a wider one; the pairing cuts them per
-head (:func:`kvxfer.heads.pairing_heads`), as the agents do.
+head (:func:`kvxfer.core.heads.pairing_heads`), as the agents do.
 
 Here: the case, its selection, the bytes and descriptors the head algebra says the
-pull needs (restated independently of :mod:`kvxfer.tp_plan`, so the bench checks the
+pull needs (restated independently of :mod:`kvxfer.core.tp_plan`, so the bench checks the
 planner rather than trusting it), what a token-major (NHD) cache would have cost in
 descriptors, memory estimates, the result object and its table. Nothing here starts a
 process or touches NIXL.
@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 import kvxfer.tools.bench.cases as bc
-from kvxfer.heads import HeadLayout, needed_ranks
+from kvxfer.core.heads import HeadLayout, needed_ranks
 from kvxfer.testing.kvcache import ModelShape
 
 __all__ = [

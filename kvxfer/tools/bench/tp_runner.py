@@ -100,7 +100,7 @@ class TPRunner:
             served[p]["incarnation"] if p in served else 0 for p in range(max(ranks) + 1)
         ]
         # Prefill ranks some other decode rank reads too: the bench releases that share.
-        from kvxfer.heads import reader_ranks
+        from kvxfer.core.heads import reader_ranks
 
         release = {
             p: len(reader_ranks(case.prefill_heads, p, case.decode_heads)) > 1 for p in ranks

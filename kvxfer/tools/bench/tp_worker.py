@@ -7,7 +7,7 @@ that TP identity, and a :class:`~kvxfer.tools.bench.raw_nixl.RawNixl` on the sam
 memory. Prefill rank *p* serves its side channel at the run's base port + *p*, under
 one engine id for the group, as pulls across TP sizes expect.
 
-The decode rank builds, once, the same :class:`~kvxfer.tp_plan.TPPlanner` its agent
+The decode rank builds, once, the same :class:`~kvxfer.core.tp_plan.TPPlanner` its agent
 builds, and raw NIXL posts, per request, that planner's ids on prepared lists of the
 same tables: one READ per producer rank, posted together, as kvxfer's sub-transfers
 are. The parent drives the processes with ``(command, payload)`` tuples as
@@ -112,8 +112,8 @@ class TPRankProc:
     def cmd_agent(self, port: int) -> dict[str, Any]:
         """A pull Agent with this rank's TP identity, serving at ``port`` (0: any)."""
         from kvxfer.agent import Agent, AgentConfig
-        from kvxfer.compat import Fingerprint
-        from kvxfer.heads import TPRank
+        from kvxfer.core.compat import Fingerprint
+        from kvxfer.core.heads import TPRank
         from kvxfer.types import Direction, Role
 
         assert self.case is not None
@@ -153,15 +153,15 @@ class TPRankProc:
     def cmd_peers(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Decode rank: the producer ranks' raw peers and tables, the planner kvxfer
         builds, raw NIXL's prepared lists, and one timed handshake per rank."""
-        from kvxfer.descriptors import DescriptorTable, PlanOptions
-        from kvxfer.heads import heads_per_region, pairing_heads, split_heads
-        from kvxfer.layout import KVLayout
-        from kvxfer.tp_plan import TPPlanner
+        from kvxfer.core.descriptors import DescriptorTable, PlanOptions
+        from kvxfer.core.heads import heads_per_region, pairing_heads, split_heads
+        from kvxfer.core.layout import KVLayout
+        from kvxfer.core.tp_plan import TPPlanner
 
         case = self.case
         assert case is not None and self.agent is not None
         opts = PlanOptions()
-        # Cut as the agent cuts (kvxfer._peers, kvxfer._local): the producer ranks'
+        # Cut as the agent cuts (kvxfer._agent.peers, kvxfer._agent.local): the producer ranks'
         # layouts to what this rank posts at, this rank's to one head if it must be.
         mine = self._layout()
         own = heads_per_region(mine, case.decode_heads, self.rank)
@@ -291,9 +291,9 @@ class TPRankProc:
 
     def _units(self, plans: Any) -> tuple[int, int]:
         """Transfer units of the plans as kvxfer's NIXL backend posts them (per-request
-        runs or prepared ids, :func:`kvxfer.merging.posted_units`), and as NIXL merges
+        runs or prepared ids, :func:`kvxfer.core.merging.posted_units`), and as NIXL merges
         the prepared ids alone."""
-        from kvxfer.merging import joins, posted_units, transport_units
+        from kvxfer.core.merging import joins, posted_units, transport_units
 
         local = self.planner.local
         posted = nixl_units = 0

@@ -32,7 +32,7 @@ _SECRET = "kvxfer-bench-shared-secret"
 
 
 def _options(case: bc.Case) -> Any:
-    from kvxfer.descriptors import PlanOptions
+    from kvxfer.core.descriptors import PlanOptions
 
     if case.mode == "chunk":
         return PlanOptions(chunk_mode=True, chunk_tokens=case.chunk_tokens)
@@ -43,7 +43,7 @@ def _options(case: bc.Case) -> Any:
 
 def _as_device(layout: Any) -> Any:
     """The layout with its regions marked device memory (the RBLN emulation's view)."""
-    from kvxfer.layout import MemKind
+    from kvxfer.core.layout import MemKind
 
     regions = tuple(msgspec.structs.replace(r, mem=MemKind.VRAM) for r in layout.regions)
     return msgspec.structs.replace(layout, regions=regions)
@@ -104,7 +104,7 @@ class Worker:
         }
 
     def cmd_peer(self, payload: dict[str, Any]) -> None:
-        from kvxfer.layout import KVLayout
+        from kvxfer.core.layout import KVLayout
 
         if payload.get("layout") is not None:
             self.state.peer_layout = msgspec.convert(payload["layout"], KVLayout)
@@ -114,7 +114,7 @@ class Worker:
 
     def cmd_agents(self, case: bc.Case) -> dict[str, Any]:
         from kvxfer.agent import Agent, AgentConfig, PushPost
-        from kvxfer.compat import Fingerprint
+        from kvxfer.core.compat import Fingerprint
         from kvxfer.types import Direction, Role
 
         self.cmd_close_agents(None)
@@ -164,8 +164,8 @@ class Worker:
         return out
 
     def cmd_agents_peer(self, payload: dict[str, Any]) -> None:
-        from kvxfer.descriptors import DescriptorTable
-        from kvxfer.layout import KVLayout
+        from kvxfer.core.descriptors import DescriptorTable
+        from kvxfer.core.layout import KVLayout
 
         assert self.case is not None and self.state.cache is not None
         self.cmd_peer({"raw": payload["raw"]})

@@ -1,0 +1,213 @@
+"""The consumer's side of a pull: from a ticket to a posted, fail-closed READ.
+
+:meth:`Puller.pull` checks the local block ids against the ticket's, makes the
+transfer, and posts its READ (:meth:`Runtime.post <kvxfer._agent.runtime.Runtime.post>`) on
+the caller's thread when the producer is a known peer, else after a first-contact
+handshake on an io worker. A guarded pull reads the producer's guard word after its
+data; its DONE goes to the producer only then, over the side channel, and a pull that
+fails tells its producer to release at once (R-SAFE-4). Across TP sizes the request is
+read from several producer ranks (:mod:`kvxfer._agent.tp_pull`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from kvxfer._agent.local import LocalEnd
+from kvxfer._agent.peers import Peer, PeerCache, refused_pairing
+from kvxfer._agent.runtime import Runtime
+from kvxfer._agent.side_channel import SideChannel
+from kvxfer._agent.tp_producers import ProducerGroup
+from kvxfer._agent.tp_pull import TPPuller
+from kvxfer._agent.workers import IoPool
+from kvxfer.backend import XferOp
+from kvxfer.core import blocks, wire
+from kvxfer.core.blocks import BlockIds
+from kvxfer.errors import ConfigError, KvxferError, PlanError
+from kvxfer.ticket import Ticket
+from kvxfer.transfer import FailureKind, Transfer
+
+__all__ = ["Puller"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class Puller:
+    """A consumer's pulls (internal).
+
+    Args:
+        local: Identity, registered memory and message signing.
+        peers: The producers, handshaken once per incarnation.
+        runtime: Posts and settles the READs.
+        side: Sends the producer its Release (done, failed or aborted).
+        io: Worker threads for first contacts and releases.
+        tp: Pulls of tickets from a producer of another TP size.
+        group: That producer group's ranks (which a ticket involves, their releases).
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        peers: PeerCache,
+        runtime: Runtime,
+        side: SideChannel,
+        io: IoPool,
+        tp: TPPuller,
+        group: ProducerGroup,
+    ) -> None:
+        self._local = local
+        self._peers = peers
+        self._runtime = runtime
+        self._side = side
+        self._io = io
+        self._tp = tp
+        self._group = group
+
+    def pull(
+        self,
+        ticket: Ticket,
+        local_blocks: BlockIds,
+        *,
+        num_tokens: int | None = None,
+        cached_blocks: int = 0,
+    ) -> Transfer:
+        """:meth:`Agent.pull <kvxfer.agent.Agent.pull>` (its docstring says what it
+        raises)."""
+        across_tp = self._group.wants(ticket)
+        if across_tp:
+            self._group.ranks(ticket)  # a ticket tp_size the heads do not allow: raise now
+        try:
+            local = self._local.block_groups(local_blocks)
+            tokens = ticket.num_tokens if num_tokens is None else num_tokens
+            self._local.check_counts(local, tokens, cached_blocks)
+            remote = blocks.pair_remote(
+                local,
+                blocks.from_wire(ticket.block_ids),
+                num_tokens=tokens,
+                remote_num_tokens=ticket.num_tokens,
+                block_size=self._local.block_size,
+                request_id=ticket.request_id,
+            )
+        except PlanError:
+            # Nothing will be read: let the producer free its blocks now, not at lease expiry.
+            if across_tp:
+                self._group.release_all(ticket)
+            else:
+                self.abort(ticket)
+            raise
+        if across_tp:
+            return self._tp.pull(ticket, local, remote, tokens)
+        runtime = self._runtime
+        transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
+        transfer.meta.capability = ticket.capability
+        transfer.meta.producer_at = (ticket.host, ticket.port)
+        if ticket.lease_expiry:
+            transfer.meta.lease_expiry = ticket.lease_expiry
+            if runtime.lease_over(ticket.lease_expiry):
+                runtime.fail(
+                    transfer, FailureKind.LEASE_EXPIRED, runtime.expired_error(ticket.request_id)
+                )
+                return transfer
+        peer = self._peers.cached(
+            ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
+        )
+        if peer is not None:
+            self._start(transfer, peer, ticket, local, remote, tokens)
+        else:
+            # A first contact handshakes on a worker thread: the engine's step loop never
+            # waits for a peer (which can take the whole handshake timeout if it is gone).
+            self._io.submit(self._connect_and_start, transfer, ticket, local, remote, tokens)
+        return transfer
+
+    def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
+        """:meth:`Agent.abort <kvxfer.agent.Agent.abort>`."""
+        capability = ticket.capability or self._runtime.capability_of(ticket.request_id)
+        self._runtime.abort_request(ticket.request_id)
+        ticket = msgspec.structs.replace(ticket, capability=capability)
+        if self._group.wants(ticket):
+            # Across TP sizes: every producer rank this rank reads (or is the one to
+            # release, for replicas nobody reads) frees it, counted as one reader.
+            try:
+                self._group.release_all(ticket)
+            except ConfigError as exc:
+                log.warning("could not release %s: %s", ticket.request_id, exc)
+            return
+        if not wait:
+            if not self._runtime.closed:
+                self._io.submit(self._side.release, ticket)
+            return
+        self._side.release(ticket)
+
+    def _connect_and_start(
+        self,
+        transfer: Transfer,
+        ticket: Ticket,
+        local: blocks.Groups,
+        remote: blocks.Groups,
+        tokens: int,
+    ) -> None:
+        try:
+            # A producer that answers late (frozen, starved) is tried until the pull's
+            # deadline; one whose port refuses fails it at once (R-SAFE-6).
+            peer = self._peers.get(
+                ticket.host,
+                ticket.port,
+                ticket.engine_id,
+                ticket.incarnation or None,
+                until=transfer.deadline,
+            )
+        except KvxferError as exc:
+            self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+            if refused_pairing(exc):
+                # The producer answered and refused to pair (layout, role): nothing will
+                # be read, so it frees the blocks now rather than at lease expiry. We are
+                # on a worker thread already. A producer that did not answer cannot be
+                # told; one that answered as another engine or incarnation does not
+                # hold this ticket's lease.
+                self._side.release(ticket)
+            return
+        self._start(transfer, peer, ticket, local, remote, tokens)
+
+    def _release_after(self, ticket: Ticket, transfer: Transfer) -> None:
+        """A pull that fails from now on tells its producer to release at once."""
+
+        def release(reason: str) -> None:
+            # "": the pull is DONE (its guard word checked); else why it failed.
+            why = f"pull failed: {reason}" if reason else ""
+            self._io.submit(self._tell, ticket, why, not reason)
+
+        transfer.meta.release = release
+
+    def _tell(self, ticket: Ticket, reason: str, done: bool) -> None:
+        """A pull's own DONE or failure: one short try (see SideChannel.release)."""
+        self._side.release(ticket, reason=reason, done=done, brief=True)
+
+    def _start(
+        self,
+        transfer: Transfer,
+        peer: Peer,
+        ticket: Ticket,
+        local: blocks.Groups,
+        remote: blocks.Groups,
+        tokens: int,
+    ) -> None:
+        notice = self._local.encode(
+            wire.Notice(
+                kind=wire.NoticeKind.DONE,
+                request_id=ticket.request_id,
+                engine_id=self._local.config.engine_id,
+                incarnation=self._local.incarnation,
+                capability=ticket.capability,
+            )
+        )
+        if transfer.done:  # the agent closed meanwhile
+            return
+        self._release_after(ticket, transfer)
+        if not self._runtime.arm_guard(
+            transfer, peer, ticket.guard_slot, ticket.generation, notice
+        ):
+            return
+        on_data = b"" if transfer.meta.guard is not None else notice
+        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, on_data)

@@ -1,0 +1,460 @@
+"""The producer's side of a push: the writer that moves held blocks to the consumer.
+
+A consumer registers its receiving blocks (:class:`~kvxfer.core.wire.PushRegister`, on the
+side channel); once the engine's :meth:`~kvxfer.agent.Agent.hold` marks the prompt
+ready, the lease's blocks are written to it (R-XFER-2), early ones during prefill with
+``push_stream`` (R-XFER-3).
+
+Who posts a write (:class:`~kvxfer.agent_config.PushPost`): by default on backends that
+move engine memory directly, the engine's own ``hold()``/``stream()`` call, when the
+consumer is already connected and the writer thread has nothing queued (so a request's
+writes stay in order); everything else (a first contact's handshake, a registration
+that arrives after ``hold()``, staging backends) goes to one ordered writer thread. A
+writer thread costs a thread wake and a GIL hand-off per write, and behind an engine
+thread that keeps running Python it waits up to the interpreter's switch interval
+(5 ms) for the GIL at every step of the post.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import msgspec
+
+from kvxfer._agent.guard import FreeReason
+from kvxfer._agent.leases import MAX_RIVALS, Lease, LeaseBook, Target
+from kvxfer._agent.local import LocalEnd
+from kvxfer._agent.peers import Peer, PeerCache
+from kvxfer._agent.readers import MAX_READERS
+from kvxfer._agent.receptions import NOTICE_REUSE_S
+from kvxfer._agent.runtime import Runtime
+from kvxfer._agent.tp_push_write import WritePlanner
+from kvxfer.agent_config import PushPost
+from kvxfer.backend import Backend, XferOp
+from kvxfer.core import blocks, wire
+from kvxfer.errors import KvxferError, TransferError
+from kvxfer.io.serial import SerialWorker
+from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState
+from kvxfer.types import Direction
+
+__all__ = ["PushWriter", "Write"]
+
+log = logging.getLogger("kvxfer.agent")
+# Per-request timestamps for benchmarks (kvxfer.adapters.vllm.timeline turns it on).
+_timeline = logging.getLogger("kvxfer.timeline")
+
+
+class Write(msgspec.Struct):
+    """One WRITE of a lease's slice to one consumer rank, ready to post."""
+
+    transfer: Transfer
+    slot: Target
+    target: wire.PushRegister
+    local: tuple[tuple[int, ...], ...]
+    remote: tuple[tuple[int, ...], ...]
+    tokens: int
+    final: bool
+    early: tuple[float, bytes] | None  # the final notice encoded at registration
+
+
+class PushWriter:
+    """The push writer of an agent (internal).
+
+    Args:
+        local: Identity, registered memory and message signing.
+        backend: The transport (notices of streamed or failed writes).
+        runtime: Posts and settles the writes.
+        peers: The consumers, handshaken on the writer thread.
+        leases: The producer's leases, which the writes serve.
+        lock: The agent lock; the methods documented as such run under it.
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        backend: Backend,
+        runtime: Runtime,
+        peers: PeerCache,
+        leases: LeaseBook,
+        lock: threading.RLock,
+    ) -> None:
+        self._local = local
+        self._config = local.config
+        self._backend = backend
+        self._runtime = runtime
+        self._peers = peers
+        self._leases = leases
+        self._lock = lock
+        self._pusher = SerialWorker("kvxfer-push")
+        self._planner = WritePlanner(local, lock)
+        mode = self._config.push_post
+        # A staging backend's post also copies the blocks out on the CPU first.
+        stages = backend.capabilities.stages_through_host
+        self._inline = (not stages) if mode is PushPost.AUTO else mode is PushPost.ENGINE
+
+    def shutdown(self) -> None:
+        """Stop the writer thread (queued writes are dropped; their transfers failed)."""
+        self._pusher.shutdown()
+
+    def post_inline(self, writes: list[Write]) -> None:
+        """Post writes collected under the lock, on this (the engine's) thread; one
+        whose consumer is not connected yet goes to the writer (a handshake never runs
+        on the engine's thread)."""
+        for job in writes:
+            target = job.target
+            peer = self._peers.cached(
+                target.host, target.port, target.engine_id, target.incarnation
+            )
+            if peer is None:
+                self._pusher.submit(self._post_write, job)
+                continue
+            try:
+                self._post_write(job, peer)
+            except Exception as exc:  # never into the engine's step: fail the write
+                self._runtime.fail(job.transfer, FailureKind.POST, exc)
+
+    def on_register(self, msg: wire.PushRegister) -> wire.Message:
+        """A consumer registered its receiving blocks (side-channel server thread)."""
+        if self._config.direction is not Direction.PUSH:
+            return wire.Reject(
+                code=wire.RejectCode.UNKNOWN_REQUEST, reason="this instance does not push"
+            )
+        leases = self._leases
+        if not (1 <= msg.readers <= MAX_READERS and msg.reader < MAX_READERS):
+            # ``reader`` is the consumer's TP rank; ``readers`` how many write to: both
+            # bounded by a TP size, so the targets a lease keeps are too (R-SAFE-3).
+            return wire.Reject(
+                code=wire.RejectCode.INVALID,
+                reason=f"readers={msg.readers}, reader={msg.reader}: must be in "
+                f"[1, {MAX_READERS}] and [0, {MAX_READERS})",
+            )
+        final = wire.Notice(
+            kind=wire.NoticeKind.PUSHED,
+            request_id=msg.request_id,
+            engine_id=self._config.engine_id,
+            incarnation=self._local.incarnation,
+            block_ids=msg.block_ids,
+            capability=msg.capability,
+            source=msg.source,
+        )
+        # Encoded before the lock (signing costs ~75 µs cold); the consumer learns
+        # these bytes now, so that it recognises the notice when it arrives instead of
+        # decoding and authenticating it on the transfer's path.
+        encoded = (time.monotonic(), self._local.encode(final))
+        with self._lock:
+            held = leases.held.get(msg.request_id)
+            refusal = self._refusal(held, msg)
+            if refusal is not None:
+                leases.reject()
+                return refusal
+            if held is None and not leases.registration_room(msg.request_id):
+                return wire.Reject(
+                    code=wire.RejectCode.NOT_READY,
+                    reason="too many push registrations waiting for their prefill; retry",
+                )
+            lease = leases.lease(
+                msg.request_id, (), msg.num_tokens, time.time() + self._config.lease_s
+            )
+            bound = lease.consumer
+            if bound is not None and _same_consumer(bound, msg):
+                slot = lease.targets.get(msg.reader)
+                if slot is not None and slot.parts_posted:
+                    return wire.Ack(request_id=msg.request_id)  # a retry: writes under way
+                if msg.readers != lease.readers:
+                    return wire.Reject(
+                        code=wire.RejectCode.INVALID,
+                        reason=f"request {msg.request_id}: readers {msg.readers} differs "
+                        f"from its other consumer ranks' {lease.readers}",
+                    )
+            elif bound is not None:
+                # Before hold(): which of them is the consumer is known only when the
+                # hold brings the router's capability (LeaseBook.arm keeps that one).
+                lease.rivals.append((msg, encoded))
+                return wire.Ack(notice=encoded[1])
+            lease.targets[msg.reader] = Target(register=msg, final_notice=encoded)
+            lease.readers = msg.readers
+            leases.registered(msg.request_id)
+        self._runtime.wake()
+        return wire.Ack(notice=encoded[1])
+
+    @staticmethod
+    def _refusal(held: Lease | None, msg: wire.PushRegister) -> wire.Reject | None:
+        """Why ``msg`` may not register for ``held`` (None: it may), R-SAFE-3.
+
+        A hold whose capability the router minted (``pinned``) takes only a registration
+        that shows it. Otherwise a request is bound to the consumer that registered
+        first, so a stranger re-sending a registration cannot redirect its KV; before
+        hold() a few others wait beside it (``MAX_RIVALS``).
+        """
+        if held is None:
+            return None
+        if held.pinned:
+            if wire.capability_matches(held.capability, msg.capability):
+                return None
+            return wire.Reject(
+                code=wire.RejectCode.INVALID,
+                reason=f"request {msg.request_id}: the registration lacks the hold's capability",
+            )
+        bound = held.consumer
+        if bound is None or _same_consumer(bound, msg):
+            return None
+        if not held.ready and len(held.rivals) < MAX_RIVALS:
+            return None
+        return wire.Reject(
+            code=wire.RejectCode.INVALID,
+            reason=f"request {msg.request_id} is registered by another consumer",
+        )
+
+    def resume(self) -> None:
+        """Under the lock, from a tick: write the ready leases whose consumer registered
+        after their hold() (from the writer thread)."""
+        for lease in list(self._leases.held.values()):
+            if lease.ready and lease.targets and not lease.all_written:
+                self.start(lease, engine=False)
+
+    def start(self, lease: Lease, *, engine: bool = True) -> list[Write]:
+        """Under the lock: write what is left of a ready lease to each consumer rank
+        that registered for it. Returns the writes for the engine's call to post itself
+        after the lock (:meth:`post_inline`; ``engine``: it is the engine's call)."""
+        if not lease.ready:
+            return []
+        total = max((len(g) for g in lease.blocks), default=0)
+        writes = []
+        for slot in list(lease.targets.values()):
+            if not slot.final_posted:
+                writes.append(
+                    self.write(lease, slot, slot.pushed_blocks, total, final=True, engine=engine)
+                )
+        return [w for w in writes if w is not None]
+
+    def stream(self, request_id: str, groups: tuple[tuple[int, ...], ...], num_tokens: int) -> None:
+        """The engine's :meth:`Agent.stream <kvxfer.agent.Agent.stream>` (push_stream):
+        write the blocks closed so far, whole ones before ``num_tokens``, to every
+        consumer rank registered (the rest go with :meth:`start`)."""
+        closed = num_tokens // self._local.block_size
+        writes = []
+        with self._lock:
+            lease = self._leases.lease(
+                request_id, groups, num_tokens, time.time() + self._config.lease_s
+            )
+            lease.blocks, lease.num_tokens = groups, num_tokens
+            for slot in list(lease.targets.values()):
+                if closed > slot.pushed_blocks and not slot.final_posted:
+                    writes.append(
+                        self.write(
+                            lease, slot, slot.pushed_blocks, closed, final=False, engine=True
+                        )
+                    )
+                    slot.pushed_blocks = closed
+        self.post_inline([w for w in writes if w is not None])  # outside the lock
+
+    def write(
+        self,
+        lease: Lease,
+        slot: Target,
+        start: int,
+        stop: int,
+        *,
+        final: bool,
+        engine: bool = False,
+    ) -> Write | None:
+        """Under the lock: queue one WRITE of blocks ``[start, stop)`` of a lease to
+        the consumer rank of ``slot`` (R-XFER-2/3).
+
+        The handshake with the consumer (which can take a timeout when it is gone) runs
+        on the push worker, never under the lock. One worker keeps a request's writes in
+        order. Each write's notice names the blocks it covers, and the last one says it
+        is final, so the consumer settles only when no block is missing. ``engine``: the
+        engine's call may post the write itself after the lock (see
+        :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
+        that it could overtake; the write is then returned instead of queued.
+        """
+        target = slot.register
+        layout = self._local.exposed_layout
+        assert layout is not None
+        block_size = layout.block_size
+        slot.parts_posted += 1
+        if final:
+            slot.final_posted = True
+        # A consumer whose leading blocks are local prefix-cache hits registers only the
+        # request's last blocks: skip as many of ours (per group) and write the suffix.
+        offsets = [max(0, len(g) - len(t)) for g, t in zip(lease.blocks, target.block_ids)]
+        local = tuple(g[max(start, o) : stop] for g, o in zip(lease.blocks, offsets))
+        remote = tuple(t[max(start, o) - o : stop - o] for t, o in zip(target.block_ids, offsets))
+        first = max(start, offsets[0]) if offsets else start
+        transfer = self._runtime.new_transfer(lease.request_id, local)
+        lease.writes.append(transfer)
+        transfer.meta.lease = lease.request_id
+        transfer.meta.on_settled = self._settle_write
+        # Tokens inside the written slice: whole blocks, except the request's tail.
+        tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
+        early, slot.final_notice = (slot.final_notice if final else None), None
+        job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early)
+        if engine and self._pusher.idle and self._inline:
+            return job
+        self._pusher.submit(self._post_write, job)
+        return None
+
+    def _post_write(self, job: Write, peer: Peer | None = None) -> None:
+        transfer, target = job.transfer, job.target
+        if peer is None:
+            try:
+                peer = self._peers.get(
+                    target.host, target.port, target.engine_id, target.incarnation
+                )
+            except KvxferError as exc:
+                self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+                return
+        transfer.meta.push_peer = job.slot.peer = peer
+        notice = self._pushed_notice(target, job.remote, job.final, job.early)
+        if transfer.done:  # failed meanwhile (agent closing, lease gone)
+            return
+        try:
+            # A consumer of another TP size: this rank writes only the heads that
+            # consumer rank holds and reads from this rank (None: the whole blocks).
+            plan = self._planner.plan(peer, target, job.local, job.remote, job.tokens)
+        except KvxferError as exc:
+            self._runtime.fail(transfer, FailureKind.POST, exc)
+            return
+        if not any(job.local):
+            # Everything was streamed already: only the final notice is left to send.
+            try:
+                self._backend.notify(peer.handle, notice)
+            except KvxferError as exc:
+                self._runtime.fail(transfer, FailureKind.PEER_GONE, exc)
+                return
+            self._runtime.succeed(transfer)
+            return
+        t0 = time.monotonic()
+        self._runtime.post(
+            transfer,
+            XferOp.WRITE,
+            peer,
+            blocks.from_wire(job.local),
+            blocks.from_wire(job.remote),
+            job.tokens,
+            notice,
+            plan=plan,
+        )
+        if _timeline.isEnabledFor(logging.DEBUG):
+            _timeline.debug(
+                "TL push_post %s %.6f end=%.6f bytes=%d final=%d",
+                transfer.request_id,
+                t0,
+                time.monotonic(),
+                transfer.stats.bytes,
+                int(job.final),
+            )
+
+    def _pushed_notice(
+        self,
+        target: wire.PushRegister,
+        remote: tuple[tuple[int, ...], ...],
+        final: bool,
+        early: tuple[float, bytes] | None,
+    ) -> bytes:
+        """The PUSHED notice of one write. The common one, a single final write of every
+        block the consumer registered, was encoded when the registration arrived (off
+        the write's path); signed ones only while their timestamp is fresh."""
+        if (
+            early is not None
+            and final
+            and remote == target.block_ids
+            and (self._local.auth_key is None or time.monotonic() - early[0] < NOTICE_REUSE_S)
+        ):
+            return early[1]
+        return self._local.encode(
+            wire.Notice(
+                kind=wire.NoticeKind.PUSHED,
+                request_id=target.request_id,
+                engine_id=self._config.engine_id,
+                incarnation=self._local.incarnation,
+                block_ids=remote,
+                final=final,
+                capability=target.capability,
+                source=target.source,
+            )
+        )
+
+    def _settle_write(self, transfer: Transfer, ok: bool) -> None:
+        """A write settled (under the lock): free the lease when every consumer rank got
+        all its writes, or on failure (telling every consumer rank, which then stops
+        waiting)."""
+        rid = transfer.meta.lease
+        if rid is None:
+            return
+        draining = self._leases.draining.get(rid)
+        if draining is not None:
+            # A freed lease's write ended: once the last did, no byte of the request
+            # can land any more, and only now may its consumers reuse their blocks.
+            ended, why = draining
+            if not any(w.state is TransferState.PENDING for w in ended.writes):
+                del self._leases.draining[rid]
+                self._tell_failed(ended, why)
+            return
+        lease = self._leases.held.get(rid)
+        if lease is None:
+            return
+        if not ok:
+            # Freeing fails the other writes in flight; the consumers hear FAILED once
+            # none of them can land any more (on_free).
+            self._leases.free(rid, FreeReason.RELEASED, wire.HoldState.FAILED)
+            draining = self._leases.draining.get(rid)
+            if draining is None:
+                self._tell_failed(lease, "a write failed")
+            else:
+                self._leases.draining[rid] = (lease, "a write failed")
+            return
+        if lease.all_written and all(w.state is TransferState.DONE for w in lease.writes):
+            self._leases.free(rid, FreeReason.DONE, wire.HoldState.PUSHED)
+
+    def _tell_failed(self, lease: Lease, reason: str) -> None:
+        """Under the lock: send each consumer rank written to a FAILED notice (it stops
+        waiting; one that no write reached yet learns it from its probe)."""
+        for slot in lease.targets.values():
+            peer, target = slot.peer, slot.register
+            if peer is None:
+                continue
+            failed = wire.Notice(
+                kind=wire.NoticeKind.FAILED,
+                request_id=target.request_id,
+                engine_id=self._config.engine_id,
+                incarnation=self._local.incarnation,
+                reason=reason,
+                capability=target.capability,
+                source=target.source,
+            )
+            try:
+                self._backend.notify(peer.handle, self._local.encode(failed))
+            except KvxferError as exc:
+                log.debug("could not tell the consumer about the failed push: %s", exc)
+
+    def on_free(self, lease: Lease, reason: FreeReason) -> None:
+        """Under the lock, as a lease is freed (before the engine gets its blocks):
+        each write still in flight is failed. A transport that can cancel stops it at
+        once; over NIXL it goes on until it completes or fails, so the consumers are
+        told FAILED only when the last one ended (R-SAFE-5): that notice is their
+        proof that no byte of the request can land in their blocks any more. Probes
+        meanwhile hear WRITING."""
+        pending = [w for w in lease.writes if w.state is TransferState.PENDING]
+        if reason is FreeReason.DONE or not pending:
+            return
+        for w in pending:
+            self._runtime.fail(
+                w,
+                FailureKind.ABORTED,
+                TransferError(f"the hold of {lease.request_id} was {reason.text} mid-write"),
+                FailureStage.TRANSFER,
+            )
+        if any(w.state is TransferState.PENDING for w in lease.writes):
+            self._leases.draining[lease.request_id] = (lease, reason.text)
+        else:
+            self._tell_failed(lease, reason.text)
+
+
+def _same_consumer(a: wire.PushRegister, b: wire.PushRegister) -> bool:
+    """Whether two registrations come from one consumer: the same capability, or none
+    on either (an older consumer that does not send one)."""
+    return wire.capability_matches(a.capability, b.capability) or not (a.capability or b.capability)

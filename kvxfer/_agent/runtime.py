@@ -1,0 +1,387 @@
+"""The Agent's transfer runtime: posting, and the round of progress that settles.
+
+:class:`Runtime` plans and posts a transfer (:meth:`Runtime.post`) and runs the round
+of progress (:meth:`Runtime.tick`: drained notices, handle statuses, deadlines,
+liveness probes, lease expiry) that the progress thread (:mod:`kvxfer._agent.progress`) and
+any polling thread share. Settling, with its quarantine (R-SAFE-5), is
+:mod:`kvxfer._agent.settle`; a guarded pull's guard-word reads (R-SAFE-1) are
+:mod:`kvxfer._agent.guard_read`. The notices it drains free leases (:mod:`kvxfer._agent.leases`)
+and complete push receptions (:mod:`kvxfer._agent.receptions`). The
+:class:`~kvxfer.agent.Agent` owns one; its parts post and settle through it.
+
+Locking: one re-entrant agent lock guards the bookkeeping (transfers, leases, freed
+ids, counters). It is never held across a backend call that can move bytes (a post,
+a stage-in): with UCX over CMA a post copies every byte before it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvxfer._agent.guard_read import GuardReads, expired_error
+from kvxfer._agent.leases import LeaseBook
+from kvxfer._agent.liveness import Liveness, Ping
+from kvxfer._agent.local import LocalEnd
+from kvxfer._agent.notices import Notices
+from kvxfer._agent.peers import Peer, PeerCache
+from kvxfer._agent.progress import ProgressLoop
+from kvxfer._agent.readers import ReaderCount
+from kvxfer._agent.receptions import Receptions
+from kvxfer._agent.settle import Settler
+from kvxfer._agent.workers import IoPool
+from kvxfer.agent_config import AgentStats
+from kvxfer.backend import Backend, XferOp, XferStatus
+from kvxfer.core import blocks
+from kvxfer.core.descriptors import Plan, build_plan
+from kvxfer.errors import KvxferError, PeerError, TransferError, TransferTimeout
+from kvxfer.transfer import FailureKind, FailureStage, Transfer
+
+__all__ = ["ProbeVerdicts", "Runtime"]
+
+log = logging.getLogger("kvxfer.agent")
+
+
+class ProbeVerdicts:
+    """What the liveness probes (:mod:`kvxfer._agent.liveness`) settle transfers through.
+
+    A probe fails a transfer only on an answer or on evidence of death (a producer
+    that says its hold ended or failed, a refused port, another incarnation), so
+    for a push reception that failure is also proof that its producer writes no
+    more: it settles at once instead of waiting in quarantine (R-SAFE-5).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def fail(
+        self,
+        transfer: Transfer,
+        kind: FailureKind,
+        error: BaseException,
+        stage: FailureStage | None = None,
+    ) -> None:
+        self._runtime.fail(transfer, kind, error, stage, quiet=True)
+
+    def pushed(self, transfer: Transfer) -> None:
+        self._runtime.pushed(transfer)
+
+
+class Runtime:
+    """Transfers in flight and the rounds of progress that drive them (internal).
+
+    Args:
+        local: Identity, registered memory and message signing.
+        backend: The transport.
+        peers: The peer cache (a peer whose transfer failed is marked suspect).
+        leases: The producer's leases (freed by notices, expired by ticks).
+        receptions: The consumer's push receptions (completed by notices).
+        stats: The agent's counters.
+        lock: The agent lock (guards the bookkeeping, never held across a post).
+        readers: Counts the consumer ranks of a request read across TP sizes (the
+            lease is freed at the last one's DONE or ABORT).
+        ping: Sends the liveness probes' Pings (the side channel's); None: quiet
+            transfers are not probed.
+        io: Runs the probes off the progress thread (required with ``ping``).
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        backend: Backend,
+        peers: PeerCache,
+        leases: LeaseBook,
+        receptions: Receptions,
+        stats: AgentStats,
+        lock: threading.RLock,
+        readers: ReaderCount | None = None,
+        *,
+        ping: Ping | None = None,
+        io: IoPool | None = None,
+    ) -> None:
+        self._local = local
+        self._config = local.config
+        self._backend = backend
+        self._peers = peers
+        self._leases = leases
+        self._stats = stats
+        self._lock = lock
+        self._tick_hooks: list[Callable[[], None]] = []
+        self._settler = Settler(backend, peers, receptions, stats, lock)
+        self._guards = GuardReads(backend, self._settler, stats, lock, self.lease_over)
+        self._loop = ProgressLoop(
+            self._config, self._tick, self._settler.transfers, leases, lambda: self.closed
+        )
+        self._liveness: Liveness | None = None  # probes quiet transfers
+        if ping is not None:
+            assert io is not None, "probes run on io workers"
+            self._liveness = Liveness(ping, io.submit, ProbeVerdicts(self), self._count_probe)
+        # A producer's FAILED notice says its writes ended: quiet (R-SAFE-5).
+        quiet_fail = functools.partial(self._settler.fail, quiet=True)
+        readers = ReaderCount() if readers is None else readers
+        self._notices = Notices(local, leases, receptions, stats, quiet_fail, readers)
+
+    def _count_probe(self) -> None:
+        self._stats.liveness_probes += 1
+
+    def _tick(self) -> None:
+        # Looked up on each round (not bound once): a test may wrap the tick.
+        self.tick()
+
+    def add_tick_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` at the end of every tick that finds leases (the push writer's
+        resumption of leases whose consumer registered after their hold)."""
+        self._tick_hooks.append(hook)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._settler.closed
+
+    # -- posting --------------------------------------------------------------------
+    def lease_over(self, expiry: float) -> bool:
+        """Whether a producer's lease ending at ``expiry`` (wall clock) may be over."""
+        # One-sided reads cannot be refused by the producer, so the consumer enforces the
+        # lease itself, with a guard for clock skew between the two hosts.
+        return time.time() > expiry - self._config.lease_guard_s
+
+    @staticmethod
+    def expired_error(request_id: str) -> TransferError:
+        """The error of a pull whose lease ran out before its blocks were read."""
+        return expired_error(request_id)
+
+    def new_transfer(self, request_id: str, groups: tuple[tuple[int, ...], ...]) -> Transfer:
+        """A pending transfer of ``groups`` (local block ids), tracked until it settles."""
+        now = time.monotonic()
+        t = Transfer(
+            request_id,
+            groups,
+            progress=self.poll_tick,
+            deadline=now + self._config.transfer_timeout_s,
+        )
+        t.meta.last_progress = now
+        with self._lock:
+            self._settler.transfers[id(t)] = t
+        if not self._loop.started:
+            self._loop.start()
+        return t
+
+    def post(
+        self,
+        transfer: Transfer,
+        op: XferOp,
+        peer: Peer,
+        local: blocks.Groups,
+        remote: blocks.Groups,
+        num_tokens: int,
+        notification: bytes | Callable[[int], bytes],
+        *,
+        plan: Plan | None = None,
+    ) -> None:
+        """Plan and post one transfer. Called without the agent lock: with UCX over CMA
+        (and the host bounce's staging copies) a post moves bytes before it returns, and
+        the lock held that long would stall the engine's hold(), pull() and freed().
+
+        ``plan`` is a plan made already (one producer rank's part of a request across
+        TP sizes, :mod:`kvxfer._agent.tp_pull`): its ids index the local and ``peer`` tables."""
+        table, _ = self._local.require_registered()
+        meta = transfer.meta
+        # Nothing to poll until the post returns: the progress thread keeps its slower
+        # pace meanwhile (with UCX over CMA that is the whole copy; see _run).
+        meta.posting = True
+        t0 = time.perf_counter()
+        try:
+            if plan is None:
+                plan = build_plan(table, peer.table, local, remote, num_tokens)
+        except KvxferError as exc:
+            meta.posting = False
+            self.fail(transfer, FailureKind.POST, exc)
+            return
+        t1 = time.perf_counter()
+        if op is XferOp.READ:
+            meta.repost = functools.partial(
+                self.post, transfer, op, peer, local, remote, num_tokens, notification, plan=plan
+            )
+        transfer.stats.plan_s = t1 - t0
+        transfer.stats.bytes = plan.nbytes
+        transfer.stats.descriptors = plan.num_descriptors
+        notif = notification(plan.nbytes) if callable(notification) else notification
+        try:
+            handle = self._backend.post_engine(
+                op, peer.handle, plan.local_ids, plan.remote_ids, notif
+            )
+        except KvxferError as exc:
+            meta.posting = False
+            self._peers.mark_suspect(peer)
+            kind = FailureKind.PEER_GONE if isinstance(exc, PeerError) else FailureKind.POST
+            self.fail(transfer, kind, exc, FailureStage.POST)
+            return
+        transfer.stats.post_s = time.perf_counter() - t1
+        with self._lock:
+            if transfer.done:  # settled meanwhile (the agent closed)
+                meta.posting = False
+                self._backend.release(handle)
+                return
+            meta.peer = peer
+            meta.handle = handle
+            meta.posting = False
+            meta.last_progress = time.monotonic()
+            doomed = meta.doomed is not None
+        if doomed:
+            # Failed while this post ran (an abort, the deadline): its bytes may still
+            # move, so the handle is what says when the blocks are free again.
+            self._settler.finish(transfer)
+            return
+        if self._backend.status(handle) is XferStatus.DONE:
+            # Moved inside post (UCX over CMA copies synchronously): settle now rather
+            # than hand the completion to the progress thread (a GIL hand-off per pull).
+            self._guards.landed(transfer)
+            return
+        self._loop.in_flight()  # wakes the progress thread from a longer nap
+
+    def arm_guard(
+        self, t: Transfer, peer: Peer, slot: int, generation: int, done_notice: bytes
+    ) -> bool:
+        """Before a pull's post: make it fail-closed when both ends can
+        (:meth:`GuardReads.arm <kvxfer._agent.guard_read.GuardReads.arm>`). Returns False
+        when ``t`` failed."""
+        return self._guards.arm(t, peer, slot, generation, done_notice)
+
+    # -- settling (kvxfer._agent.settle) --------------------------------------------------
+    def fail(
+        self,
+        transfer: Transfer,
+        kind: FailureKind,
+        error: BaseException,
+        stage: FailureStage | None = None,
+        *,
+        quiet: bool = False,
+    ) -> None:
+        """Fail ``transfer`` (:meth:`Settler.fail <kvxfer._agent.settle.Settler.fail>`): never
+        DONE from now on, FAILED once no byte of it can land (R-SAFE-5)."""
+        self._settler.fail(transfer, kind, error, stage, quiet=quiet)
+
+    def succeed(self, transfer: Transfer) -> None:
+        """Settle ``transfer`` as DONE (once; a push reception copies in first)."""
+        self._settler.succeed(transfer)
+
+    def pushed(self, t: Transfer) -> None:
+        """A push reception's producer confirmed every write landed (its notice was
+        lost): settle it as the notice would have."""
+        self._settler.pushed(t)
+
+    def abort_request(self, request_id: str) -> None:
+        """The engine aborted ``request_id``: its own pulls and push receptions of it
+        fail now and never become DONE (R-SAFE-2)."""
+        self._settler.abort_request(request_id)
+
+    def capability_of(self, request_id: str) -> str:
+        """The capability one of our transfers of ``request_id`` carries ("" if none)."""
+        return self._settler.capability_of(request_id)
+
+    def close(self) -> bool:
+        """Fail every transfer in flight and stop the progress thread.
+
+        Returns:
+            False if it was closed already (idempotent).
+        """
+        if not self._settler.close():
+            return False
+        self._loop.stop()
+        return True
+
+    # -- progress (kvxfer._agent.progress) ------------------------------------------------
+    def ensure_thread(self) -> None:
+        """Start the progress thread (once, unless closed)."""
+        self._loop.start()
+
+    def wake(self) -> None:
+        """Run a round of progress soon, from any sleep."""
+        self._loop.wake()
+
+    def nudge(self) -> None:
+        """Wake the progress thread only from its long idle sleep."""
+        self._loop.nudge()
+
+    def poll_tick(self) -> None:
+        """What a :meth:`Transfer.poll` drives: a round of progress, unless any thread
+        ran one within half the progress interval."""
+        self._loop.poll()
+
+    def tick(self) -> None:
+        """One round of progress, from any thread. The agent lock covers bookkeeping
+        only: backend calls (which wait for the backend's own lock while another thread
+        posts) and staging copies run outside it, so a long post never stalls the
+        engine's calls."""
+        if self.closed:
+            return
+        self._loop.ticking()
+        notes = self._backend.drain_notifications()
+        with self._lock:
+            complete = self._notices.handle(notes) if notes else []
+            polled = [(t, t.meta.handle) for t in self._settler.transfers.values()]
+        for t in complete:
+            self._settler.succeed(t)
+        now = time.monotonic()
+        for t, handle in polled:
+            if t.done:
+                continue
+            if t.meta.doomed is not None:
+                self._settler.finish(t)  # quarantined: ask whether its bytes ended
+                continue
+            if handle is not None:
+                state = self._backend.status(handle)
+                if t.done or t.meta.handle != handle:
+                    # Settled meanwhile by another thread (a waiter, the poster), which
+                    # released the handle: a FAILED for that handle says nothing.
+                    continue
+                if state is XferStatus.DONE:
+                    if t.meta.guarding:
+                        self._guards.guard_read(t, handle)
+                    else:
+                        self._guards.landed(t)
+                    continue
+                if state is XferStatus.FAILED:
+                    peer = t.meta.peer
+                    if peer is not None:
+                        self._peers.mark_suspect(peer)
+                    what = "the guard word's read" if t.meta.guarding else "the transfer"
+                    self._settler.fail(
+                        t,
+                        FailureKind.TRANSPORT,
+                        TransferError(
+                            f"the transport reported an error in {what}: "
+                            f"{self._backend.failure_detail(handle)}"
+                        ),
+                    )
+                    continue
+            if now > t.deadline:
+                if t.meta.awaiting_hold:
+                    self._settler.fail(
+                        t,
+                        FailureKind.LEASE_EXPIRED,
+                        TransferError(
+                            f"the producer did not hold {t.request_id} within "
+                            f"{self._config.transfer_timeout_s:g}s of the pull"
+                        ),
+                        FailureStage.LEASE,
+                    )
+                    continue
+                self._settler.fail(
+                    t,
+                    FailureKind.TIMEOUT,
+                    TransferTimeout(
+                        f"transfer {t.request_id} not complete after "
+                        f"{self._config.transfer_timeout_s:g}s"
+                    ),
+                )
+        if self._liveness is not None and polled:
+            self._liveness.check(now, [t for t, _ in polled])
+        if self._leases:
+            with self._lock:
+                self._leases.expire(now)
+                for hook in self._tick_hooks:
+                    hook()

@@ -1,0 +1,289 @@
+"""Pulls across tensor-parallel sizes: one request from several producer ranks.
+
+A consumer agent with a TP identity (:attr:`AgentConfig.tp
+<kvxfer.agent_config.AgentConfig.tp>`) pulling a ticket of another ``tp_size`` reads
+each of its heads from the one producer rank :func:`kvxfer.core.heads.source_ranks` names:
+
+* the ticket names producer rank 0 (``host``, ``port``, ``incarnation``); rank *p*
+  serves its side channel at ``ticket.port + p`` (upstream vLLM's convention: base
+  port + rank), under the same engine id, and holds the request under the same
+  request id and block ids (vLLM's scheduler allocates one set of block ids for all
+  ranks). ``ticket.incarnations[p]``, when given, is checked against rank *p*'s;
+* each needed rank is handshaken (once, cached by the :class:`~kvxfer._agent.peers.PeerCache`
+  like any peer; its ``Welcome.tp`` is compared by global head layout);
+* a :class:`~kvxfer.core.tp_plan.TPPlanner` is built once per set of peers (and
+  replica choice), like the descriptor tables it indexes, and cached;
+* one sub-transfer per producer rank is posted with that rank's plan, each with its
+  own DONE notice naming how many consumer ranks read that producer rank
+  (``Notice.readers``; :mod:`kvxfer._agent.readers`): the rank frees its lease only once
+  all of them sent theirs (or a Release); :class:`~kvxfer._agent.fanout.Fanout`
+  folds them into the one Transfer the engine sees.
+
+When any rank's handshake or planning fails nothing is posted to the others; every
+needed rank whose sub-transfer did not complete is told to release the request.
+The replica-spreading salt is the request id's CRC-32, so a consumer rank reading a
+replicated head spreads its requests over the producer ranks holding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import zlib
+
+from kvxfer._agent.fanout import Fanout
+from kvxfer._agent.local import LocalEnd
+from kvxfer._agent.peers import Peer, PeerCache, refused_pairing
+from kvxfer._agent.runtime import Runtime
+from kvxfer._agent.tp_producers import ProducerGroup, rank_ticket
+from kvxfer._agent.workers import IoPool
+from kvxfer.backend import XferOp
+from kvxfer.core import blocks, wire
+from kvxfer.core.heads import HeadLayout, TPRank, heads_per_region
+from kvxfer.core.tp_plan import TPPlanner
+from kvxfer.errors import (
+    KvxferError,
+    TransferError,
+)
+from kvxfer.ticket import Ticket
+from kvxfer.transfer import FailureKind, Transfer, TransferState
+
+__all__ = ["TPPuller"]
+
+log = logging.getLogger("kvxfer.agent")
+
+#: Planners kept per agent (one per set of peers and replica choice); the oldest goes.
+_MAX_PLANNERS = 64
+
+
+class TPPuller:
+    """A consumer's pulls from producer groups of another TP size (internal).
+
+    Args:
+        local: Identity (``config.tp``) and registered memory.
+        peers: The peer cache every rank's handshake goes through.
+        runtime: Posts and settles the sub-transfers.
+        io: The agent's worker pool (first contacts).
+        group: The producer group's ranks this rank reads, and their releases.
+        lock: The agent lock.
+    """
+
+    def __init__(
+        self,
+        local: LocalEnd,
+        peers: PeerCache,
+        runtime: Runtime,
+        io: IoPool,
+        group: ProducerGroup,
+        lock: threading.RLock,
+    ) -> None:
+        self._local = local
+        self._peers = peers
+        self._runtime = runtime
+        self._io = io
+        self._group = group
+        self._lock = lock
+        self._planners: dict[tuple[object, ...], TPPlanner] = {}
+
+    def _tp(self) -> TPRank:
+        return self._group.tp()
+
+    def readers(self, ticket: Ticket, producer: HeadLayout, rank: int) -> int:
+        """How many consumer ranks read ``ticket`` from producer rank ``rank``."""
+        return self._group.readers(ticket, producer, rank)
+
+    def pull(
+        self, ticket: Ticket, local: blocks.Groups, remote: blocks.Groups, tokens: int
+    ) -> Transfer:
+        """Start the pull of ``ticket`` into ``local``; the blocks are checked already.
+
+        Raises:
+            ConfigError: the ticket's TP size or ports cannot be used (nothing posted).
+        """
+        producer, sources = self._group.sources(ticket)
+        ranks = tuple(sorted(set(sources.values())))
+        tickets = {p: rank_ticket(ticket, p) for p in ranks}
+        runtime = self._runtime
+        groups = blocks.to_wire(local)
+        config = self._local.config
+        aggregate = Transfer(
+            ticket.request_id,
+            groups,
+            progress=runtime.poll_tick,
+            deadline=time.monotonic() + config.transfer_timeout_s,
+        )
+        subs = {p: runtime.new_transfer(ticket.request_id, groups) for p in ranks}
+        for p, sub in subs.items():
+            sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
+        fanout = Fanout(aggregate, subs, lambda failed: self._released(ticket, subs, failed))
+        if ticket.lease_expiry:
+            aggregate.meta.lease_expiry = ticket.lease_expiry
+            for sub in subs.values():
+                sub.meta.lease_expiry = ticket.lease_expiry
+            if runtime.lease_over(ticket.lease_expiry):
+                expired = runtime.expired_error(ticket.request_id)
+                self._fail_all(fanout, FailureKind.LEASE_EXPIRED, expired)
+                return aggregate
+        cached = {
+            p: self._peers.cached(t.host, t.port, t.engine_id, t.incarnation or None)
+            for p, t in tickets.items()
+        }
+        self._group.release_unread(ticket, producer)
+        job = _Job(ticket, tickets, producer, sources, local, remote, tokens, fanout)
+        if all(peer is not None for peer in cached.values()):
+            self._start(job, {p: peer for p, peer in cached.items() if peer is not None})
+        else:
+            # First contact with some rank: handshakes go to a worker thread (a gone
+            # peer can take the whole handshake timeout), never the engine's step.
+            self._io.submit(self._connect_and_start, job)
+        return aggregate
+
+    def _released(self, ticket: Ticket, subs: dict[int, Transfer], failed: tuple[int, ...]) -> None:
+        """The aggregate failed: ranks whose read did not complete free the request
+        now (the others got their DONE notice with their bytes)."""
+        # A rank that did not answer its handshake cannot be told (nor does one that
+        # answered as another incarnation hold the lease); one that refused to pair
+        # (layout, role) can.
+        undone = tuple(
+            p
+            for p, s in subs.items()
+            if s.state is not TransferState.DONE
+            and (s.stats.failure is not FailureKind.HANDSHAKE or refused_pairing(s.error))
+        )
+        log.warning(
+            "pull of %s across TP sizes failed on producer rank(s) %s; releasing %s",
+            ticket.request_id,
+            list(failed),
+            list(undone),
+        )
+        self._group.release_all(ticket, undone)
+
+    def _fail_all(self, fanout: Fanout, kind: FailureKind, error: KvxferError) -> None:
+        for sub in fanout.subs.values():
+            self._runtime.fail(sub, kind, error)
+
+    def _connect_and_start(self, job: _Job) -> None:
+        peers: dict[int, Peer] = {}
+        for p, t in job.tickets.items():
+            try:
+                # Tried until the rank's pull deadline while its port accepts (R-SAFE-6).
+                peers[p] = self._peers.get(
+                    t.host,
+                    t.port,
+                    t.engine_id,
+                    t.incarnation or None,
+                    until=job.fanout.subs[p].deadline,
+                )
+            except KvxferError as exc:
+                # The other ranks are not read: the aggregate could not be DONE, and
+                # their blocks did not land either (so they stay exactly invalid).
+                self._runtime.fail(job.fanout.subs[p], FailureKind.HANDSHAKE, exc)
+                others = TransferError(f"producer rank {p} failed its handshake: {exc}")
+                self._fail_all(job.fanout, FailureKind.ABORTED, others)
+                return
+        self._start(job, peers)
+
+    def _planner(self, job: _Job, peers: dict[int, Peer]) -> TPPlanner:
+        key = (
+            job.producer,
+            tuple(sorted(job.sources.items())),
+            tuple((p, id(peers[p]), peers[p].incarnation) for p in sorted(peers)),
+        )
+        with self._lock:
+            planner = self._planners.get(key)
+        if planner is not None:
+            return planner
+        tp = self._tp()
+        # The producer ranks' tables were cut at their handshakes to what this rank
+        # posts at (kvxfer._agent.peers); ours is the whole table or its one-head section.
+        narrowest = min(
+            heads_per_region(peer.table.layout, job.producer, p) for p, peer in peers.items()
+        )
+        table, offset = self._local.posting_table(narrowest)
+        salt = zlib.crc32(job.ticket.request_id.encode())
+        planner = TPPlanner.build(
+            table,
+            {p: peer.table for p, peer in peers.items()},
+            local_heads=tp.heads,
+            remote_heads=job.producer,
+            local_rank=tp.rank,
+            salt=salt,
+            local_offset=offset,
+        )
+        with self._lock:
+            if len(self._planners) >= _MAX_PLANNERS:
+                self._planners.pop(next(iter(self._planners)))
+            self._planners[key] = planner
+        return planner
+
+    def _start(self, job: _Job, peers: dict[int, Peer]) -> None:
+        fanout = job.fanout
+        if any(sub.done for sub in fanout.subs.values()):  # the agent closed meanwhile
+            self._fail_all(fanout, FailureKind.ABORTED, TransferError("agent closed"))
+            return
+        try:
+            plans = self._planner(job, peers).plan(job.local, job.remote, job.tokens)
+        except KvxferError as exc:
+            self._fail_all(fanout, FailureKind.POST, exc)
+            return
+        for rp in plans:
+            fanout.planned(rp.rank, blocks.to_wire(rp.plan.local_blocks))
+        notices = {rp.rank: self._done_notice(job, rp.rank) for rp in plans}
+        ticket = job.ticket
+        for rp in plans:
+            # Fail-closed per rank (R-SAFE-1): every producer rank armed the ticket's
+            # guard slot with its generation (vLLM's scheduler mints one for all
+            # ranks); each sub-transfer reads its own rank's word after its data, and
+            # its DONE goes only then. Checked for every rank before anything is posted.
+            sub = fanout.subs[rp.rank]
+            if not self._runtime.arm_guard(
+                sub, peers[rp.rank], ticket.guard_slot, ticket.generation, notices[rp.rank]
+            ):
+                others = TransferError(f"producer rank {rp.rank}: {sub.error}")
+                self._fail_all(fanout, FailureKind.ABORTED, others)
+                return
+        for rp in plans:
+            sub = fanout.subs[rp.rank]
+            self._runtime.post(
+                sub,
+                XferOp.READ,
+                peers[rp.rank],
+                job.local,
+                job.remote,
+                job.tokens,
+                b"" if sub.meta.guard is not None else notices[rp.rank],
+                plan=rp.plan,
+            )
+
+    def _done_notice(self, job: _Job, rank: int) -> bytes:
+        """Producer rank ``rank``'s DONE: it frees its lease once all its readers sent
+        theirs."""
+        return self._local.encode(
+            wire.Notice(
+                kind=wire.NoticeKind.DONE,
+                request_id=job.ticket.request_id,
+                engine_id=self._local.config.engine_id,
+                incarnation=self._local.incarnation,
+                readers=self.readers(job.ticket, job.producer, rank),
+                reader=self._tp().rank,
+                # Every producer rank holds the request under the capability the
+                # ticket carries (minted once, e.g. by vLLM's scheduler).
+                capability=job.ticket.capability,
+            )
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Job:
+    """One pull across TP sizes between the call and its posts."""
+
+    ticket: Ticket
+    tickets: dict[int, Ticket]
+    producer: HeadLayout
+    sources: dict[int, int]
+    local: blocks.Groups
+    remote: blocks.Groups
+    tokens: int
+    fanout: Fanout

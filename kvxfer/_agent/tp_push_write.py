@@ -1,0 +1,112 @@
+"""Pushes across tensor-parallel sizes: the producer rank's side.
+
+Once a write's consumer is handshaken, its ``Welcome.tp`` says which heads it holds; a
+consumer of another TP size gets only those heads this rank holds, planned by the
+consumer's own :class:`~kvxfer.core.tp_plan.TPPlanner` restricted to this rank (``only``)
+with the sides swapped for a WRITE. The producer's lease ends once all ``readers``
+consumer ranks got their writes (:attr:`kvxfer._agent.leases.Lease.all_written`). The
+consumer rank's side (its registrations with each producer rank) is
+:mod:`kvxfer._agent.tp_push_receive`; the two share no code, only the wire messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import zlib
+
+import numpy as np
+
+from kvxfer._agent.local import LocalEnd
+from kvxfer._agent.peers import Peer
+from kvxfer.core import blocks, wire
+from kvxfer.core.descriptors import Plan
+from kvxfer.core.heads import heads_per_region, source_ranks
+from kvxfer.core.tp_plan import TPPlanner
+from kvxfer.errors import ConfigError
+
+__all__ = ["WritePlanner"]
+
+#: Write planners kept per agent (one per consumer rank and replica choice).
+_MAX_PLANNERS = 64
+
+
+class WritePlanner:
+    """A producer rank's plans of writes into consumer ranks of another TP size
+    (internal).
+
+    Args:
+        local: This rank's identity (``config.tp``) and registered memory.
+        lock: The agent lock (guards the planner cache).
+    """
+
+    def __init__(self, local: LocalEnd, lock: threading.RLock) -> None:
+        self._local = local
+        self._lock = lock
+        self._planners: dict[tuple[object, ...], TPPlanner] = {}
+
+    def plan(
+        self,
+        peer: Peer,
+        target: wire.PushRegister,
+        local: tuple[tuple[int, ...], ...],
+        remote: tuple[tuple[int, ...], ...],
+        tokens: int,
+    ) -> Plan | None:
+        """The plan of one write of ``local`` into the consumer's ``remote`` blocks when
+        the consumer's TP size differs from ours; None when it does not (whole blocks,
+        the ordinary plan).
+
+        Raises:
+            ConfigError: the registration is for another producer rank, or asks for a
+                rank-split write this pair cannot make (no TP identity on one side).
+            LayoutMismatch, PlanError: the heads cannot be exchanged.
+        """
+        mine = self._local.config.tp
+        theirs = peer.info.tp
+        if mine is None or theirs is None or mine.heads.tp_size == theirs.heads.tp_size:
+            if target.readers > 1 or target.source:
+                raise ConfigError(
+                    "PushRegister.source",
+                    target.source,
+                    "a registration across TP sizes needs both sides' TP identity "
+                    "(AgentConfig.tp) and different TP sizes",
+                )
+            return None
+        if target.source != mine.rank:
+            raise ConfigError(
+                "PushRegister.source", target.source, f"this is producer rank {mine.rank}"
+            )
+        salt = zlib.crc32(target.request_id.encode())
+        sources = source_ranks(theirs.heads, theirs.rank, mine.heads, salt=salt)
+        key = (id(peer), peer.incarnation, tuple(sorted(sources.items())))
+        with self._lock:
+            planner = self._planners.get(key)
+        if planner is None:
+            # The consumer's table was cut at its handshake to what this rank posts
+            # at (kvxfer._agent.peers); ours is the whole table or its one-head section.
+            cut = heads_per_region(peer.table.layout, theirs.heads, theirs.rank)
+            table, offset = self._local.posting_table(cut)
+            planner = TPPlanner.build(
+                peer.table,
+                {mine.rank: table},
+                local_heads=theirs.heads,
+                remote_heads=mine.heads,
+                local_rank=theirs.rank,
+                salt=salt,
+                only=(mine.rank,),
+                remote_offset=offset,
+            )
+            with self._lock:
+                if len(self._planners) >= _MAX_PLANNERS:
+                    self._planners.pop(next(iter(self._planners)))
+                self._planners[key] = planner
+        # Planned as the consumer rank would read from us; a WRITE swaps the sides.
+        (part,) = planner.plan(blocks.from_wire(remote), blocks.from_wire(local), tokens)
+        read = part.plan
+        return dataclasses.replace(
+            read,
+            local_ids=read.remote_ids,
+            remote_ids=read.local_ids,
+            local_blocks=tuple(np.asarray(g, dtype=np.int64) for g in local),
+        )
