@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -114,3 +115,45 @@ def test_a_process_with_a_pending_request_exits_within_a_second_of_close(
     )
     assert "worker: HandshakeError" in done.stdout
     assert exited - closed_at < 1.0, f"exit took {exited - closed_at:.2f}s after close()"
+
+
+_STALL_SCRIPT = textwrap.dedent(
+    """
+    import time
+    from kvxfer.io.control import SideChannelClient, SideChannelServer
+
+    def held_up_inline(data):
+        time.sleep(float(data))  # an inline answer that holds the server thread up
+        return b"late"
+
+    with SideChannelServer(
+        "127.0.0.1", 0, held_up_inline, max_bytes=1024, oversize_reply=lambda n: b""
+    ) as server:
+        client = SideChannelClient(timeout_s=5.0, retries=1)
+        assert client.request("127.0.0.1", server.port, b"1.2") == b"late"
+        assert client.request("127.0.0.1", server.port, b"0") == b"late"
+    print("served")
+    """
+)
+
+
+@pytest.mark.parametrize("dump_s", ["0.3", ""])
+def test_a_held_up_round_writes_every_stack_while_it_lasts(dump_s: str) -> None:
+    """KVXFER_STALL_DUMP_S: a round longer than it dumps the threads' stacks during the
+    stall (the held-up handler's frame among them); unset, nothing is written."""
+    env = {**os.environ, "KVXFER_STALL_DUMP_S": dump_s}
+    out = subprocess.run(
+        [sys.executable, "-c", _STALL_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "served"
+    if dump_s:
+        assert "Timeout (0:00:00.300000)!" in out.stderr, out.stderr
+        assert "in held_up_inline" in out.stderr, out.stderr
+        assert out.stderr.count("Timeout (") == 1, out.stderr  # once per held-up round
+    else:
+        assert "Timeout (" not in out.stderr, out.stderr

@@ -21,9 +21,12 @@ the interpreter joins at exit, for every try: 3 × 5 s by default).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
+import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +60,23 @@ SLOW_WORKERS = 4
 #: waiting for a worker, inside the handler, or the whole thread not running (a
 #: process-wide stall or starved GIL), so a slow answer seen by a peer can be traced.
 SLOW_S = 1.0
+#: ``KVXFER_STALL_DUMP_S``: when a round of a server thread takes longer than this many
+#: seconds, Python's fault handler writes every thread's stack to stderr *during* the
+#: stall (from its own C thread, which needs no GIL), naming the thread that holds the
+#: process up. A diagnostic for tests and operators chasing a stall: off when unset.
+STALL_DUMP_ENV = "KVXFER_STALL_DUMP_S"
+
+
+def _stall_dump_s() -> float:
+    raw = os.environ.get(STALL_DUMP_ENV, "")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        log.warning("%s=%r: not a number of seconds; no stall dumps", STALL_DUMP_ENV, raw)
+        return 0.0
+    return value if value > 0 else 0.0
+
+
 #: Deferred requests waiting beyond this are refused with ``busy_reply`` (a flood of
 #: handshakes cannot grow memory without bound, R-SAFE-3).
 MAX_DEFERRED = 256
@@ -262,7 +282,11 @@ class SideChannelServer:
         wake = self._wake_r.fileno()
         poller.register(wake, zmq.POLLIN)
         last = time.monotonic()
+        dump_s = _stall_dump_s()
         while not self._stop.is_set():
+            if dump_s:
+                # Re-armed every round: it fires only when a round outlives it.
+                faulthandler.dump_traceback_later(dump_s, exit=False, file=sys.stderr)
             now = time.monotonic()
             if now - last > SLOW_S:
                 log.warning(
@@ -293,6 +317,8 @@ class SideChannelServer:
                     break
                 if len(frames) >= 2:
                     self._serve(frames)
+        if dump_s:
+            faulthandler.cancel_dump_traceback_later()
         for _ in self._workers:
             self._jobs.put(None)
         self._sock.close(0)

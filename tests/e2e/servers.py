@@ -46,6 +46,9 @@ BASE_ENV: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
+    # A side-channel round held up this long writes every thread's stack into the log
+    # while it lasts (kvxfer.io.control): the evidence when a stall fails a test.
+    "KVXFER_STALL_DUMP_S": "3",
 }
 BASE_ARGS: tuple[str, ...] = (
     "--host",
