@@ -183,3 +183,50 @@ def test_pair_remote_pairs_by_token_position_cut_or_not() -> None:
         blocks.pair_remote(
             (local[0], local[0]), full, num_tokens=70, remote_num_tokens=70, block_size=16
         )
+
+
+_RULES = blocks.BlockRules(num_groups=2, num_blocks=10, block_size=4, sliding=(False, True))
+
+
+def test_pair_checks_once_and_pairs_a_prefix_cached_suffix_with_the_ticket() -> None:
+    # 10 tokens fill 3 blocks; one leading block is cached, so two are listed. The
+    # ticket holds all three (its last two pair with ours), for both groups.
+    got = blocks.pair(
+        [7, 8],
+        ((1, 2, 3), (4, 5, 6)),
+        _RULES,
+        num_tokens=10,
+        remote_num_tokens=10,
+        cached_blocks=1,
+        request_id="r",
+    )
+    assert isinstance(got, blocks.Pairing)
+    assert [g.tolist() for g in got.local] == [[7, 8], [7, 8]]
+    assert [g.tolist() for g in got.remote] == [[2, 3], [5, 6]]
+    assert got.num_tokens == 10
+    assert all(not g.flags.writeable for g in got.local)
+
+
+@pytest.mark.parametrize(
+    ("local", "tokens", "remote_tokens", "cached", "match"),
+    [
+        ([7, 10], 10, 10, 1, r"local .*=10: out of range"),  # past num_blocks
+        ([7, 7], 10, 10, 1, "repeat"),  # twice in one group
+        ([True, 8], 10, 10, 1, "integer"),  # not an integer
+        ([7], 10, 10, 1, "exactly 2 must be listed"),  # too few for the full group
+        ([7, 8], 14, 10, 2, "more than the ticket"),  # more tokens than the ticket holds
+    ],
+)
+def test_pair_refuses_what_any_of_its_checks_refuses(
+    local: list[object], tokens: int, remote_tokens: int, cached: int, match: str
+) -> None:
+    with pytest.raises(PlanError, match=match):
+        blocks.pair(
+            local,  # type: ignore[arg-type]
+            ((1, 2, 3), (4, 5, 6)),
+            _RULES,
+            num_tokens=tokens,
+            remote_num_tokens=remote_tokens,
+            cached_blocks=cached,
+            request_id="r",
+        )

@@ -19,8 +19,17 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given
 
-from kvxfer.core.descriptors import DescriptorTable, Plan, PlanOptions, Runs, build_plan
+from kvxfer.core import blocks as kblocks
+from kvxfer.core.descriptors import (
+    DescriptorTable,
+    Plan,
+    PlanOptions,
+    Runs,
+    build_plan,
+    plan_pairing,
+)
 from kvxfer.core.layout import Group, GroupKind, KVLayout, Region, SplitAxis
+from kvxfer.errors import PlanError
 from kvxfer.testing import strategies as kst
 
 Ints = npt.NDArray[np.object_]  # Python ints: exact at any width
@@ -376,6 +385,40 @@ def test_every_way_of_passing_the_blocks_gives_the_same_plan(case: kst.PlanCase)
             req.num_tokens,
         )
         _assert_same_plan(shared, apart)
+
+
+@given(kst.plan_cases())
+def test_a_pairing_checked_once_plans_as_build_plan_does(case: kst.PlanCase) -> None:
+    """The Agent's path (ids checked once by kblocks.pair, then plan_pairing) gives the
+    plan build_plan gives from the raw lists, shared groups included; a remote id past
+    the peer's table is still refused, naming the remote side."""
+    local, remote = _tables(case, case.options)
+    req = case.request
+    general = build_plan(local, remote, req.local_blocks, req.remote_blocks, req.num_tokens)
+    n = len(req.local_blocks)
+    mine = kblocks.block_groups(req.local_blocks, n, num_blocks=local.num_blocks)
+    theirs = kblocks.from_wire(req.remote_blocks)
+    _assert_same_plan(
+        plan_pairing(local, remote, kblocks.Pairing(mine, theirs, req.num_tokens)), general
+    )
+    one_local = kblocks.block_array(req.local_blocks[0], side="local", group=0, num_blocks=None)
+    one_remote = np.array(req.remote_blocks[0], dtype=np.int64)
+    shared = plan_pairing(
+        local, remote, kblocks.Pairing((one_local,) * n, (one_remote,) * n, req.num_tokens)
+    )
+    apart = build_plan(
+        local, remote, [req.local_blocks[0]] * n, [req.remote_blocks[0]] * n, req.num_tokens
+    )
+    _assert_same_plan(shared, apart)
+    listed = [g for g in theirs if len(g)]
+    if listed:
+        g = next(i for i, ids in enumerate(theirs) if len(ids))
+        bad = list(theirs)
+        bad[g] = np.concatenate([theirs[g][:-1], [remote.num_blocks]])
+        with pytest.raises(PlanError, match="remote"):
+            plan_pairing(local, remote, kblocks.Pairing(mine, tuple(bad), req.num_tokens))
+    with pytest.raises(PlanError, match="group"):
+        plan_pairing(local, remote, kblocks.Pairing(mine + mine[:1], theirs, req.num_tokens))
 
 
 def _assert_same_plan(a: Plan, b: Plan) -> None:

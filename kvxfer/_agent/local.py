@@ -47,6 +47,25 @@ class LocalEnd:
         self.table: DescriptorTable | None = None
         self.heads: HeadSection | None = None
         self.deferred: KVLayout | None = None
+        #: What ``exposed_layout`` says of block ids (None until registered).
+        self.rules: blocks.BlockRules | None = None
+
+    def registered(
+        self,
+        layout: KVLayout,
+        exposed: KVLayout,
+        table: DescriptorTable,
+        heads: HeadSection | None,
+    ) -> None:
+        """The memory is registered: ``layout`` as the engine gave it, ``exposed`` as
+        peers address it, its table and head section."""
+        self.layout, self.exposed_layout, self.table, self.heads = layout, exposed, table, heads
+        self.rules = blocks.BlockRules(
+            num_groups=len(exposed.groups),
+            num_blocks=exposed.num_blocks,
+            block_size=exposed.block_size,
+            sliding=tuple(g.kind is GroupKind.SLIDING for g in exposed.groups),
+        )
 
     def require_registered(self) -> tuple[DescriptorTable, KVLayout]:
         """The table and exposed layout; RegistrationError before registration."""
@@ -63,21 +82,28 @@ class LocalEnd:
             RegistrationError: nothing registered yet.
             PlanError: an id that is not an integer, out of range or repeated.
         """
-        _, layout = self.require_registered()
+        rules = self.require_rules()
         return blocks.block_groups(
-            block_ids, len(layout.groups), num_blocks=layout.num_blocks, broadcast=True
+            block_ids, rules.num_groups, num_blocks=rules.num_blocks, broadcast=True
         )
 
     def check_counts(self, local: blocks.Groups, num_tokens: int, cached_blocks: int) -> int:
         """The block count rule (:func:`kvxfer.core.blocks.check_counts`) for this layout."""
-        _, layout = self.require_registered()
+        rules = self.require_rules()
         return blocks.check_counts(
             local,
             num_tokens=num_tokens,
-            block_size=layout.block_size,
+            block_size=rules.block_size,
             cached_blocks=cached_blocks,
-            sliding=[g.kind is GroupKind.SLIDING for g in layout.groups],
+            sliding=rules.sliding,
         )
+
+    def require_rules(self) -> blocks.BlockRules:
+        """The block-id rules; RegistrationError before registration."""
+        if self.rules is None:
+            self.require_registered()  # raises, saying why
+        assert self.rules is not None
+        return self.rules
 
     @property
     def block_size(self) -> int:

@@ -70,6 +70,7 @@ class ProgressLoop:
         self._idle_nap = True  # the progress thread sleeps its long idle interval
         self._nap_s = IDLE_NAP_S  # the progress thread's current sleep between rounds
         self._thread: threading.Thread | None = None
+        self.started = False  # whether the thread was started (read on every transfer)
         self._start_lock = threading.Lock()
         self.last_tick = 0.0  # monotonic time of the latest tick, by any thread
 
@@ -81,11 +82,7 @@ class ProgressLoop:
                     target=self._run, name="kvxfer-progress", daemon=True
                 )
                 self._thread.start()
-
-    @property
-    def started(self) -> bool:
-        """Whether the thread was started."""
-        return self._thread is not None
+                self.started = True
 
     def stop(self) -> None:
         """Once closed: wake the thread and wait for it to end (not from itself)."""

@@ -24,7 +24,7 @@ from kvxfer._agent.tp_pull import TPPuller
 from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
-from kvxfer.core.blocks import BlockIds
+from kvxfer.core.blocks import BlockIds, Pairing
 from kvxfer.errors import ConfigError, KvxferError, PlanError
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, Transfer
@@ -78,16 +78,15 @@ class Puller:
         across_tp = self._group.wants(ticket)
         if across_tp:
             self._group.ranks(ticket)  # a ticket tp_size the heads do not allow: raise now
+        tokens = ticket.num_tokens if num_tokens is None else num_tokens
         try:
-            local = self._local.block_groups(local_blocks)
-            tokens = ticket.num_tokens if num_tokens is None else num_tokens
-            self._local.check_counts(local, tokens, cached_blocks)
-            remote = blocks.pair_remote(
-                local,
-                blocks.from_wire(ticket.block_ids),
+            pairing = blocks.pair(
+                local_blocks,
+                ticket.block_ids,
+                self._local.require_rules(),
                 num_tokens=tokens,
                 remote_num_tokens=ticket.num_tokens,
-                block_size=self._local.block_size,
+                cached_blocks=cached_blocks,
                 request_id=ticket.request_id,
             )
         except PlanError:
@@ -98,9 +97,9 @@ class Puller:
                 self.abort(ticket)
             raise
         if across_tp:
-            return self._tp.pull(ticket, local, remote, tokens)
+            return self._tp.pull(ticket, pairing)
         runtime = self._runtime
-        transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(local))
+        transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(pairing.local))
         transfer.meta.capability = ticket.capability
         transfer.meta.producer_at = (ticket.host, ticket.port)
         if ticket.lease_expiry:
@@ -114,11 +113,11 @@ class Puller:
             ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
         )
         if peer is not None:
-            self._start(transfer, peer, ticket, local, remote, tokens)
+            self._start(transfer, peer, ticket, pairing)
         else:
             # A first contact handshakes on a worker thread: the engine's step loop never
             # waits for a peer (which can take the whole handshake timeout if it is gone).
-            self._io.submit(self._connect_and_start, transfer, ticket, local, remote, tokens)
+            self._io.submit(self._connect_and_start, transfer, ticket, pairing)
         return transfer
 
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
@@ -140,14 +139,7 @@ class Puller:
             return
         self._side.release(ticket)
 
-    def _connect_and_start(
-        self,
-        transfer: Transfer,
-        ticket: Ticket,
-        local: blocks.Groups,
-        remote: blocks.Groups,
-        tokens: int,
-    ) -> None:
+    def _connect_and_start(self, transfer: Transfer, ticket: Ticket, pairing: Pairing) -> None:
         try:
             # A producer that answers late (frozen, starved) is tried until the pull's
             # deadline; one whose port refuses fails it at once (R-SAFE-6).
@@ -168,7 +160,7 @@ class Puller:
                 # hold this ticket's lease.
                 self._side.release(ticket)
             return
-        self._start(transfer, peer, ticket, local, remote, tokens)
+        self._start(transfer, peer, ticket, pairing)
 
     def _release_after(self, ticket: Ticket, transfer: Transfer) -> None:
         """A pull that fails from now on tells its producer to release at once."""
@@ -184,15 +176,7 @@ class Puller:
         """A pull's own DONE or failure: one short try (see SideChannel.release)."""
         self._side.release(ticket, reason=reason, done=done, brief=True)
 
-    def _start(
-        self,
-        transfer: Transfer,
-        peer: Peer,
-        ticket: Ticket,
-        local: blocks.Groups,
-        remote: blocks.Groups,
-        tokens: int,
-    ) -> None:
+    def _start(self, transfer: Transfer, peer: Peer, ticket: Ticket, pairing: Pairing) -> None:
         notice = self._local.encode(
             wire.Notice(
                 kind=wire.NoticeKind.DONE,
@@ -210,4 +194,4 @@ class Puller:
         ):
             return
         on_data = b"" if transfer.meta.guard is not None else notice
-        self._runtime.post(transfer, XferOp.READ, peer, local, remote, tokens, on_data)
+        self._runtime.post(transfer, XferOp.READ, peer, pairing, on_data)

@@ -328,16 +328,11 @@ class PushWriter:
             self._runtime.succeed(transfer)
             return
         t0 = time.monotonic()
-        self._runtime.post(
-            transfer,
-            XferOp.WRITE,
-            peer,
-            blocks.from_wire(job.local),
-            blocks.from_wire(job.remote),
-            job.tokens,
-            notice,
-            plan=plan,
+        # The job's blocks were checked when the engine called (Agent.push, stream).
+        work = plan or blocks.Pairing(
+            blocks.from_wire(job.local), blocks.from_wire(job.remote), job.tokens
         )
+        self._runtime.post(transfer, XferOp.WRITE, peer, work, notice)
         if _timeline.isEnabledFor(logging.DEBUG):
             _timeline.debug(
                 "TL push_post %s %.6f end=%.6f bytes=%d final=%d",

@@ -95,8 +95,7 @@ class Registrar:
         section = self._head_section(table)
         backend.prepare_local(prepared_rows(table, section))
         local = self._local
-        local.layout, local.exposed_layout, local.table = layout, exposed, table
-        local.heads = section
+        local.registered(layout, exposed, table, section)
         shards = len({(r.device_id, r.shard) for r in exposed.regions})
         log.info(
             "%sregistered %d regions / %d shards, %d descriptors, %d blocks of %d tokens",

@@ -35,8 +35,8 @@ from kvxfer._agent.settle import Settler
 from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
-from kvxfer.core import blocks
-from kvxfer.core.descriptors import Plan, build_plan
+from kvxfer.core.blocks import Pairing
+from kvxfer.core.descriptors import Plan, plan_pairing
 from kvxfer.errors import KvxferError, PeerError, TransferError, TransferTimeout
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
@@ -174,19 +174,17 @@ class Runtime:
         transfer: Transfer,
         op: XferOp,
         peer: Peer,
-        local: blocks.Groups,
-        remote: blocks.Groups,
-        num_tokens: int,
+        work: Pairing | Plan,
         notification: bytes | Callable[[int], bytes],
-        *,
-        plan: Plan | None = None,
     ) -> None:
         """Plan and post one transfer. Called without the agent lock: with UCX over CMA
         (and the host bounce's staging copies) a post moves bytes before it returns, and
         the lock held that long would stall the engine's hold(), pull() and freed().
 
-        ``plan`` is a plan made already (one producer rank's part of a request across
-        TP sizes, :mod:`kvxfer._agent.tp_pull`): its ids index the local and ``peer`` tables."""
+        ``work`` is the request's checked block ids (:func:`kvxfer.core.blocks.pair`),
+        planned here against ``peer``'s table, or a plan made already (one producer
+        rank's part of a request across TP sizes, :mod:`kvxfer._agent.tp_pull`): its ids
+        index the local and ``peer`` tables."""
         table, _ = self._local.require_registered()
         meta = transfer.meta
         # Nothing to poll until the post returns: the progress thread keeps its slower
@@ -194,17 +192,14 @@ class Runtime:
         meta.posting = True
         t0 = time.perf_counter()
         try:
-            if plan is None:
-                plan = build_plan(table, peer.table, local, remote, num_tokens)
+            plan = work if isinstance(work, Plan) else plan_pairing(table, peer.table, work)
         except KvxferError as exc:
             meta.posting = False
             self.fail(transfer, FailureKind.POST, exc)
             return
         t1 = time.perf_counter()
         if op is XferOp.READ:
-            meta.repost = functools.partial(
-                self.post, transfer, op, peer, local, remote, num_tokens, notification, plan=plan
-            )
+            meta.repost = functools.partial(self.post, transfer, op, peer, plan, notification)
         transfer.stats.plan_s = t1 - t0
         transfer.stats.bytes = plan.nbytes
         transfer.stats.descriptors = plan.num_descriptors

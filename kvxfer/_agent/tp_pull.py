@@ -41,6 +41,7 @@ from kvxfer._agent.tp_producers import ProducerGroup, rank_ticket
 from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
+from kvxfer.core.blocks import Pairing
 from kvxfer.core.heads import HeadLayout, TPRank, heads_per_region
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import (
@@ -94,10 +95,9 @@ class TPPuller:
         """How many consumer ranks read ``ticket`` from producer rank ``rank``."""
         return self._group.readers(ticket, producer, rank)
 
-    def pull(
-        self, ticket: Ticket, local: blocks.Groups, remote: blocks.Groups, tokens: int
-    ) -> Transfer:
-        """Start the pull of ``ticket`` into ``local``; the blocks are checked already.
+    def pull(self, ticket: Ticket, pairing: Pairing) -> Transfer:
+        """Start the pull of ``ticket`` into ``pairing.local``, checked already
+        (:func:`kvxfer.core.blocks.pair`).
 
         Raises:
             ConfigError: the ticket's TP size or ports cannot be used (nothing posted).
@@ -106,7 +106,7 @@ class TPPuller:
         ranks = tuple(sorted(set(sources.values())))
         tickets = {p: rank_ticket(ticket, p) for p in ranks}
         runtime = self._runtime
-        groups = blocks.to_wire(local)
+        groups = blocks.to_wire(pairing.local)
         config = self._local.config
         aggregate = Transfer(
             ticket.request_id,
@@ -131,7 +131,7 @@ class TPPuller:
             for p, t in tickets.items()
         }
         self._group.release_unread(ticket, producer)
-        job = _Job(ticket, tickets, producer, sources, local, remote, tokens, fanout)
+        job = _Job(ticket, tickets, producer, sources, pairing, fanout)
         if all(peer is not None for peer in cached.values()):
             self._start(job, {p: peer for p, peer in cached.items() if peer is not None})
         else:
@@ -224,7 +224,9 @@ class TPPuller:
             self._fail_all(fanout, FailureKind.ABORTED, TransferError("agent closed"))
             return
         try:
-            plans = self._planner(job, peers).plan(job.local, job.remote, job.tokens)
+            plans = self._planner(job, peers).plan(
+                job.pairing.local, job.pairing.remote, job.pairing.num_tokens
+            )
         except KvxferError as exc:
             self._fail_all(fanout, FailureKind.POST, exc)
             return
@@ -246,16 +248,8 @@ class TPPuller:
                 return
         for rp in plans:
             sub = fanout.subs[rp.rank]
-            self._runtime.post(
-                sub,
-                XferOp.READ,
-                peers[rp.rank],
-                job.local,
-                job.remote,
-                job.tokens,
-                b"" if sub.meta.guard is not None else notices[rp.rank],
-                plan=rp.plan,
-            )
+            notice = b"" if sub.meta.guard is not None else notices[rp.rank]
+            self._runtime.post(sub, XferOp.READ, peers[rp.rank], rp.plan, notice)
 
     def _done_notice(self, job: _Job, rank: int) -> bytes:
         """Producer rank ``rank``'s DONE: it frees its lease once all its readers sent
@@ -283,7 +277,5 @@ class _Job:
     tickets: dict[int, Ticket]
     producer: HeadLayout
     sources: dict[int, int]
-    local: blocks.Groups
-    remote: blocks.Groups
-    tokens: int
+    pairing: Pairing
     fanout: Fanout

@@ -19,7 +19,7 @@ the offending value and the rule. Pure: numpy only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -28,13 +28,16 @@ from kvxfer.errors import PlanError
 
 __all__ = [
     "BlockIds",
+    "BlockRules",
     "Groups",
     "IntArray",
+    "Pairing",
     "block_array",
     "block_groups",
     "check_counts",
     "describe",
     "from_wire",
+    "pair",
     "pair_remote",
     "to_wire",
 ]
@@ -356,6 +359,69 @@ def from_wire(groups: tuple[tuple[int, ...], ...]) -> Groups:
             one = np.array(first, dtype=np.int64)
             return (one,) * len(groups)
     return tuple(np.array(g, dtype=np.int64) for g in groups)
+
+
+class BlockRules(NamedTuple):
+    """What a registered layout says of the block ids a request may list."""
+
+    num_groups: int
+    num_blocks: int
+    block_size: int
+    #: Per group, whether it is a sliding-window group (it may list fewer blocks).
+    sliding: tuple[bool, ...]
+
+
+class Pairing(NamedTuple):
+    """A request's block ids checked once, by :func:`pair`.
+
+    The planner takes it as it is (:func:`kvxfer.core.descriptors.plan_pairing`) and
+    checks only what ``pair`` cannot know: the remote ids against the peer's table.
+    """
+
+    #: The local blocks per group: integers in range, no repeats, the counts the
+    #: request's tokens call for.
+    local: Groups
+    #: The ticket's blocks that hold the same token positions, per group.
+    remote: Groups
+    #: The tokens the local blocks end at.
+    num_tokens: int
+
+
+def pair(
+    local_ids: BlockIds,
+    ticket_ids: tuple[tuple[int, ...], ...],
+    rules: BlockRules,
+    *,
+    num_tokens: int,
+    remote_num_tokens: int,
+    cached_blocks: int = 0,
+    request_id: str = "",
+) -> Pairing:
+    """Check a pull's local block ids and pair them with its ticket's, once.
+
+    :func:`block_groups` (a flat list serves every group), :func:`check_counts` and
+    :func:`pair_remote` in one call: what an Agent does before it plans a pull.
+
+    Raises:
+        PlanError: an id or a count breaks a rule (the error names which).
+    """
+    local = block_groups(local_ids, rules.num_groups, num_blocks=rules.num_blocks, broadcast=True)
+    check_counts(
+        local,
+        num_tokens=num_tokens,
+        block_size=rules.block_size,
+        cached_blocks=cached_blocks,
+        sliding=rules.sliding,
+    )
+    remote = pair_remote(
+        local,
+        from_wire(ticket_ids),
+        num_tokens=num_tokens,
+        remote_num_tokens=remote_num_tokens,
+        block_size=rules.block_size,
+        request_id=request_id,
+    )
+    return Pairing(local, remote, num_tokens)
 
 
 def describe(blocks: Sequence[int] | IntArray) -> str:

@@ -41,7 +41,7 @@ from kvxfer.core._selection import (
     pick,
     unit_ids,
 )
-from kvxfer.core.blocks import BlockIds, Groups, block_array, block_groups
+from kvxfer.core.blocks import BlockIds, Groups, Pairing, block_array, block_groups
 from kvxfer.core.layout import KVLayout
 from kvxfer.core.merging import address_order, chain_order, region_chains, run_starts
 from kvxfer.errors import ConfigError, LayoutMismatch, PlanError
@@ -55,6 +55,7 @@ __all__ = [
     "Runs",
     "build_plan",
     "chunk_size",
+    "plan_pairing",
 ]
 
 UIntArray = npt.NDArray[np.uint64]
@@ -159,6 +160,7 @@ class DescriptorTable:
     _shard_start: IntArray  # first token of each region's descriptor within a block
     single_device: int | None  # the device of every descriptor, if they share one
     _key: bytes  # the shape and options two tables must share to be paired
+    num_blocks: int  # blocks per region of ``layout`` (read on every plan)
     # Fast path of build_plan when every group moves every listed block whole (no
     # chunks, no window selection): per group, the first descriptor id of each region, and the bytes
     # of one block over all of the group's regions. None when some group cuts blocks.
@@ -264,6 +266,7 @@ class DescriptorTable:
             _shard_start=_readonly(shard * tokens if spans > 1 else np.zeros_like(shard)),
             single_device=int(dev[0]) if (dev == dev[0]).all() else None,
             _key=key,
+            num_blocks=nb,
             _whole=whole,
             _whole_all=(
                 (_readonly(np.concatenate([rows for rows, _ in whole])), sum(b for _, b in whole))
@@ -278,16 +281,11 @@ class DescriptorTable:
     def __len__(self) -> int:
         return len(self.addr)
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks per region of this table's layout."""
-        return self.layout.num_blocks
-
     def _unit_ids(self, sel: Pick, blocks: IntArray) -> IntArray:
         return unit_ids(
             sel,
             blocks,
-            self.layout.num_blocks,
+            self.num_blocks,
             self.layout.tokens_per_desc,
             self.chunk_offset,
             self.window_offset,
@@ -425,16 +423,54 @@ def build_plan(
             or a block id that is not an integer, repeats in its group's list, or lies
             outside ``[0, num_blocks)`` (:func:`kvxfer.core.blocks.block_groups`).
     """
-    if local._key != remote._key:
-        diff = local.layout.first_difference(remote.layout)
-        if diff is not None:
-            raise LayoutMismatch(*diff)
-        raise PlanError("local and remote tables were built with different PlanOptions")
+    _check_tables(local, remote)
     if not _is_int(num_tokens) or num_tokens < 0:
         raise PlanError(f"num_tokens={num_tokens!r}: must be a non-negative int")
     num_groups = len(local._cuts)
     mine, shared = _groups(local_blocks, num_groups, "local", local.num_blocks)
     theirs, shared_remote = _groups(remote_blocks, num_groups, "remote", remote.num_blocks)
+    return _plan(local, remote, mine, theirs, shared and shared_remote, num_tokens)
+
+
+def plan_pairing(local: DescriptorTable, remote: DescriptorTable, pairing: Pairing) -> Plan:
+    """:func:`build_plan` for block ids checked already (:func:`kvxfer.core.blocks.pair`).
+
+    The local ids are taken as they are; the remote ids, which came from a ticket, are
+    checked here against ``remote`` (the one table that knows their range).
+
+    Raises:
+        LayoutMismatch: the tables' layouts differ in shape.
+        PlanError: another group count than the tables', or a remote id outside the
+            peer's table.
+    """
+    _check_tables(local, remote)
+    mine = pairing.local
+    num_groups = len(local._cuts)
+    if len(mine) != num_groups:
+        raise PlanError(f"{len(mine)} local block group(s), the layout has {num_groups}")
+    theirs, shared_remote = _groups(pairing.remote, num_groups, "remote", remote.num_blocks)
+    shared = num_groups == 1 or all(g is mine[0] for g in mine)
+    return _plan(local, remote, mine, theirs, shared and shared_remote, pairing.num_tokens)
+
+
+def _check_tables(local: DescriptorTable, remote: DescriptorTable) -> None:
+    if local._key != remote._key:
+        diff = local.layout.first_difference(remote.layout)
+        if diff is not None:
+            raise LayoutMismatch(*diff)
+        raise PlanError("local and remote tables were built with different PlanOptions")
+
+
+def _plan(
+    local: DescriptorTable,
+    remote: DescriptorTable,
+    mine: Groups,
+    theirs: Groups,
+    shared: bool,
+    num_tokens: int,
+) -> Plan:
+    """The plan of checked block ids (both entry points above)."""
+    num_groups = len(local._cuts)
     needed = -(-num_tokens // local.layout.block_size)
     for g, (lb, rb) in enumerate(zip(mine, theirs)):
         if len(lb) != len(rb):
@@ -446,7 +482,7 @@ def build_plan(
                 f"group {g}: {len(lb)} blocks given but {num_tokens} tokens fill only {needed}"
             )
     if local._whole is not None:
-        return _whole_plan(local, remote, mine, theirs, shared and shared_remote, num_tokens)
+        return _whole_plan(local, remote, mine, theirs, shared, num_tokens)
     chunk_mode = local.options.chunk_mode
     local_ids: list[IntArray] = []
     remote_ids: list[IntArray] = []
