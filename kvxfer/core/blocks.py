@@ -189,12 +189,14 @@ def block_groups(
         flat = not seq or not _is_id_list(seq[0])
         rows = [seq] if flat else seq
     if flat and num_groups > 1:
+        # Its ids first: a list whose first item is no id list may be a malformed
+        # per-group list (``["0", [1]]``); the bad id is the better error.
+        one = block_array(rows[0], side=side, group=0, num_blocks=num_blocks)
         if not broadcast:
             raise PlanError(
                 f"{side} block_ids: one flat list given, the layout has {num_groups} KV "
                 "groups; pass one list per group"
             )
-        one = block_array(rows[0], side=side, group=0, num_blocks=num_blocks)
         return (one,) * num_groups
     if len(rows) != num_groups:
         raise PlanError(
