@@ -28,10 +28,14 @@ if TYPE_CHECKING:
 __all__ = [
     "FailureKind",
     "FailureStage",
+    "PeerRef",
+    "PullState",
+    "ReceptionState",
     "Transfer",
     "TransferMeta",
     "TransferState",
     "TransferStats",
+    "WriteState",
     "settle",
 ]
 
@@ -116,81 +120,122 @@ class PeerRef(Protocol):
     suspect: bool
 
 
+class PullState(msgspec.Struct, kw_only=True):
+    """What a pull (and each producer rank's part of one across TP sizes) keeps.
+
+    Attributes:
+        lease_expiry: The producer's lease (wall clock): landing later is invalid.
+        guard: A guarded pull: the producer's guard slot and the hold's generation.
+        guarding: The data landed; the transfer's ``handle`` is the guard word's read.
+        awaiting_hold: The guard word says the hold has not come yet: only the word is
+            read again until it does, then data and word.
+        done_notice: The DONE notice, sent once the guard word matched.
+        release: Called (outside the lock) when the posted pull fails: tells the
+            producer at once.
+        repost: Posts it again (same plan) when its guard word says the producer has
+            not held the request yet.
+        reposts: How often it was posted again.
+    """
+
+    lease_expiry: float | None = None
+    guard: tuple[int, int] | None = None
+    guarding: bool = False
+    awaiting_hold: bool = False
+    done_notice: bytes = b""
+    release: Callable[[str], None] | None = None
+    repost: Callable[[], None] | None = None
+    reposts: int = 0
+
+
+class ReceptionState(msgspec.Struct, kw_only=True):
+    """What a push reception (the consumer's side of a push) keeps.
+
+    Attributes:
+        source: The producer rank it awaits (across TP sizes one reception per
+            producer rank; 0 otherwise), echoed in its notices.
+        push_from: The producer's side-channel address once it registered there.
+        writer_live: Its producer may be writing into its blocks (from the
+            registration's send until the producer said its writes ended, or is proven
+            gone, R-SAFE-5).
+        notice_bytes: Its announced final notice, known by its bytes.
+        covered: Its blocks announced so far, per group.
+        final: It saw its final notice.
+        stage_in: Complete: copy the staging buffers in (host bounce).
+        unreachable_since: Failed: since when its producer has had no route
+            (kvxfer._agent.liveness), 0 while it has one.
+    """
+
+    source: int = 0
+    push_from: tuple[str, int] | None = None
+    writer_live: bool = False
+    notice_bytes: bytes | None = None
+    covered: list[set[int]] | None = None
+    final: bool = False
+    stage_in: bool = False
+    unreachable_since: float = 0.0
+
+
+class WriteState(msgspec.Struct, kw_only=True):
+    """What a push write (the producer's side of a push) keeps.
+
+    Attributes:
+        lease: Its lease (request id) on the producer.
+        consumer: The consumer it writes to (told when the write failed).
+    """
+
+    lease: str
+    consumer: PeerRef | None = None
+
+
 class TransferMeta(msgspec.Struct, kw_only=True):
-    """The agent's bookkeeping of one transfer (engines never need it).
+    """The agent's bookkeeping of one transfer (engines never need it): what every
+    kind keeps, and the state of its kind (one of ``pull``, ``reception``, ``write``;
+    none for the one Transfer that folds several producer ranks' parts).
 
     Attributes:
         posting: Inside its post: nothing to poll yet (the progress thread's pace).
         peer: The peer it was posted against (marked suspect when the transport fails).
         handle: The backend's handle once posted; released when it settles.
-        lease_expiry: A pull's producer lease (wall clock): landing later is invalid.
-        notice_bytes: A push reception's announced final notice, known by its bytes.
-        stage_in: A push reception complete: copy the staging buffers in (host bounce).
-        covered: A push reception's blocks announced so far, per group.
-        final: A push reception saw its final notice.
-        lease: A push write's lease (request id) on the producer.
-        push_peer: A push write's consumer (told when the write failed).
-        on_settled: Called under the agent lock when it settles (ok: DONE).
-        guard: A guarded pull: the producer's guard slot and the hold's generation.
-        guarding: The data landed; ``handle`` is the guard word's read now.
         capability: A pull: the hold's token; a push reception: its registration token.
-        done_notice: A guarded pull's DONE notice, sent once the guard word matched.
-        release: Called (outside the lock) when a posted pull fails: tells the producer.
-        last_progress: Monotonic time of its last sign of life (post, probe answer).
-        probing: A liveness probe of its peer is in flight.
-        push_from: A push reception: the producer's side-channel address.
-        push_source: A push reception: the producer rank it awaits (across TP sizes,
-            one reception per producer rank; 0 otherwise), echoed in its notices.
         producer_at: A pull or a push reception: its producer's side-channel address,
             probed while the pull waits for its handshake or sits in a post that does
             not return, or while the reception's registration has not returned.
-        repost: A guarded pull: posts it again (same plan), when its guard word says the
-            producer has not held the request yet.
-        reposts: How often it was posted again.
+        on_settled: Called under the agent lock when it settles (ok: DONE).
+        last_progress: Monotonic time of its last sign of life (post, probe answer).
+        probing: A liveness probe of its peer is in flight.
         doomed: Its failure, decided but not yet final (R-SAFE-5): bytes of it may
             still land, so its blocks stay quarantined with it until they cannot; it
             then settles FAILED with this (kind, error, stage). It never becomes DONE.
         doomed_at: Monotonic time it was doomed (the quarantine's length).
         quarantined: Doomed and waiting for its bytes to stop (counted in
             ``AgentStats.quarantined`` until it settles).
-        writer_live: A push reception: its producer may be writing into its blocks
-            (from the registration's send until the producer said its writes ended,
-            or is proven gone).
-        awaiting_hold: A guarded pull whose guard word says its hold has not come yet:
-            only the word is read again until it does, then data and word.
-        unreachable_since: A failed push reception: since when its producer has had
-            no route (kvxfer._agent.liveness), 0 while it has one.
+        pull, reception, write: The state of its kind.
     """
 
     posting: bool = False
     peer: PeerRef | None = None
     handle: XferHandle | None = None
-    lease_expiry: float | None = None
-    notice_bytes: bytes | None = None
-    stage_in: bool = False
-    covered: list[set[int]] | None = None
-    final: bool = False
-    lease: str | None = None
-    push_peer: PeerRef | None = None
-    on_settled: Callable[[Transfer, bool], None] | None = None
-    guard: tuple[int, int] | None = None
-    guarding: bool = False
     capability: str = ""
-    done_notice: bytes = b""
-    release: Callable[[str], None] | None = None
+    producer_at: tuple[str, int] | None = None
+    on_settled: Callable[[Transfer, bool], None] | None = None
     last_progress: float = 0.0
     probing: bool = False
-    push_from: tuple[str, int] | None = None
-    push_source: int = 0
-    producer_at: tuple[str, int] | None = None
-    repost: Callable[[], None] | None = None
-    reposts: int = 0
     doomed: tuple[FailureKind, KvxferError, FailureStage] | None = None
     doomed_at: float = 0.0
     quarantined: bool = False
-    writer_live: bool = False
-    awaiting_hold: bool = False
-    unreachable_since: float = 0.0
+    pull: PullState | None = None
+    reception: ReceptionState | None = None
+    write: WriteState | None = None
+
+    @property
+    def writer_live(self) -> bool:
+        """A push reception whose producer may still write into its blocks."""
+        return self.reception is not None and self.reception.writer_live
+
+    def peers(self) -> tuple[PeerRef, ...]:
+        """The peers its bytes move with (marked suspect when it fails)."""
+        consumer = self.write.consumer if self.write is not None else None
+        return tuple(p for p in (self.peer, consumer) if p is not None)
 
 
 class Transfer:

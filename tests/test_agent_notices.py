@@ -19,7 +19,7 @@ from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.errors import TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
-from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.transfer import FailureKind, ReceptionState, Transfer, TransferState
 from kvxfer.types import Direction, Role
 from tests.test_agent_concurrency import _stub
 
@@ -142,7 +142,7 @@ def _push_agent(role: Role, secret: str | None, cache: HostKVCache, **kw: float)
 def _register(prod: Agent, cons: Agent, rid: str, dst: list[int], tokens: int) -> Transfer:
     transfer = cons.expect_push(_stub(prod, rid), dst, num_tokens=tokens)
     deadline = time.monotonic() + 10
-    while rid not in prod.holding() or transfer.meta.notice_bytes is None:
+    while rid not in prod.holding() or transfer.meta.reception.notice_bytes is None:
         assert time.monotonic() < deadline, "no registration reply announcing the notice"
         assert not transfer.done, transfer.error
         time.sleep(0.002)
@@ -176,7 +176,7 @@ def test_the_announced_final_notice_settles_a_push_without_decoding(
     try:
         src, dst, tokens = [1, 2, 3], [5, 6, 7], 3 * 16 - 4
         transfer = _register(prod, cons, "announced", dst, tokens)
-        announced = transfer.meta.notice_bytes
+        announced = transfer.meta.reception.notice_bytes
         assert announced is not None
         receptions = cons._receptions
         if stale:
@@ -216,6 +216,7 @@ def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
     try:
         runtime, receptions = cons._runtime, cons._receptions
         transfer = runtime.new_transfer("q", ((5, 6),))  # expected, not yet registered
+        transfer.meta.reception = ReceptionState()
         receptions.expect(transfer)
         for bad in (
             notice(key=b"another-secret-0123456789"),

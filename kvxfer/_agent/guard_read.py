@@ -67,32 +67,33 @@ class GuardReads:
 
     def landed(self, t: Transfer) -> None:
         """The backend reports every byte of ``t`` moved: check, then settle it."""
-        meta = t.meta
-        expiry = meta.lease_expiry
+        pull = t.meta.pull  # None: a push write, nothing to check
+        expiry = pull.lease_expiry if pull is not None else None
         if expiry is not None and self._lease_over(expiry):
             # Landed after the producer was free to reuse the blocks:
             # the bytes may be another request's, so they are not valid.
             self._settler.fail(t, FailureKind.LEASE_EXPIRED, expired_error(t.request_id))
-        elif meta.guard is not None:
+        elif pull is not None and pull.guard is not None:
             self.read_guard(t)
         else:
             self._settler.succeed(t)
 
     def read_guard(self, t: Transfer) -> None:
         """Read the hold's guard word back: after the data landed (R-SAFE-1), or alone
-        while the hold has not come yet (``meta.awaiting_hold``, no data handle)."""
+        while the hold has not come yet (``PullState.awaiting_hold``, no data handle)."""
         meta = t.meta
-        assert meta.guard is not None and meta.peer is not None
+        pull = meta.pull
+        assert pull is not None and pull.guard is not None and meta.peer is not None
         with self._lock:
-            if t.done or meta.doomed is not None or meta.guarding:
+            if t.done or meta.doomed is not None or pull.guarding:
                 return  # another thread saw the data land first, or it failed
-            meta.guarding = True
+            pull.guarding = True
             data, meta.handle = meta.handle, None
         if data is not None:
             self._backend.release(data)  # DONE: nothing of it moves any more
         t0 = time.perf_counter()
         try:
-            handle = self._backend.post_guard_read(meta.peer.handle, meta.guard[0])
+            handle = self._backend.post_guard_read(meta.peer.handle, pull.guard[0])
         except KvxferError as exc:
             self._settler.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
             return
@@ -116,15 +117,15 @@ class GuardReads:
     def guard_read(self, t: Transfer, handle: object) -> None:
         """The guard word arrived: DONE if it still is the ticket's generation (or, while
         awaiting the hold, read the data again now that it came)."""
-        meta = t.meta
-        assert meta.guard is not None
+        pull = t.meta.pull
+        assert pull is not None and pull.guard is not None
         try:
             word = self._backend.guard_word(handle)  # type: ignore[arg-type]
         except KvxferError as exc:
             self._settler.fail(t, FailureKind.TRANSPORT, exc, FailureStage.LEASE)
             return
-        why = verdict(word, meta.guard[1])
-        if why is None and not meta.awaiting_hold:
+        why = verdict(word, pull.guard[1])
+        if why is None and not pull.awaiting_hold:
             self._settler.succeed(t)
             return
         if self._read_again(t, handle, word):
@@ -151,30 +152,31 @@ class GuardReads:
         generation is really another hold's: that fails at once (returns False), and
         so does a word saying this very hold was freed."""
         meta = t.meta
-        assert meta.guard is not None
-        came = word == meta.guard[1]
-        if not came and not not_held_yet(word, meta.guard[1]):
+        pull = meta.pull
+        assert pull is not None and pull.guard is not None
+        came = word == pull.guard[1]
+        if not came and not not_held_yet(word, pull.guard[1]):
             return False
         with self._lock:
             if t.done or meta.doomed is not None:
                 return False
-            if not meta.guarding or meta.handle is not handle:
+            if not pull.guarding or meta.handle is not handle:
                 return True  # another thread took this word and acts on it
-            expiry = meta.lease_expiry
-            if meta.repost is None or (expiry is not None and self._lease_over(expiry)):
+            expiry = pull.lease_expiry
+            if pull.repost is None or (expiry is not None and self._lease_over(expiry)):
                 return False
-            meta.guarding = False
+            pull.guarding = False
             meta.handle = None
             if came:
-                meta.awaiting_hold = False
+                pull.awaiting_hold = False
                 delay, then = 0.0, self._repost
             else:
-                if not meta.awaiting_hold:
+                if not pull.awaiting_hold:
                     self._stats.guard_rereads += 1
-                meta.awaiting_hold = True
-                delay = REREAD_DELAYS_S[min(meta.reposts, len(REREAD_DELAYS_S) - 1)]
+                pull.awaiting_hold = True
+                delay = REREAD_DELAYS_S[min(pull.reposts, len(REREAD_DELAYS_S) - 1)]
                 then = self._poll_word
-            meta.reposts += 1
+            pull.reposts += 1
         self._backend.release(handle)  # type: ignore[arg-type]
         if came:
             log.debug("%s: its hold came; reading data and word again", t)
@@ -191,7 +193,7 @@ class GuardReads:
             self.read_guard(t)
 
     def _repost(self, t: Transfer) -> None:
-        repost = t.meta.repost
+        repost = t.meta.pull.repost if t.meta.pull is not None else None
         if repost is not None and not t.done and t.meta.doomed is None and not self._settler.closed:
             repost()
 
@@ -218,6 +220,8 @@ class GuardReads:
                 FailureStage.LEASE,
             )
             return False
-        t.meta.guard = (slot, generation)
-        t.meta.done_notice = done_notice
+        pull = t.meta.pull
+        assert pull is not None, "only a pull is guarded"
+        pull.guard = (slot, generation)
+        pull.done_notice = done_notice
         return True

@@ -124,12 +124,13 @@ class Liveness:
             meta = t.meta
             if t.done or meta.probing or now - meta.last_progress < QUIET_S:
                 continue
-            if meta.push_from is not None:
+            reception = meta.reception
+            if reception is not None and reception.push_from is not None:
                 if meta.posting:
                     continue
-                host, port = meta.push_from
+                host, port = reception.push_from
                 job = (self._probe_push, t, host, port)
-            elif meta.lease is None and (meta.peer is not None or meta.producer_at is not None):
+            elif meta.write is None and (meta.peer is not None or meta.producer_at is not None):
                 # A pull, also one still in its first-contact handshake or in a post
                 # that does not return (UCX connecting to a producer that died meanwhile
                 # can take its own ~10 s), or a push reception whose registration has
@@ -156,7 +157,8 @@ class Liveness:
         if isinstance(watch, OSError):
             self._verdict(t, host, port, watch)
             return None
-        t.meta.unreachable_since = 0.0  # a route again
+        if t.meta.reception is not None:
+            t.meta.reception.unreachable_since = 0.0  # a route again
         with watch:
             try:
                 return self._ping(
@@ -231,14 +233,16 @@ class Liveness:
         producer's write can no longer land when the route returns (R-SAFE-5). A
         connect that merely times out proves nothing of the kind (a frozen peer's
         kernel still keeps the connection alive)."""
-        meta = t.meta
-        if not meta.writer_live or exc.errno not in _NO_ROUTE:
-            meta.unreachable_since = 0.0
+        reception = t.meta.reception
+        if reception is None:
+            return False
+        if not reception.writer_live or exc.errno not in _NO_ROUTE:
+            reception.unreachable_since = 0.0
             return False
         now = time.monotonic()
-        if not meta.unreachable_since:
-            meta.unreachable_since = now
-        return now - meta.unreachable_since >= LINK_DEAD_S
+        if not reception.unreachable_since:
+            reception.unreachable_since = now
+        return now - reception.unreachable_since >= LINK_DEAD_S
 
     def _alive(self, t: Transfer) -> None:
         t.meta.last_progress = time.monotonic()

@@ -11,6 +11,7 @@ read from several producer ranks (:mod:`kvxfer._agent.tp_pull`).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import msgspec
@@ -27,7 +28,7 @@ from kvxfer.core import blocks, wire
 from kvxfer.core.blocks import BlockIds, Pairing
 from kvxfer.errors import ConfigError, KvxferError, PlanError
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import FailureKind, Transfer
+from kvxfer.transfer import FailureKind, PullState, Transfer
 
 __all__ = ["Puller"]
 
@@ -100,15 +101,15 @@ class Puller:
             return self._tp.pull(ticket, pairing)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(pairing.local))
-        transfer.meta.capability = ticket.capability
-        transfer.meta.producer_at = (ticket.host, ticket.port)
-        if ticket.lease_expiry:
-            transfer.meta.lease_expiry = ticket.lease_expiry
-            if runtime.lease_over(ticket.lease_expiry):
-                runtime.fail(
-                    transfer, FailureKind.LEASE_EXPIRED, runtime.expired_error(ticket.request_id)
-                )
-                return transfer
+        meta = transfer.meta
+        meta.capability = ticket.capability
+        meta.producer_at = (ticket.host, ticket.port)
+        meta.pull = PullState(lease_expiry=ticket.lease_expiry or None)
+        if ticket.lease_expiry and runtime.lease_over(ticket.lease_expiry):
+            runtime.fail(
+                transfer, FailureKind.LEASE_EXPIRED, runtime.expired_error(ticket.request_id)
+            )
+            return transfer
         peer = self._peers.cached(
             ticket.host, ticket.port, ticket.engine_id, ticket.incarnation or None
         )
@@ -162,19 +163,22 @@ class Puller:
             return
         self._start(transfer, peer, ticket, pairing)
 
-    def _release_after(self, ticket: Ticket, transfer: Transfer) -> None:
+    def _release_after(self, ticket: Ticket, pull: PullState) -> None:
         """A pull that fails from now on tells its producer to release at once."""
 
         def release(reason: str) -> None:
-            # "": the pull is DONE (its guard word checked); else why it failed.
-            why = f"pull failed: {reason}" if reason else ""
-            self._io.submit(self._tell, ticket, why, not reason)
+            # "": the pull is DONE (its guard word checked); else why it failed. One
+            # short try (see SideChannel.release), on an io worker.
+            tell = functools.partial(
+                self._side.release,
+                ticket,
+                reason=f"pull failed: {reason}" if reason else "",
+                done=not reason,
+                brief=True,
+            )
+            self._io.submit(tell)
 
-        transfer.meta.release = release
-
-    def _tell(self, ticket: Ticket, reason: str, done: bool) -> None:
-        """A pull's own DONE or failure: one short try (see SideChannel.release)."""
-        self._side.release(ticket, reason=reason, done=done, brief=True)
+        pull.release = release
 
     def _start(self, transfer: Transfer, peer: Peer, ticket: Ticket, pairing: Pairing) -> None:
         notice = self._local.encode(
@@ -186,12 +190,14 @@ class Puller:
                 capability=ticket.capability,
             )
         )
+        pull = transfer.meta.pull
+        assert pull is not None
         if transfer.done:  # the agent closed meanwhile
             return
-        self._release_after(ticket, transfer)
+        self._release_after(ticket, pull)
         if not self._runtime.arm_guard(
             transfer, peer, ticket.guard_slot, ticket.generation, notice
         ):
             return
-        on_data = b"" if transfer.meta.guard is not None else notice
+        on_data = b"" if pull.guard is not None else notice
         self._runtime.post(transfer, XferOp.READ, peer, pairing, on_data)

@@ -21,10 +21,10 @@ from kvxfer._agent.tp_producers import ProducerGroup
 from kvxfer._agent.tp_push_receive import TPReceiver
 from kvxfer._agent.workers import IoPool
 from kvxfer.core import blocks, wire
-from kvxfer.core.descriptors import build_plan
+from kvxfer.core.descriptors import plan_pairing
 from kvxfer.errors import ConfigError, HandshakeRejected, KvxferError
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import FailureKind, FailureStage, Transfer
+from kvxfer.transfer import FailureKind, FailureStage, ReceptionState, Transfer
 
 __all__ = ["PushReceiver"]
 
@@ -74,7 +74,7 @@ class PushReceiver:
         runtime = self._runtime
         if self._group.wants(ticket):
             try:
-                nbytes = build_plan(table, table, local, local, tokens).nbytes
+                nbytes = plan_pairing(table, table, blocks.Pairing(local, local, tokens)).nbytes
             except KvxferError:
                 nbytes = 0  # the producer ranks' plans say why
             if not ticket.capability:
@@ -96,6 +96,7 @@ class PushReceiver:
                 self._agent_name,
             )
         transfer = runtime.new_transfer(ticket.request_id, groups)
+        reception = transfer.meta.reception = ReceptionState()
         # Probed while its registration has not returned (a producer that died refuses
         # its port at once; the registration's own timeout is seconds per try).
         transfer.meta.producer_at = (ticket.host, ticket.port)
@@ -107,13 +108,13 @@ class PushReceiver:
         # The bytes the producer will write are the bytes our own plan of these blocks
         # covers (both sides share the layout shape); computed here for the stats.
         try:
-            plan = build_plan(table, table, local, local, tokens)
+            plan = plan_pairing(table, table, blocks.Pairing(local, local, tokens))
             transfer.stats.bytes, transfer.stats.descriptors = plan.nbytes, plan.num_descriptors
         except KvxferError as exc:
             runtime.fail(transfer, FailureKind.POST, exc)
             return transfer
         self._receptions.expect(transfer)
-        transfer.meta.writer_live = True  # from the registration on (R-SAFE-5)
+        reception.writer_live = True  # from the registration on (R-SAFE-5)
         host, port = self._side.address
         msg = wire.PushRegister(
             request_id=ticket.request_id,
@@ -137,6 +138,8 @@ class PushReceiver:
     def _register(self, ticket: Ticket, msg: wire.PushRegister, transfer: Transfer) -> None:
         """Send one registration to one producer (rank), on an io worker; a failure
         lands on ``transfer``."""
+        reception = transfer.meta.reception
+        assert reception is not None
         try:
             reply = self._side.request(ticket.host, ticket.port, msg)
         except KvxferError as exc:
@@ -145,7 +148,7 @@ class PushReceiver:
             # probe of its hold says no write can come (R-SAFE-5).
             refused = isinstance(exc, HandshakeRejected)
             if not refused:
-                transfer.meta.push_from = (ticket.host, ticket.port)
+                reception.push_from = (ticket.host, ticket.port)
             self._runtime.fail(
                 transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION, quiet=refused
             )
@@ -154,4 +157,4 @@ class PushReceiver:
             self._receptions.learn_final_notice(transfer, reply.notice)
         # Registered: from now on a quiet reception asks this producer how it stands.
         transfer.meta.last_progress = time.monotonic()
-        transfer.meta.push_from = (ticket.host, ticket.port)
+        reception.push_from = (ticket.host, ticket.port)

@@ -36,7 +36,7 @@ from kvxfer.backend import Backend, XferOp
 from kvxfer.core import blocks, wire
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.io.serial import SerialWorker
-from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState
+from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState, WriteState
 from kvxfer.types import Direction
 
 __all__ = ["PushWriter", "Write"]
@@ -286,7 +286,7 @@ class PushWriter:
         first = max(start, offsets[0]) if offsets else start
         transfer = self._runtime.new_transfer(lease.request_id, local)
         lease.writes.append(transfer)
-        transfer.meta.lease = lease.request_id
+        transfer.meta.write = WriteState(lease=lease.request_id)
         transfer.meta.on_settled = self._settle_write
         # Tokens inside the written slice: whole blocks, except the request's tail.
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
@@ -307,7 +307,9 @@ class PushWriter:
             except KvxferError as exc:
                 self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
                 return
-        transfer.meta.push_peer = job.slot.peer = peer
+        write = transfer.meta.write
+        assert write is not None
+        write.consumer = job.slot.peer = peer
         notice = self._pushed_notice(target, job.remote, job.final, job.early)
         if transfer.done:  # failed meanwhile (agent closing, lease gone)
             return
@@ -377,9 +379,9 @@ class PushWriter:
         """A write settled (under the lock): free the lease when every consumer rank got
         all its writes, or on failure (telling every consumer rank, which then stops
         waiting)."""
-        rid = transfer.meta.lease
-        if rid is None:
+        if transfer.meta.write is None:
             return
+        rid = transfer.meta.write.lease
         draining = self._leases.draining.get(rid)
         if draining is not None:
             # A freed lease's write ended: once the last did, no byte of the request

@@ -19,7 +19,7 @@ import time
 from kvxfer._agent.local import LocalEnd
 from kvxfer.core import wire
 from kvxfer.errors import KvxferError
-from kvxfer.transfer import Transfer
+from kvxfer.transfer import ReceptionState, Transfer
 
 __all__ = ["NOTICE_REUSE_S", "Receptions"]
 
@@ -53,9 +53,9 @@ class Receptions:
 
     def expect(self, transfer: Transfer) -> None:
         """``transfer`` settles once its producer's PUSHED notices cover its blocks
-        (those of producer rank ``transfer.meta.push_source``)."""
+        (those of producer rank ``ReceptionState.source``)."""
         with self._lock:
-            self.expected[(transfer.request_id, transfer.meta.push_source)] = transfer
+            self.expected[(transfer.request_id, _state(transfer).source)] = transfer
 
     def unexpect(self, request_id: str, source: int = 0) -> Transfer | None:
         """Stop awaiting pushes for ``request_id`` from producer rank ``source``;
@@ -65,8 +65,11 @@ class Receptions:
 
     def drop(self, transfer: Transfer) -> None:
         """``transfer`` settled: no longer awaited (if it still was)."""
+        reception = transfer.meta.reception
+        if reception is None:  # not a reception: never awaited here
+            return
         with self._lock:
-            key = (transfer.request_id, transfer.meta.push_source)
+            key = (transfer.request_id, reception.source)
             if self.expected.get(key) is transfer:
                 del self.expected[key]
 
@@ -76,10 +79,10 @@ class Receptions:
 
     def forget(self, transfer: Transfer) -> None:
         """``transfer`` settled: its announced notice is of no use any more."""
-        meta = transfer.meta
-        if meta.notice_bytes is not None:
-            self.final_notices.pop(meta.notice_bytes, None)
-            meta.notice_bytes = None
+        reception = transfer.meta.reception  # None: not a reception
+        if reception is not None and reception.notice_bytes is not None:
+            self.final_notices.pop(reception.notice_bytes, None)
+            reception.notice_bytes = None
 
     def learn_final_notice(self, transfer: Transfer, data: bytes) -> None:
         """Remember the final PUSHED notice a producer announced for ``transfer``.
@@ -108,13 +111,14 @@ class Receptions:
             return
         with self._lock:
             # Arrived (or failed) meanwhile: nothing left to recognise.
-            key = (transfer.request_id, transfer.meta.push_source)
+            reception = _state(transfer)
+            key = (transfer.request_id, reception.source)
             if transfer.done or self.expected.get(key) is not transfer:
                 return
             # A producer sends the announced bytes only this long after encoding them
             # (later it signs a fresh notice), so later they are not recognised either.
             self.final_notices[data] = (notice, time.monotonic() + NOTICE_REUSE_S)
-            transfer.meta.notice_bytes = data
+            reception.notice_bytes = data
 
     def announced(self, payload: bytes) -> wire.Notice | None:
         """The notice ``payload`` is, if it is an announced one still fresh (a late one
@@ -133,24 +137,31 @@ class Receptions:
         if t is None:
             log.warning("write notice for unknown request %s", notice.request_id)
             return None
-        meta = t.meta
-        if notice.final and meta.covered is None and notice.block_ids == t.local_blocks:
+        state = _state(t)
+        if notice.final and state.covered is None and notice.block_ids == t.local_blocks:
             # the usual push: one final write of every expected block
             self.expected.pop(key, None)
-            meta.stage_in = True
+            state.stage_in = True
             return t
         # Settle only when the final notice arrived and the writes announced so far
         # cover every expected block of every group: no gaps (R-XFER-2).
-        if meta.covered is None:
-            meta.covered = [set() for _ in t.local_blocks]
-        for group, ids in zip(meta.covered, notice.block_ids):
+        if state.covered is None:
+            state.covered = [set() for _ in t.local_blocks]
+        for group, ids in zip(state.covered, notice.block_ids):
             group.update(ids)
         if notice.final:
-            meta.final = True
-        complete = all(set(want) <= got for want, got in zip(t.local_blocks, meta.covered))
-        if meta.final and complete:
+            state.final = True
+        complete = all(set(want) <= got for want, got in zip(t.local_blocks, state.covered))
+        if state.final and complete:
             # every write of the request has landed: no gaps (R-XFER-2)
             self.expected.pop(key, None)
-            meta.stage_in = True
+            state.stage_in = True
             return t
         return None
+
+
+def _state(transfer: Transfer) -> ReceptionState:
+    """The reception's own state (every transfer this table holds is a reception)."""
+    reception = transfer.meta.reception
+    assert reception is not None, f"{transfer} is not a push reception"
+    return reception

@@ -198,8 +198,8 @@ class Runtime:
             self.fail(transfer, FailureKind.POST, exc)
             return
         t1 = time.perf_counter()
-        if op is XferOp.READ:
-            meta.repost = functools.partial(self.post, transfer, op, peer, plan, notification)
+        if meta.pull is not None:
+            meta.pull.repost = functools.partial(self.post, transfer, op, peer, plan, notification)
         transfer.stats.plan_s = t1 - t0
         transfer.stats.bytes = plan.nbytes
         transfer.stats.descriptors = plan.num_descriptors
@@ -327,6 +327,7 @@ class Runtime:
             if t.meta.doomed is not None:
                 self._settler.finish(t)  # quarantined: ask whether its bytes ended
                 continue
+            pull = t.meta.pull
             if handle is not None:
                 state = self._backend.status(handle)
                 if t.done or t.meta.handle != handle:
@@ -334,7 +335,7 @@ class Runtime:
                     # released the handle: a FAILED for that handle says nothing.
                     continue
                 if state is XferStatus.DONE:
-                    if t.meta.guarding:
+                    if pull is not None and pull.guarding:
                         self._guards.guard_read(t, handle)
                     else:
                         self._guards.landed(t)
@@ -343,7 +344,8 @@ class Runtime:
                     peer = t.meta.peer
                     if peer is not None:
                         self._peers.mark_suspect(peer)
-                    what = "the guard word's read" if t.meta.guarding else "the transfer"
+                    guarding = pull is not None and pull.guarding
+                    what = "the guard word's read" if guarding else "the transfer"
                     self._settler.fail(
                         t,
                         FailureKind.TRANSPORT,
@@ -354,7 +356,7 @@ class Runtime:
                     )
                     continue
             if now > t.deadline:
-                if t.meta.awaiting_hold:
+                if pull is not None and pull.awaiting_hold:
                     self._settler.fail(
                         t,
                         FailureKind.LEASE_EXPIRED,

@@ -95,8 +95,8 @@ class Settler:
         with self._lock:
             if transfer.done:
                 return
-            if quiet:
-                meta.writer_live = False
+            if quiet and meta.reception is not None:
+                meta.reception.writer_live = False
             if meta.doomed is None:
                 where = FailureStage.of(kind) if stage is None else stage
                 err = error if isinstance(error, KvxferError) else BackendError(str(error))
@@ -104,14 +104,14 @@ class Settler:
                     err = TransferTimeout(str(err))
                 meta.doomed = (kind, err, where)
                 meta.doomed_at = time.monotonic()
-                release, meta.release = meta.release, None
+                if meta.pull is not None:
+                    release, meta.pull.release = meta.pull.release, None
                 why = f"{where.value}: {err}"
                 if kind in _SUSPECT_KINDS:
                     # Its connection may be dead for good: the next use handshakes
                     # and connects anew (kvxfer._agent.peers).
-                    for peer in (meta.peer, meta.push_peer):
-                        if peer is not None:
-                            self._peers.mark_suspect(peer)
+                    for peer in meta.peers():
+                        self._peers.mark_suspect(peer)
         if release is not None and not self.closed:
             release(why)
         self.finish(transfer)
@@ -137,9 +137,8 @@ class Settler:
                 # it; at the next use it would wait for a request that may not come,
                 # and a new write to that peer would queue behind it.
                 busy = True
-                for peer in (meta.peer, meta.push_peer):
-                    if peer is not None:
-                        self._peers.drop_suspect(peer)
+                for peer in meta.peers():
+                    self._peers.drop_suspect(peer)
             else:
                 busy = True
         if busy and not self.closed:
@@ -208,7 +207,8 @@ class Settler:
             self._receptions.drop(t)  # only this reception (never another one's entry)
             if t.done:
                 return
-            t.meta.stage_in = True
+            if t.meta.reception is not None:
+                t.meta.reception.stage_in = True
         self.succeed(t)
 
     def abort_request(self, request_id: str) -> None:
@@ -219,12 +219,13 @@ class Settler:
             mine = [
                 t
                 for t in self.transfers.values()
-                if t.request_id == request_id and t.meta.lease is None
+                if t.request_id == request_id and t.meta.write is None
             ]
             for t in mine:
                 # A push reception stays expected: its producer's PUSHED or FAILED
                 # notice is what says its writes ended (R-SAFE-5).
-                t.meta.release = None  # the abort itself tells the producer
+                if t.meta.pull is not None:
+                    t.meta.pull.release = None  # the abort itself tells the producer
         for t in mine:
             self.fail(
                 t,
@@ -240,8 +241,15 @@ class Settler:
             # What brings a transfer here says its bytes ended (its handle DONE, its
             # producer's final PUSHED): no write of it can land any more, even if it
             # fails meanwhile (an abort racing the stage-in below).
-            meta.writer_live = False
-            copy_in = self._stages and meta.stage_in and meta.doomed is None
+            reception = meta.reception
+            if reception is not None:
+                reception.writer_live = False
+            copy_in = (
+                self._stages
+                and reception is not None
+                and reception.stage_in
+                and meta.doomed is None
+            )
             # The copy from the staging buffers writes the engine's blocks: busy until
             # it returns, so that an abort meanwhile quarantines instead of settling
             # FAILED under a copy still running (R-SAFE-5).
@@ -261,7 +269,7 @@ class Settler:
             handle, meta.handle = meta.handle, None
             if handle is not None:
                 self._backend.release(handle)
-            if meta.done_notice and meta.peer is not None:
+            if meta.pull is not None and meta.pull.done_notice and meta.peer is not None:
                 # A guarded pull's DONE goes only now, after its guard word was read (the
                 # producer frees on it, which changes the word), and off the data
                 # endpoint: see _send_done.
@@ -280,7 +288,7 @@ class Settler:
 
     def _send_done(self, t: Transfer) -> None:
         """Tell a guarded pull's producer it is done. Over the side channel, from an io
-        worker (``meta.release`` with ``done=True``): a backend notification would,
+        worker (``meta.pull.release`` with ``done=True``): a backend notification would,
         on UCX, make this endpoint's next read complete only after the producer's
         worker progressed (~1 ms, docs/EMBEDDING.md), and the data path of a pull
         never waits for the producer. Measured (``python -m kvxfer.tools.latency``, 1-16
@@ -288,15 +296,17 @@ class Settler:
         notification after the guard read. Without a release callback (never for an
         Agent's pull) the notice goes as a notification."""
         meta = t.meta
-        if meta.release is None:
+        pull = meta.pull
+        assert pull is not None
+        if pull.release is None:
             assert meta.peer is not None
             try:
-                self._backend.notify(meta.peer.handle, meta.done_notice)
+                self._backend.notify(meta.peer.handle, pull.done_notice)
             except KvxferError as exc:
                 self._stats.notices_failed += 1
                 log.info("could not send the DONE notice of %s: %s", t.request_id, exc)
             return
-        release, meta.release = meta.release, None
+        release, pull.release = pull.release, None
         release("")  # "" : done
 
     def close(self) -> bool:
@@ -312,7 +322,9 @@ class Settler:
             for t in list(self.transfers.values()):
                 # Closing ends every transfer now, quarantined or not: the backend
                 # releases every handle next and the engine stops using the blocks.
-                t.meta.writer_live = t.meta.posting = False
+                t.meta.posting = False
+                if t.meta.reception is not None:
+                    t.meta.reception.writer_live = False
                 self.fail(
                     t, FailureKind.ABORTED, TransferError("agent closed"), FailureStage.TRANSFER
                 )

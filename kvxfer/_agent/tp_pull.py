@@ -49,7 +49,7 @@ from kvxfer.errors import (
     TransferError,
 )
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import FailureKind, Transfer, TransferState
+from kvxfer.transfer import FailureKind, PullState, Transfer, TransferState
 
 __all__ = ["TPPuller"]
 
@@ -117,15 +117,12 @@ class TPPuller:
         subs = {p: runtime.new_transfer(ticket.request_id, groups) for p in ranks}
         for p, sub in subs.items():
             sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
+            sub.meta.pull = PullState(lease_expiry=ticket.lease_expiry or None)
         fanout = Fanout(aggregate, subs, lambda failed: self._released(ticket, subs, failed))
-        if ticket.lease_expiry:
-            aggregate.meta.lease_expiry = ticket.lease_expiry
-            for sub in subs.values():
-                sub.meta.lease_expiry = ticket.lease_expiry
-            if runtime.lease_over(ticket.lease_expiry):
-                expired = runtime.expired_error(ticket.request_id)
-                self._fail_all(fanout, FailureKind.LEASE_EXPIRED, expired)
-                return aggregate
+        if ticket.lease_expiry and runtime.lease_over(ticket.lease_expiry):
+            expired = runtime.expired_error(ticket.request_id)
+            self._fail_all(fanout, FailureKind.LEASE_EXPIRED, expired)
+            return aggregate
         cached = {
             p: self._peers.cached(t.host, t.port, t.engine_id, t.incarnation or None)
             for p, t in tickets.items()
@@ -248,7 +245,8 @@ class TPPuller:
                 return
         for rp in plans:
             sub = fanout.subs[rp.rank]
-            notice = b"" if sub.meta.guard is not None else notices[rp.rank]
+            guarded = sub.meta.pull is not None and sub.meta.pull.guard is not None
+            notice = b"" if guarded else notices[rp.rank]
             self._runtime.post(sub, XferOp.READ, peers[rp.rank], rp.plan, notice)
 
     def _done_notice(self, job: _Job, rank: int) -> bytes:

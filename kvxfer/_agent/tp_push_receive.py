@@ -31,7 +31,7 @@ from kvxfer._agent.tp_producers import ProducerGroup, rank_ticket
 from kvxfer._agent.workers import IoPool
 from kvxfer.core import blocks, wire
 from kvxfer.ticket import Ticket
-from kvxfer.transfer import Transfer, TransferState
+from kvxfer.transfer import ReceptionState, Transfer, TransferState
 
 __all__ = ["TPReceiver"]
 
@@ -104,11 +104,11 @@ class TPReceiver:
         me = self._group.local_rank
         for p, sub in subs.items():
             sub.meta.capability = capability
-            sub.meta.push_source = p
+            sub.meta.reception = reception = ReceptionState(source=p)
             sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
             sub.stats.bytes = nbytes * share[p] // max(1, len(sources))
             self._receptions.expect(sub)
-            sub.meta.writer_live = True  # from the registration on (R-SAFE-5)
+            reception.writer_live = True  # from the registration on (R-SAFE-5)
         host, port = address
         for p, sub in subs.items():
             msg = wire.PushRegister(
