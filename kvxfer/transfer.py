@@ -135,6 +135,8 @@ class PullState(msgspec.Struct, kw_only=True):
         repost: Posts it again (same plan) when its guard word says the producer has
             not held the request yet.
         reposts: How often it was posted again.
+        word_of: The guard read whose word a thread acts on (two threads that saw one
+            read complete act on it once).
     """
 
     lease_expiry: float | None = None
@@ -145,6 +147,7 @@ class PullState(msgspec.Struct, kw_only=True):
     release: Callable[[str], None] | None = None
     repost: Callable[[], None] | None = None
     reposts: int = 0
+    word_of: XferHandle | None = None
 
 
 class ReceptionState(msgspec.Struct, kw_only=True):

@@ -302,6 +302,37 @@ def test_a_hold_that_comes_seconds_after_its_ticket_still_serves_the_pull(
     assert stats.bytes_moved == t.stats.bytes
 
 
+def test_a_guard_read_two_threads_saw_complete_is_acted_on_once(
+    pull: tuple[Side, Engine, Side],
+) -> None:
+    """The pulling thread and the progress thread can both see one guard read
+    complete. Each word is acted on once: before, the second read a word the first
+    had released to read again ("guard read N is unknown or released") and failed a
+    healthy pull (1 of 150 requests in a fresh-clone run of the load through the
+    proxy). Every completed read is handed over twice here."""
+    producer, engine, consumer = pull
+    guards = consumer.agent._runtime._guards
+    real = guards.guard_read
+
+    def twice(t: Transfer, handle: object) -> None:
+        real(t, handle)
+        real(t, handle)
+
+    guards.guard_read = twice  # type: ignore[method-assign]
+    ticket = _minted_before_hold(producer, "twice", "ee" * 16, 5, 0xCAFE)
+    t = consumer.agent.pull(ticket, [5, 6])
+    deadline = time.monotonic() + 10
+    while consumer.agent.stats().guard_rereads < 1:  # a word read before the hold
+        assert t.poll() is TransferState.PENDING, t.error
+        assert time.monotonic() < deadline, "the pull never read the guard word before the hold"
+        time.sleep(0.002)
+    engine.hold("twice", [1, 2], capability="ee" * 16, guard=(5, 0xCAFE))
+    settle(t, 5, engine)
+    assert t.state is TransferState.DONE, t.error
+    assert landed_intact(consumer, [5, 6], [1, 2])
+    assert consumer.agent.stats().guard_failures == 0
+
+
 @pytest.mark.parametrize("case", list(_BAD_IDS))
 def test_bad_local_ids_of_a_pull_are_refused(pull: tuple[Side, Engine, Side], case: str) -> None:
     _, engine, consumer = pull

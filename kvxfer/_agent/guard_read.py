@@ -117,8 +117,16 @@ class GuardReads:
     def guard_read(self, t: Transfer, handle: object) -> None:
         """The guard word arrived: DONE if it still is the ticket's generation (or, while
         awaiting the hold, read the data again now that it came)."""
-        pull = t.meta.pull
+        meta = t.meta
+        pull = meta.pull
         assert pull is not None and pull.guard is not None
+        with self._lock:
+            # The poster and the progress thread can both see one read complete: one
+            # acts on its word. The other would read a word the first may have
+            # released already (to read again) and take that for a transport error.
+            if t.done or not pull.guarding or meta.handle is not handle or pull.word_of is handle:
+                return
+            pull.word_of = meta.handle
         try:
             word = self._backend.guard_word(handle)  # type: ignore[arg-type]
         except KvxferError as exc:
