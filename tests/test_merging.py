@@ -309,3 +309,17 @@ def test_chunked_plans_over_one_region_per_head_post_a_blocks_heads_together() -
     assert _check_runs_cover(plan, _unordered(local), remote) == 8
     plain = build_plan(_unordered(local), remote, [2, 3, 4], [2, 3, 4], 2 * 16 + 5)
     assert _check_runs_cover(plain, local, remote) == 24
+
+
+def test_the_chain_order_is_read_only_int64_and_an_empty_plan_has_no_run() -> None:
+    """Exact contracts the properties above do not pin (mutation survivors): the chain
+    order a table keeps is an int64 array nobody can write into, and an empty plan's
+    run starts are an empty int64 array (ids index with it)."""
+    got = chain_order([[0, 1], [2, 3]])
+    assert got is not None
+    rows, k = got
+    assert k == 2 and rows.dtype == np.int64 and rows.tolist() == [0, 1, 2, 3]
+    assert not rows.flags.writeable
+    empty = np.zeros(0, dtype=np.uint64)
+    starts = run_starts(empty, empty, empty)
+    assert starts.dtype == np.int64 and starts.size == 0
