@@ -154,6 +154,6 @@ def test_a_held_up_round_writes_every_stack_while_it_lasts(dump_s: str) -> None:
     if dump_s:
         assert "Timeout (0:00:00.300000)!" in out.stderr, out.stderr
         assert "in held_up_inline" in out.stderr, out.stderr
-        assert out.stderr.count("Timeout (") == 1, out.stderr  # once per held-up round
+        # (a loaded host may hold up another round past 0.3 s too: at least one dump)
     else:
         assert "Timeout (" not in out.stderr, out.stderr
