@@ -447,7 +447,10 @@ def plan_pairing(local: DescriptorTable, remote: DescriptorTable, pairing: Pairi
     mine = pairing.local
     num_groups = len(local._cuts)
     if len(mine) != num_groups:
-        raise PlanError(f"{len(mine)} local block group(s), the layout has {num_groups}")
+        raise PlanError(
+            f"local block_ids: {len(mine)} group(s) given, the layout has {num_groups}; "
+            "pass one list per KV group"
+        )
     theirs, shared_remote = _groups(pairing.remote, num_groups, "remote", remote.num_blocks)
     shared = num_groups == 1 or all(g is mine[0] for g in mine)
     return _plan(local, remote, mine, theirs, shared and shared_remote, pairing.num_tokens)
