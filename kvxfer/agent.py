@@ -21,65 +21,36 @@ receiving blocks and a :meth:`Ticket.for_push <kvxfer.ticket.Ticket.for_push>`; 
 producer's :meth:`Agent.hold` then writes into them (and :meth:`Agent.stream` writes
 blocks early, during prefill, with ``push_stream``).
 
-The data path of a pull: :meth:`Agent.pull` checks the block ids
-(:func:`kvxfer.core.blocks.block_groups`) →
-:meth:`Runtime.post <kvxfer._agent.runtime.Runtime.post>`
-→ :func:`kvxfer.core.descriptors.build_plan` (ids into prepared descriptor tables) →
-:meth:`Backend.post_engine <kvxfer.backend.Backend.post_engine>` → completion seen by
-a tick → engine. Registration and the handshake happen once per process and once per
-peer.
+docs/DESIGN.md follows one pull and one push write from here to the posted descriptors.
 
-The Agent is a facade over its parts, each built in its constructor with what it
-needs, none holding the Agent or another part's privates:
-:class:`~kvxfer._agent.registrar.Registrar` (registered memory),
-:class:`~kvxfer._agent.holds.HoldDesk` (a producer's holds and what peers are told of them),
-:class:`~kvxfer._agent.push_write.PushWriter` (a push producer's writes),
-:class:`~kvxfer._agent.pull.Puller` (a consumer's pulls),
-:class:`~kvxfer._agent.push_receive.PushReceiver` (a consumer's push receptions),
-:class:`~kvxfer._agent.runtime.Runtime` (posting, settling, the progress loop),
-:class:`~kvxfer._agent.peers.PeerCache` (handshaken peers) and
-:class:`~kvxfer._agent.side_channel.SideChannel` (the server that dispatches peers' messages
-to the parts, and every message this agent sends), sharing
-:class:`~kvxfer._agent.local.LocalEnd` (identity, registered memory, block-id checks). The
-value types live in :mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
+The Agent is a facade: :func:`kvxfer._agent.assembly.assemble` builds its parts (pulls,
+push receptions and writes, holds, registered memory, the runtime that posts and
+settles, peers, the side channel), each with what it needs; the value types live in
+:mod:`kvxfer.agent_config` and :mod:`kvxfer.ticket`.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from kvxfer._agent.assembly import assemble, check_backend, open_backend
 from kvxfer._agent.guard import FreeReason
-from kvxfer._agent.holds import HoldDesk
-from kvxfer._agent.leases import LeaseBook
 from kvxfer._agent.local import LocalEnd
-from kvxfer._agent.peers import Peer, PeerCache
-from kvxfer._agent.pull import Puller
-from kvxfer._agent.push_receive import PushReceiver
-from kvxfer._agent.push_write import PushWriter, Write
-from kvxfer._agent.readers import ReaderCount
-from kvxfer._agent.receptions import Receptions
-from kvxfer._agent.registrar import Registrar
-from kvxfer._agent.runtime import Runtime
-from kvxfer._agent.side_channel import Answers, SideChannel
-from kvxfer._agent.tp_producers import ProducerGroup
-from kvxfer._agent.tp_pull import TPPuller
-from kvxfer._agent.workers import IoPool
+from kvxfer._agent.peers import Peer
+from kvxfer._agent.push_write import Write
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
-from kvxfer.backend import Backend, BackendOptions
-from kvxfer.core import blocks, wire
+from kvxfer.backend import Backend
+from kvxfer.core import blocks
 from kvxfer.core.blocks import BlockIds
 from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.core.layout import KVLayout
 from kvxfer.errors import ConfigError
-from kvxfer.io.control import SideChannelClient
-from kvxfer.registry import get_backend
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import Transfer
 from kvxfer.types import Direction
@@ -109,63 +80,19 @@ class Agent:
         self.agent_name = f"{config.engine_id}#{self.incarnation:016x}"
         self._local = LocalEnd(config, self.incarnation)
         self.compat_hash = self._local.compat_hash
-        self._lock = threading.RLock()
         if backend is None:
-            cls = get_backend(config.backend)
-            backend = cls(
-                BackendOptions(
-                    agent_name=self.agent_name,
-                    rails=config.rails,
-                    stripe_width=config.stripe_width,
-                    extra=dict(config.backend_extra),
-                )
-            )
+            backend = open_backend(config, self.agent_name)
+        check_backend(config, backend)
         self.backend = backend
-        caps = backend.capabilities
-        needs_d2d = config.plan.chunk_mode or config.plan.swa_window_mode or config.push_stream
-        if needs_d2d and not caps.device_to_device:
-            raise ConfigError(
-                "backend",
-                config.backend,
-                "chunk_mode, swa_window_mode and push_stream need a device-to-device backend",
-            )
-        self._log_prefix = caps.log_prefix
-        self._stages = caps.stages_through_host  # stage_out / stage_in do something
-        self.stats_counters = stats = AgentStats()
-        local, lock = self._local, self._lock
-        client = SideChannelClient(
-            timeout_s=config.handshake_timeout_s,
-            retries=config.handshake_retries,
-            max_bytes=max(config.max_message_bytes, 1 << 16) * 4,
-        )
-        self._peers = peers = PeerCache(local, backend, client, stats, self._log_prefix)
-        self._side = side = SideChannel(local, backend, client)
-        self._io_pool = io = IoPool(8, "kvxfer-io")
-        self._leases = leases = LeaseBook(stats)
-        self._receptions = receptions = Receptions(local, lock)
-        readers = ReaderCount()  # consumer ranks of a request read across TP sizes
-        self._runtime = runtime = Runtime(
-            local, backend, peers, leases, receptions, stats, lock, readers, ping=side.ping, io=io
-        )
-        self._push = PushWriter(local, backend, runtime, peers, leases, lock)
-        self._leases.on_free = self._push.on_free
-        if config.direction is Direction.PUSH:
-            # A lease whose consumer registers after its hold() is written by a tick.
-            runtime.add_tick_hook(self._push.resume)
-        # What peers may send once handshaken, each to the part that owns it.
-        self._holds = holds = HoldDesk(local, leases, readers, lock)
-        self._answers = Answers(
-            handlers={wire.Release: holds.release, wire.PushRegister: self._push.on_register},
-            hold_state=holds.state,
-        )
-        # Producers of another TP size: several ranks per request.
-        group = ProducerGroup(local, runtime, io, side)
-        tp = TPPuller(local, peers, runtime, io, group, lock)
-        self._puller = Puller(local, peers, runtime, side, io, tp, group)
-        self._receiver = PushReceiver(
-            local, runtime, receptions, side, io, group, backend.agent_name
-        )
-        self._registrar = Registrar(local, backend, leases, lock, self._log_prefix)
+        self._stages = backend.capabilities.stages_through_host  # stage_out / stage_in do something
+        self.stats_counters = AgentStats()
+        parts = assemble(self._local, backend, self.stats_counters)
+        self._lock, self._runtime, self._io_pool = parts.lock, parts.runtime, parts.io
+        self._side, self._answers, self._peers = parts.side, parts.answers, parts.peers
+        self._leases, self._holds, self._push = parts.leases, parts.holds, parts.push
+        self._puller, self._receiver = parts.puller, parts.receiver
+        self._receptions = parts.receptions
+        self._registrar = parts.registrar
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property

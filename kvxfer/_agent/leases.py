@@ -111,17 +111,22 @@ class LeaseBook:
     """The leases held, the request ids freed since the engine last asked, and the
     settlements that came before their hold (internal; callers hold the agent lock).
 
+    Args:
+        stats: The agent's counters.
+        on_free: Called with a lease and its reason as it is freed, before its id
+            reaches ``freed()`` (the push writer cancels its writes there).
+
     Attributes:
         held: Leases by request id.
         guard: The guard table (None until registered, or when the backend has none).
-        on_free: Called with a lease and its reason as it is freed, before its id
-            reaches ``freed()`` (the push writer cancels its writes there).
     """
 
-    def __init__(self, stats: AgentStats) -> None:
+    def __init__(
+        self, stats: AgentStats, on_free: Callable[[Lease, FreeReason], None] | None = None
+    ) -> None:
         self.held: dict[str, Lease] = {}
         self.guard: GuardBook | None = None
-        self.on_free: Callable[[Lease, FreeReason], None] | None = None
+        self.on_free = on_free
         self._stats = stats
         self._freed: list[str] = []
         self._early: dict[str, float] = {}  # request id -> monotonic arrival
