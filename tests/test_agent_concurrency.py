@@ -33,6 +33,7 @@ from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 from tests.agent_proc import AgentProc, ProcSpec
+from tests.faultkit import until
 
 SHAPE = ModelShape(name="sm", layers=2, kv_heads=1, head_dim=8)
 SEED = 21
@@ -573,6 +574,8 @@ def test_a_write_queued_on_the_writer_is_never_overtaken_by_the_engine() -> None
         second.wait(10)
         assert prod_be.posters == ["kvxfer-push", "kvxfer-push"]
         assert cons_cache.mismatches([0, 1], [0, 1], SEED) == 0
+        # The consumer may see the bytes before the writer's call returned: wait for it.
+        assert until(lambda: prod._push.writer_idle, 10) is not None, "the writer stayed busy"
         third = _start(Direction.PUSH, prod, cons, "third", [2], [2])  # writer idle again
         third.wait(10)
         assert prod_be.posters[-1] == me

@@ -98,6 +98,12 @@ class PushWriter:
         """Stop the writer thread (queued writes are dropped; their transfers failed)."""
         self._pusher.shutdown()
 
+    @property
+    def writer_idle(self) -> bool:
+        """No write is queued on the writer thread or in its post (the engine's next
+        write may then post on its own thread)."""
+        return self._pusher.idle
+
     def post_inline(self, writes: list[Write]) -> None:
         """Post writes collected under the lock, on this (the engine's) thread; one
         whose consumer is not connected yet goes to the writer (a handshake never runs
@@ -292,7 +298,7 @@ class PushWriter:
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         early, slot.final_notice = (slot.final_notice if final else None), None
         job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early)
-        if engine and self._pusher.idle and self._inline:
+        if engine and self.writer_idle and self._inline:
             return job
         self._pusher.submit(self._post_write, job)
         return None
