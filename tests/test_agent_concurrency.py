@@ -543,6 +543,9 @@ def test_who_posts_a_push_write(push_post: PushPost, stages: bool, inline: bool)
     me = threading.current_thread().name
     try:
         for rid, src, dst in (("first", [0], [0]), ("second", [1, 2], [5, 6])):
+            # The consumer may see the first write's bytes before the writer's call
+            # returned; the engine posts only behind an idle writer, so wait for it.
+            assert until(lambda: prod._push.writer_idle, 10) is not None, "writer stayed busy"
             transfer = _start(Direction.PUSH, prod, cons, rid, src, dst)
             if inline and rid == "second":  # posted (and here landed) inside hold()
                 assert prod_be.posters[-1] == me
