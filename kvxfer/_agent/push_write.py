@@ -298,7 +298,7 @@ class PushWriter:
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         early, slot.final_notice = (slot.final_notice if final else None), None
         job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early)
-        if engine and self.writer_idle and self._inline:
+        if engine and self._pusher.idle and self._inline:
             return job
         self._pusher.submit(self._post_write, job)
         return None
