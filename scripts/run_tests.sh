@@ -23,26 +23,27 @@ static_pid=$!
 
 PYTEST=("$VENV/bin/python" -m pytest -p no:cacheprovider --durations=25)
 pytest_rc=0
-if [ "$#" -gt 0 ] || [ "${KVXFER_TEST_SPLIT:-0}" != "1" ]; then
+if [ "$#" -gt 0 ] || [ "${KVXFER_TEST_SPLIT:-1}" = "0" ]; then
   echo "== pytest (mypy and lint-imports run alongside; their output follows)"
   "${PYTEST[@]}" "$@" || pytest_rc=$?
 else
-  # KVXFER_TEST_SPLIT=1: the whole suite as two pytest processes side by side, the
-  # end-to-end tests (marker e2e: real vLLM engines shared across their modules) and
-  # all the others; each prints its own report, the e2e half's after the other's. On
-  # two cores it takes about its longer half instead of the sum, but it keeps the host
-  # at a load of 8-11 throughout, under which a TP pair's first pull has failed
-  # (docs/TESTING.md): not the default until that is fixed.
+  # Two pytest processes side by side (KVXFER_TEST_SPLIT=0: one). The end-to-end tests
+  # spend much of their time waiting on engines and sockets, so one half is the e2e
+  # tests that share the session's vLLM engines (tests/e2e/conftest.py), in the
+  # background; the other is every other test, with the e2e tests that start only
+  # servers of their own (marker own_servers) to even the halves. Each prints its own
+  # report, the background half's after the other's; the run fails if either failed.
+  # On two cores this takes about the longer half instead of the sum (docs/TESTING.md).
   e2e_log=$(mktemp)
   trap '{ [ -z "${e2e_pid:-}" ] || kill "$e2e_pid" 2>/dev/null || true; }; rm -f "$static_log" "$e2e_log"' EXIT
-  echo "== pytest -m e2e, in the background (its report follows the other half's)"
-  "${PYTEST[@]}" -m e2e >"$e2e_log" 2>&1 &
+  echo "== pytest -m 'e2e and not own_servers', in the background (its report follows the other half's)"
+  "${PYTEST[@]}" -m "e2e and not own_servers" >"$e2e_log" 2>&1 &
   e2e_pid=$!
-  echo "== pytest -m 'not e2e' (mypy and lint-imports run alongside; their output follows)"
-  "${PYTEST[@]}" -m "not e2e" || pytest_rc=$?
+  echo "== pytest -m 'not e2e or own_servers' (mypy and lint-imports run alongside; their output follows)"
+  "${PYTEST[@]}" -m "not e2e or own_servers" || pytest_rc=$?
   e2e_rc=0
   wait "$e2e_pid" || e2e_rc=$?
-  echo "== pytest -m e2e"
+  echo "== pytest -m 'e2e and not own_servers'"
   cat "$e2e_log"
   if [ "$pytest_rc" -eq 0 ]; then pytest_rc=$e2e_rc; fi
 fi

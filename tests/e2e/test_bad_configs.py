@@ -19,7 +19,8 @@ import pytest
 from .pd import kv_config
 from .servers import VllmServer, free_port, start_server
 
-pytestmark = pytest.mark.e2e
+# Its servers start from the tiny model alone (no shared engine): see own_servers.
+pytestmark = [pytest.mark.e2e, pytest.mark.own_servers]
 
 # name -> (kv-transfer-config, fragments its log must contain)
 BAD: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
