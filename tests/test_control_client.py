@@ -157,3 +157,34 @@ def test_a_held_up_round_writes_every_stack_while_it_lasts(dump_s: str) -> None:
         # (a loaded host may hold up another round past 0.3 s too: at least one dump)
     else:
         assert "Timeout (" not in out.stderr, out.stderr
+
+
+def test_deferred_work_never_starts_a_thread_on_the_server_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server thread only queues deferred work: its workers are running before it
+    serves. A loaded producer once held its server thread in Thread.start() for more
+    than 3 s (the new thread not yet run), answering no Ping meanwhile. Here every
+    thread started after the server takes 5 s to start: the deferred requests and an
+    inline one are still answered at once."""
+    with SideChannelServer(
+        "127.0.0.1",
+        0,
+        lambda data: (lambda: b"slow:" + data) if data.startswith(b"hello") else b"pong",
+        max_bytes=1024,
+        oversize_reply=lambda n: b"",
+    ) as server:
+        real_start = threading.Thread.start
+
+        def slow_start(self: threading.Thread) -> None:
+            time.sleep(5.0)
+            real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", slow_start)
+        client = SideChannelClient(timeout_s=2.0, retries=0)
+        t0 = time.monotonic()
+        assert client.request("127.0.0.1", server.port, b"hello-1") == b"slow:hello-1"
+        assert client.request("127.0.0.1", server.port, b"ping") == b"pong"
+        assert client.request("127.0.0.1", server.port, b"hello-2") == b"slow:hello-2"
+        assert time.monotonic() - t0 < 2.0
+        monkeypatch.undo()

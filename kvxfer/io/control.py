@@ -190,7 +190,16 @@ class SideChannelServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._workers: list[threading.Thread] = []
+        # The workers start here, before anything is served, never from the server
+        # thread: Thread.start() waits until the new thread runs, which needs the GIL
+        # and the OS's scheduling, and a loaded producer once held its server thread
+        # there for more than 3 s (docs/RELIABILITY.md 4.5), answering no Ping meanwhile.
+        self._workers = [
+            threading.Thread(target=self._work, name=f"kvxfer-side-channel-{i}", daemon=True)
+            for i in range(SLOW_WORKERS)
+        ]
+        for worker in self._workers:
+            worker.start()
         self._thread = threading.Thread(target=self._run, name="kvxfer-side-channel", daemon=True)
         self._thread.start()
 
@@ -209,12 +218,6 @@ class SideChannelServer:
                 self._reply(frames, self._busy())
             return
         self._waiting += 1
-        if len(self._workers) < min(SLOW_WORKERS, self._waiting):
-            worker = threading.Thread(
-                target=self._work, name=f"kvxfer-side-channel-{len(self._workers)}", daemon=True
-            )
-            self._workers.append(worker)
-            worker.start()
         self._jobs.put((frames, work, time.monotonic()))
 
     def _work(self) -> None:
