@@ -3,11 +3,10 @@
 # property, multi-process, network-namespace and real-vLLM end-to-end tests).
 #
 # mypy (over a minute of one core from a fresh clone: it reads torch's and vLLM's sources)
-# and import-linter run next to pytest instead of before it: with pytest in one process,
-# from the start (its tests leave a core idle much of the time); with the two halves
-# side by side (the default), once the shorter half is over, beside the e2e half's last
-# minutes rather than in the busiest ones. Their output is printed once pytest ends, and
-# the run fails if any of them failed.
+# and import-linter run next to pytest instead of before it, at the lowest priority
+# (nice 19): they take the CPU the tests leave idle and never slow the e2e half, the
+# suite's longest path. Their output is printed once pytest ends, and the run fails if
+# any of them failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVXFER_VENV:-.venv}
@@ -18,17 +17,17 @@ static_log=$(mktemp)
 trap 'rm -f "$static_log"' EXIT
 static_checks() {
   (
-    echo "== mypy --strict" && "$VENV/bin/mypy"
+    echo "== mypy --strict" && nice -n 19 "$VENV/bin/mypy"
     # The layering contracts in pyproject.toml ([tool.importlinter]); this checkout's kvxfer.
-    echo "== lint-imports" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/lint-imports" --no-cache
+    echo "== lint-imports" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" nice -n 19 "$VENV/bin/lint-imports" --no-cache
   ) >"$static_log" 2>&1 &
   static_pid=$!
 }
 
 PYTEST=("$VENV/bin/python" -m pytest -p no:cacheprovider --durations=25)
 pytest_rc=0
+static_checks
 if [ "$#" -gt 0 ] || [ "${KVXFER_TEST_SPLIT:-1}" = "0" ]; then
-  static_checks
   echo "== pytest (mypy and lint-imports run alongside; their output follows)"
   "${PYTEST[@]}" "$@" || pytest_rc=$?
 else
@@ -44,9 +43,8 @@ else
   echo "== pytest -m 'e2e and not own_servers', in the background (its report follows the other half's)"
   "${PYTEST[@]}" -m "e2e and not own_servers" >"$e2e_log" 2>&1 &
   e2e_pid=$!
-  echo "== pytest -m 'not e2e or own_servers' (mypy and lint-imports run after it; their output follows)"
+  echo "== pytest -m 'not e2e or own_servers' (mypy and lint-imports run alongside; their output follows)"
   "${PYTEST[@]}" -m "not e2e or own_servers" || pytest_rc=$?
-  static_checks
   e2e_rc=0
   wait "$e2e_pid" || e2e_rc=$?
   echo "== pytest -m 'e2e and not own_servers'"
