@@ -231,6 +231,12 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     write: WriteState | None = None
 
     @property
+    def moving(self) -> bool:
+        """Bytes of it may be moving: it is inside its post, or posted and not yet
+        settled. Before its post (a handshake, a plan) none of its bytes can land."""
+        return self.posting or self.handle is not None
+
+    @property
     def writer_live(self) -> bool:
         """A push reception whose producer may still write into its blocks."""
         return self.reception is not None and self.reception.writer_live

@@ -657,6 +657,56 @@ def test_a_producer_dying_before_answering_a_push_registration_fails_it_within_t
     assert "refused" in str(t.error)
 
 
+def test_a_push_lease_expires_on_time_while_its_write_waits_for_a_mute_consumer() -> None:
+    """A consumer registered, then stopped answering: it took the producer's handshake
+    connection and died before its reply (a fault schedule on a loaded CI host: the
+    consumer closed mid-handshake). The write has posted no byte; its lease still ends
+    at ``lease_s``, and the failed write gives up its handshake, so the writer thread
+    goes on with the next push at once. (Before: the lease was kept, and the writer
+    thread taken, for every handshake try: 3 of 5 s.)"""
+    producer = Side(Role.PRODUCER, Direction.PUSH, seed=PRODUCER_SEED, lease_s=0.6)
+    consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=10.0)
+    engine = Engine(producer)
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # takes the producer's Hello, never answers
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    stranger = Stranger(producer.host, producer.port, Direction.PUSH)
+    before = np.concatenate([r[[5, 6]] for r in consumer.cache.regions])
+    try:
+        ack = stranger.request(
+            wire.PushRegister(
+                request_id="mute",
+                engine_id=consumer.name,
+                incarnation=consumer.agent.incarnation,
+                block_ids=((5, 6),),
+                num_tokens=2 * BLOCK,
+                host="127.0.0.1",
+                port=port,
+            )
+        )
+        assert isinstance(ack, wire.Ack), ack
+        engine.hold("mute", [3, 4])
+        assert mute.poll(3000), "the producer's Hello never arrived"
+        took = engine.wait_freed("mute", 5.0)
+        assert took < 0.6 + 1.0, f"the lease outlived lease_s by {took - 0.6:.1f}s"
+        assert producer.agent.stats().leases_expired == 1
+        # The next push, to a consumer that answers, is not queued behind the mute one.
+        t = consumer.agent.expect_push(stub(producer, "next"), [7, 8], num_tokens=2 * BLOCK)
+        push_registered(producer, "next")
+        engine.hold("next", [9, 10], lease_s=30.0)
+        took = settle(t, 10.0, engine)
+        assert t.state is TransferState.DONE, t.error
+        assert landed_intact(consumer, [7, 8], [9, 10])
+        assert took < 4.0, f"the next push waited {took:.1f}s behind the mute consumer"
+        after = np.concatenate([r[[5, 6]] for r in consumer.cache.regions])
+        assert np.array_equal(before, after), "the expired write landed"
+    finally:
+        stranger.close()
+        mute.close(linger=0)
+        consumer.close()
+        producer.close()
+
+
 def test_a_failed_read_releases_the_producers_lease_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:

@@ -324,7 +324,12 @@ class LeaseBook:
             for rid in [r for r, t in self._early.items() if t < horizon]:
                 del self._early[rid]
         for rid, lease in list(self.held.items()):
-            writing = any(w.state is TransferState.PENDING for w in lease.writes)
+            # A write in flight keeps its lease until it ends (its own deadline bounds
+            # it): freed blocks would be reused while it reads them. A write still
+            # handshaking with its consumer moves no byte yet; it does not hold the
+            # lease past its expiry (a consumer gone mid-handshake would keep it for
+            # every handshake try), and freeing fails it before it posts.
+            writing = any(w.state is TransferState.PENDING and w.meta.moving for w in lease.writes)
             if lease.expiry < now_wall and not writing:
                 self.free(rid, FreeReason.EXPIRED)
                 log.warning("lease of request %s expired; blocks released", rid)

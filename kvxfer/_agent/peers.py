@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvxfer._agent.local import LocalEnd
 from kvxfer.agent_config import AgentStats
@@ -104,11 +105,14 @@ class PeerCache:
         incarnation: int | None,
         *,
         until: float | None = None,
+        cancel: Callable[[], bool] | None = None,
     ) -> Peer:
         """The peer at ``host:port``, handshaking if not cached or stale.
 
         ``until`` (a ``time.monotonic()`` deadline, a transfer's): a handshake whose
         tries all went unanswered starts over while the port still accepts, until then.
+        ``cancel``: asked while a handshake waits for its answer; True gives it up
+        with a HandshakeError (the transfer it was for failed meanwhile).
 
         Raises:
             HandshakeError, CompatError, LayoutMismatch, PeerError: the handshake failed.
@@ -130,7 +134,7 @@ class PeerCache:
                     self._backend.remove_peer(peer.handle)
                 except KvxferError as exc:
                     log.debug("removing suspect %r: %s", peer, exc)
-            new = self._handshake(host, int(port), expected_engine_id, until)
+            new = self._handshake(host, int(port), expected_engine_id, until, cancel)
             if incarnation is not None and new.incarnation != incarnation:
                 # The ticket was issued by an earlier life of this producer: its blocks
                 # are gone with it. Keep the new peer cached for later tickets.
@@ -166,7 +170,14 @@ class PeerCache:
         if old is not None and old.handle != peer.handle:
             self._backend.remove_peer(old.handle)
 
-    def _handshake(self, host: str, port: int, expected: str | None, until: float | None) -> Peer:
+    def _handshake(
+        self,
+        host: str,
+        port: int,
+        expected: str | None,
+        until: float | None,
+        cancel: Callable[[], bool] | None,
+    ) -> Peer:
         local, config = self._local, self._local.config
         initiator = Initiator(
             hello=local.hello(expected),
@@ -181,7 +192,7 @@ class PeerCache:
         self._reachable(host, port)
         while True:
             try:
-                reply = self._client.request(host, port, initiator.hello())
+                reply = self._client.request(host, port, initiator.hello(), cancel=cancel)
                 break
             except HandshakeTimeout:
                 if until is None or time.monotonic() >= until:

@@ -307,8 +307,15 @@ class PushWriter:
         transfer, target = job.transfer, job.target
         if peer is None:
             try:
+                # Given up once the write failed (its lease expired or was freed): a
+                # consumer that went mute mid-handshake must not hold the writer thread,
+                # and the writes queued behind it, for every handshake try.
                 peer = self._peers.get(
-                    target.host, target.port, target.engine_id, target.incarnation
+                    target.host,
+                    target.port,
+                    target.engine_id,
+                    target.incarnation,
+                    cancel=lambda: _failing(transfer),
                 )
             except KvxferError as exc:
                 self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
@@ -455,6 +462,11 @@ class PushWriter:
             self._leases.draining[lease.request_id] = (lease, reason.text)
         else:
             self._tell_failed(lease, reason.text)
+
+
+def _failing(transfer: Transfer) -> bool:
+    """Whether ``transfer`` failed or is failing (it will never post)."""
+    return transfer.done or transfer.meta.doomed is not None
 
 
 def _same_consumer(a: wire.PushRegister, b: wire.PushRegister) -> bool:

@@ -187,9 +187,18 @@ class Runtime:
         index the local and ``peer`` tables."""
         table, _ = self._local.require_registered()
         meta = transfer.meta
-        # Nothing to poll until the post returns: the progress thread keeps its slower
-        # pace meanwhile (with UCX over CMA that is the whole copy; see _run).
-        meta.posting = True
+        with self._lock:
+            # Checked and marked together: a transfer failed before this point (an
+            # expired lease, an abort) never posts, and one failed after it stays
+            # quarantined until its post returned and its handle says it ended.
+            # (Every failure is doomed first; nothing is DONE before its post.)
+            refused = meta.doomed is not None
+            # Nothing to poll until the post returns: the progress thread keeps its
+            # slower pace meanwhile (with UCX over CMA that is the whole copy; see _run).
+            meta.posting = not refused
+        if refused:
+            self._settler.finish(transfer)
+            return
         t0 = time.perf_counter()
         try:
             plan = work if isinstance(work, Plan) else plan_pairing(table, peer.table, work)
