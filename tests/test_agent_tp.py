@@ -9,6 +9,7 @@ import itertools
 import random
 import time
 import zlib
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,6 +20,7 @@ from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, needed_ranks
+from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, KvxferError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import TransferState
@@ -101,6 +103,45 @@ def test_a_second_request_reuses_handshakes_and_planner(closing: list[Rank]) -> 
     assert consumer.agent.stats().handshakes == 2
     stats = consumer.agent.stats()
     assert stats.transfers_done == 6  # one sub-transfer per producer rank per request
+
+
+@pytest.mark.parametrize(("kv_heads", "p_tp", "choices"), [(4, 2, 1), (2, 4, 2)])
+def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull(
+    closing: list[Rank], monkeypatch: pytest.MonkeyPatch, kv_heads: int, p_tp: int, choices: int
+) -> None:
+    """An engine that connects to a producer group's ranks ahead of its first pull
+    finds the planner built (issue 27: 3-20 ms of the first pull). With replicated
+    heads (2 heads over 4 ranks) each replica choice has its planner; the requests'
+    salts pick both here."""
+    builds: list[int] = []
+    build = TPPlanner.build.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
+        builds.append(kw["salt"])
+        return build(cls, *args, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TPPlanner, "build", classmethod(counted))
+    p_heads, d_heads = (
+        HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp),
+        HeadLayout(num_kv_heads=kv_heads, tp_size=1),
+    )
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    for p in producers:
+        consumer.agent.connect(*p.agent.address, p.agent.config.engine_id)
+    deadline = time.monotonic() + 5
+    while len(builds) < choices and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(builds) == choices, builds
+    by_parity = {zlib.crc32(f"ahead-{i}".encode()) % 2: f"ahead-{i}" for i in range(16)}
+    assert len(by_parity) == 2  # a request for each replica choice
+    for i, rid in enumerate(sorted(by_parity.values())):
+        remote, local = [i, i + 4], [i + 6, i + 2]
+        t = consumer.agent.pull(_hold(producers, rid, remote, 8), local)
+        t.wait(5)
+        assert t.state is TransferState.DONE, t.error
+        assert consumer.cache.mismatches(local, remote, SEED) == []
+    assert len(builds) == choices, "a pull built a planner the connect had prepared"
 
 
 def test_a_pull_across_tp_sizes_of_blocks_a_rank_freed_fails_closed(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import zlib
@@ -42,7 +43,7 @@ from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
 from kvxfer.core.blocks import Pairing
-from kvxfer.core.heads import HeadLayout, TPRank, heads_per_region
+from kvxfer.core.heads import HeadLayout, TPRank, heads_per_region, source_ranks
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import (
     KvxferError,
@@ -50,6 +51,7 @@ from kvxfer.errors import (
 )
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, PullState, Transfer, TransferState
+from kvxfer.types import Direction, Role
 
 __all__ = ["TPPuller"]
 
@@ -57,6 +59,8 @@ log = logging.getLogger("kvxfer.agent")
 
 #: Planners kept per agent (one per set of peers and replica choice); the oldest goes.
 _MAX_PLANNERS = 64
+#: Replica choices prepared at a handshake, at most (the others are built at a pull).
+_MAX_CHOICES = 8
 
 
 class TPPuller:
@@ -182,10 +186,48 @@ class TPPuller:
                 return
         self._start(job, peers)
 
-    def _planner(self, job: _Job, peers: dict[int, Peer]) -> TPPlanner:
+    def prepare(self, peer: Peer) -> None:
+        """A peer was handshaken (any thread). When it is a producer rank of another
+        TP size, the planners of its group's pulls are built in the background as soon
+        as every rank they read is handshaken: an engine that connects to the ranks
+        ahead (:meth:`Agent.connect <kvxfer.agent.Agent.connect>`) then finds them
+        built at its first pull, which would otherwise pay 3-20 ms for it (issue 27)."""
+        config = self._local.config
+        theirs, mine = peer.info.tp, config.tp
+        if (
+            config.role is not Role.CONSUMER
+            or config.direction is not Direction.PULL
+            or theirs is None
+            or mine is None
+            or theirs.heads.tp_size == mine.heads.tp_size
+        ):
+            return
+        self._io.submit(self._prebuild, peer, theirs)
+
+    def _prebuild(self, peer: Peer, theirs: TPRank) -> None:
+        tp = self._tp()
+        try:
+            producer = tp.heads.for_tp_size(theirs.heads.tp_size)
+            base = peer.port - theirs.rank  # rank p serves at base + p
+            for salt, sources in _source_choices(tp, producer):
+                peers = {
+                    p: self._peers.cached(peer.host, base + p, peer.engine_id, None)
+                    for p in set(sources.values())
+                }
+                ready = {p: got for p, got in peers.items() if got is not None}
+                if len(ready) == len(peers):
+                    self._planner(producer, sources, ready, salt)
+        except KvxferError as exc:  # the first pull builds it, and says what is wrong
+            log.debug("planner of %s's group not prepared: %s", peer, exc)
+
+    def _planner(
+        self, producer: HeadLayout, sources: dict[int, int], peers: dict[int, Peer], salt: int
+    ) -> TPPlanner:
+        """The planner of pulls reading ``sources`` from ``peers`` (cached: built once
+        per set of peers and replica choice, which ``salt`` made)."""
         key = (
-            job.producer,
-            tuple(sorted(job.sources.items())),
+            producer,
+            tuple(sorted(sources.items())),
             tuple((p, id(peers[p]), peers[p].incarnation) for p in sorted(peers)),
         )
         with self._lock:
@@ -196,15 +238,14 @@ class TPPuller:
         # The producer ranks' tables were cut at their handshakes to what this rank
         # posts at (kvxfer._agent.peers); ours is the whole table or its one-head section.
         narrowest = min(
-            heads_per_region(peer.table.layout, job.producer, p) for p, peer in peers.items()
+            heads_per_region(peer.table.layout, producer, p) for p, peer in peers.items()
         )
         table, offset = self._local.posting_table(narrowest)
-        salt = zlib.crc32(job.ticket.request_id.encode())
         planner = TPPlanner.build(
             table,
             {p: peer.table for p, peer in peers.items()},
             local_heads=tp.heads,
-            remote_heads=job.producer,
+            remote_heads=producer,
             local_rank=tp.rank,
             salt=salt,
             local_offset=offset,
@@ -221,9 +262,9 @@ class TPPuller:
             self._fail_all(fanout, FailureKind.ABORTED, TransferError("agent closed"))
             return
         try:
-            plans = self._planner(job, peers).plan(
-                job.pairing.local, job.pairing.remote, job.pairing.num_tokens
-            )
+            salt = zlib.crc32(job.ticket.request_id.encode())
+            planner = self._planner(job.producer, job.sources, peers, salt)
+            plans = planner.plan(job.pairing.local, job.pairing.remote, job.pairing.num_tokens)
         except KvxferError as exc:
             self._fail_all(fanout, FailureKind.POST, exc)
             return
@@ -265,6 +306,18 @@ class TPPuller:
                 capability=job.ticket.capability,
             )
         )
+
+
+def _source_choices(tp: TPRank, producer: HeadLayout) -> list[tuple[int, dict[int, int]]]:
+    """Each distinct choice of producer ranks a pull of ``tp``'s rank can make, with a
+    salt that makes it: one unless the producer replicates a head (then the request's
+    salt picks the replica; :func:`~kvxfer.core.heads.source_ranks`)."""
+    replicas = [len(producer.ranks_of(h)) for h in tp.heads.heads_of(tp.rank)]
+    choices: dict[tuple[tuple[int, int], ...], tuple[int, dict[int, int]]] = {}
+    for salt in range(min(math.lcm(*replicas), _MAX_CHOICES)):
+        sources = source_ranks(tp.heads, tp.rank, producer, salt=salt)
+        choices.setdefault(tuple(sorted(sources.items())), (salt, sources))
+    return list(choices.values())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
