@@ -14,12 +14,23 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from .model import build_tiny_model
 from .pd import PDPair, start_pair
-from .servers import F32_ARGS, VllmServer, start_server
+from .servers import F32_ARGS, VllmServer, start_server, thread_report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed e2e test's report carries what every live vLLM server's threads did in
+    the second after it failed: a stall (issue 25) shows there as it happens."""
+    report = yield
+    if report.failed and call.when in ("setup", "call"):
+        report.sections.append(("vLLM server threads", thread_report()))
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

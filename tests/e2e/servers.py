@@ -82,6 +82,26 @@ DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("KVXFER_E2E_STARTUP_TIMEOUT", "
 _LIVE: set[VllmServer] = set()
 
 
+def thread_report(interval_s: float = 1.0) -> str:
+    """What every live server's threads did over ``interval_s``, as text: for each
+    thread its kernel state, where it sleeps, and how many ms it ran and waited for a
+    CPU meanwhile. Attached to a failed e2e test's report (tests/e2e/conftest.py)."""
+    servers = sorted(_LIVE, key=lambda s: s.name)
+    before = {s.name: s.thread_states() for s in servers}
+    time.sleep(interval_s)
+    lines = [f"load average {os.getloadavg()}; ms over {interval_s:g} s"]
+    for server in servers:
+        lines.append(f"== {server.name} (pid {server.pid})")
+        then = before[server.name]
+        for tid, (name, state, wchan, run, wait) in sorted(server.thread_states().items()):
+            run0, wait0 = then.get(tid, (name, state, wchan, run, wait))[3:]
+            lines.append(
+                f"{tid:>8} {name:<32} {state} {wchan:<24} "
+                f"ran {(run - run0) / 1e6:8.1f} waited {(wait - wait0) / 1e6:8.1f}"
+            )
+    return "\n".join(lines)
+
+
 _HANDED_OUT: set[int] = set()
 
 
@@ -197,6 +217,25 @@ class VllmServer:
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     with contextlib.suppress(OSError):
                         out[int(tid)] = set(os.sched_getaffinity(int(tid)))
+        return out
+
+    def thread_states(self) -> dict[int, tuple[str, str, str, int, int]]:
+        """Every thread of the server's processes as the kernel sees it:
+        tid -> (name, state, wchan, ns run on a CPU, ns waited runnable for one).
+        Two of these a second apart tell a process starved of CPU (run time flat,
+        wait time growing) from one whose threads all sleep (issue 25's stalls)."""
+        out: dict[int, tuple[str, str, str, int, int]] = {}
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    task = Path(f"/proc/{pid}/task/{tid}")
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        head, tail = task.joinpath("stat").read_text().rsplit(")", 1)
+                        name = head.split("(", 1)[1]
+                        state = tail.split()[0]
+                        wchan = task.joinpath("wchan").read_text().strip() or "-"
+                        run_ns, wait_ns = task.joinpath("schedstat").read_text().split()[:2]
+                        out[int(tid)] = (f"{pid}/{name}", state, wchan, int(run_ns), int(wait_ns))
         return out
 
     # --- HTTP helpers -------------------------------------------------------------
