@@ -186,8 +186,13 @@ class Agent:
         return self._side.address
 
     def connect(self, host: str, port: int, expected_engine_id: str | None = None) -> Peer:
-        """Handshake with the peer at ``host:port`` (cached; concurrent callers share it)."""
-        return self._peers.get(host, port, expected_engine_id, None)
+        """Handshake with the peer at ``host:port`` (cached; concurrent callers share
+        it), ahead of the first transfer with it. A consumer connecting to every rank
+        of a producer group of another TP size also gets its pulls' planners built
+        once the last rank it reads is connected."""
+        peer = self._peers.get(host, port, expected_engine_id, None)
+        self._puller.connected(peer)
+        return peer
 
     # -- producer -------------------------------------------------------------------
     def stage_out(self, block_ids: BlockIds) -> None:

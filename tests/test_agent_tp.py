@@ -110,9 +110,9 @@ def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull
     closing: list[Rank], monkeypatch: pytest.MonkeyPatch, kv_heads: int, p_tp: int, choices: int
 ) -> None:
     """An engine that connects to a producer group's ranks ahead of its first pull
-    finds the planner built (issue 27: 3-20 ms of the first pull). With replicated
-    heads (2 heads over 4 ranks) each replica choice has its planner; the requests'
-    salts pick both here."""
+    (``Agent.connect``) finds the planner built (issue 27: 3-20 ms of the first pull).
+    With replicated heads (2 heads over 4 ranks) each replica choice has its planner;
+    the requests' salts pick both here."""
     builds: list[int] = []
     build = TPPlanner.build.__func__  # type: ignore[attr-defined]
 
@@ -127,11 +127,10 @@ def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull
     )
     producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
     closing += [*producers, consumer]
-    for p in producers:
+    consumer.agent.connect(*producers[0].agent.address, producers[0].agent.config.engine_id)
+    assert not builds  # rank 0 alone serves no pull
+    for p in producers[1:]:
         consumer.agent.connect(*p.agent.address, p.agent.config.engine_id)
-    deadline = time.monotonic() + 5
-    while len(builds) < choices and time.monotonic() < deadline:
-        time.sleep(0.005)
     assert len(builds) == choices, builds
     by_parity = {zlib.crc32(f"ahead-{i}".encode()) % 2: f"ahead-{i}" for i in range(16)}
     assert len(by_parity) == 2  # a request for each replica choice

@@ -16,7 +16,7 @@ from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.holds import HoldDesk
 from kvxfer._agent.leases import Lease, LeaseBook
 from kvxfer._agent.local import LocalEnd
-from kvxfer._agent.peers import Peer, PeerCache
+from kvxfer._agent.peers import PeerCache
 from kvxfer._agent.pull import Puller
 from kvxfer._agent.push_receive import PushReceiver
 from kvxfer._agent.push_write import PushWriter
@@ -117,13 +117,7 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         retries=config.handshake_retries,
         max_bytes=max(config.max_message_bytes, 1 << 16) * 4,
     )
-
-    # A producer rank of another TP size handshaken: the TP puller prepares the
-    # planner of its group's pulls (it needs the peer cache, so it comes later).
-    def on_handshake(peer: Peer) -> None:
-        tp.prepare(peer)
-
-    peers = PeerCache(local, backend, client, stats, prefix, on_handshake)
+    peers = PeerCache(local, backend, client, stats, prefix)
     side = SideChannel(local, backend, client)
     io = IoPool(IO_THREADS, "kvxfer-io")
 

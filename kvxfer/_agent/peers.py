@@ -77,8 +77,6 @@ class PeerCache:
         client: The side channel the handshakes go over.
         stats: Counts the handshakes.
         log_prefix: Starts the log line of a peer's first handshake.
-        on_handshake: Called with each peer newly handshaken and cached, on the
-            handshaking thread (it must return quickly).
     """
 
     def __init__(
@@ -88,10 +86,8 @@ class PeerCache:
         client: SideChannelClient,
         stats: AgentStats,
         log_prefix: str,
-        on_handshake: Callable[[Peer], None] | None = None,
     ) -> None:
         self._local = local
-        self._on_handshake = on_handshake
         self._backend = backend
         self._client = client
         self._stats = stats
@@ -148,9 +144,7 @@ class PeerCache:
                     f"{incarnation:016x} -> {new.incarnation:016x}); the ticket's blocks are gone"
                 )
             self._install(key, new)
-        if self._on_handshake is not None:
-            self._on_handshake(new)
-        return new
+            return new
 
     def cached(
         self, host: str, port: int, expected_engine_id: str | None, incarnation: int | None

@@ -121,6 +121,12 @@ class Puller:
             self._io.submit(self._connect_and_start, transfer, ticket, pairing)
         return transfer
 
+    def connected(self, peer: Peer) -> None:
+        """The engine connected to ``peer`` ahead of its pulls: prepare what they
+        need (across TP sizes, the planner; :meth:`TPPuller.prepare
+        <kvxfer._agent.tp_pull.TPPuller.prepare>`)."""
+        self._tp.prepare(peer)
+
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
         """:meth:`Agent.abort <kvxfer.agent.Agent.abort>`."""
         capability = ticket.capability or self._runtime.capability_of(ticket.request_id)

@@ -187,11 +187,13 @@ class TPPuller:
         self._start(job, peers)
 
     def prepare(self, peer: Peer) -> None:
-        """A peer was handshaken (any thread). When it is a producer rank of another
-        TP size, the planners of its group's pulls are built in the background as soon
-        as every rank they read is handshaken: an engine that connects to the ranks
-        ahead (:meth:`Agent.connect <kvxfer.agent.Agent.connect>`) then finds them
-        built at its first pull, which would otherwise pay 3-20 ms for it (issue 27)."""
+        """The engine connected to ``peer`` ahead of its pulls
+        (:meth:`Agent.connect <kvxfer.agent.Agent.connect>`). When it is a producer
+        rank of another TP size and every rank a pull from its group reads is
+        connected now, the planners of those pulls (one per replica choice: one unless
+        the producer replicates heads) are built here, so that the first pull does not
+        pay 3-20 ms for them (issue 27). A planner that cannot be built is left to the
+        first pull, which names what is wrong."""
         config = self._local.config
         theirs, mine = peer.info.tp, config.tp
         if (
@@ -202,14 +204,10 @@ class TPPuller:
             or theirs.heads.tp_size == mine.heads.tp_size
         ):
             return
-        self._io.submit(self._prebuild, peer, theirs)
-
-    def _prebuild(self, peer: Peer, theirs: TPRank) -> None:
-        tp = self._tp()
         try:
-            producer = tp.heads.for_tp_size(theirs.heads.tp_size)
+            producer = mine.heads.for_tp_size(theirs.heads.tp_size)
             base = peer.port - theirs.rank  # rank p serves at base + p
-            for salt, sources in _source_choices(tp, producer):
+            for salt, sources in _source_choices(mine, producer):
                 peers = {
                     p: self._peers.cached(peer.host, base + p, peer.engine_id, None)
                     for p in set(sources.values())
@@ -217,7 +215,7 @@ class TPPuller:
                 ready = {p: got for p, got in peers.items() if got is not None}
                 if len(ready) == len(peers):
                     self._planner(producer, sources, ready, salt)
-        except KvxferError as exc:  # the first pull builds it, and says what is wrong
+        except KvxferError as exc:
             log.debug("planner of %s's group not prepared: %s", peer, exc)
 
     def _planner(
