@@ -174,11 +174,14 @@ class Agent:
 
     # -- side channel ---------------------------------------------------------------
     def serve(self) -> tuple[str, int]:
-        """Start answering handshakes; returns the advertised ``(host, port)``."""
+        """Start answering handshakes; returns the advertised ``(host, port)``. The
+        agent's threads start here too, so that no request waits for one's creation."""
         with self._lock:
             address = self._side.serve(self._answers)
             self._runtime.ensure_thread()
-            return address
+        self._io_pool.start()
+        self._push.start_writer()
+        return address
 
     @property
     def address(self) -> tuple[str, int]:

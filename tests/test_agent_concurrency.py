@@ -592,3 +592,50 @@ def test_push_post_must_be_a_push_post() -> None:
     with pytest.raises(ConfigError, match="push_post") as err:
         AgentConfig(engine_id="e", fingerprint=_fp(Direction.PUSH), push_post="engine")  # type: ignore[arg-type]
     assert "'engine'" in str(err.value) and "PushPost" in str(err.value)
+
+
+@pytest.mark.parametrize("direction", [Direction.PULL, Direction.PUSH])
+def test_no_thread_starts_on_a_requests_path_once_the_agents_serve(
+    monkeypatch: pytest.MonkeyPatch, direction: Direction
+) -> None:
+    """A thread's start holds the interpreter lock while the thread is created, and
+    creation can wait on the process's memory map behind other work (issue 25: a
+    producer ran no Python for seconds inside ``Thread.start``). Once both agents
+    serve, a first pull or push (first contact included) starts no thread."""
+    from tests.faultkit import (
+        BLOCK,
+        PRODUCER_SEED,
+        Engine,
+        Side,
+        landed_intact,
+        push_registered,
+        settle,
+        stub,
+    )
+
+    producer = Side(Role.PRODUCER, direction, seed=PRODUCER_SEED, lease_s=60.0)
+    consumer = Side(Role.CONSUMER, direction, transfer_timeout_s=10.0)
+    engine = Engine(producer)
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        if direction is Direction.PULL:
+            t = consumer.agent.pull(engine.hold("first", [1, 2]), [5, 6])
+        else:
+            t = consumer.agent.expect_push(stub(producer, "first"), [5, 6], num_tokens=2 * BLOCK)
+            push_registered(producer, "first")
+            engine.hold("first", [1, 2])
+        settle(t, 10.0, engine)
+        assert t.state is TransferState.DONE, t.error
+        assert landed_intact(consumer, [5, 6], [1, 2])
+        assert started == [], f"threads started on the request's path: {started}"
+    finally:
+        monkeypatch.undo()
+        consumer.close()
+        producer.close()

@@ -94,6 +94,12 @@ class PushWriter:
         stages = backend.capabilities.stages_through_host
         self._inline = (not stages) if mode is PushPost.AUTO else mode is PushPost.ENGINE
 
+    def start_writer(self) -> None:
+        """Start the writer thread now (a push producer that serves), so that no
+        request's write waits for a thread's creation."""
+        if self._config.direction is Direction.PUSH and self._local.posts:
+            self._pusher.start()
+
     def shutdown(self) -> None:
         """Stop the writer thread (queued writes are dropped; their transfers failed)."""
         self._pusher.shutdown()

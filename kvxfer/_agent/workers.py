@@ -25,7 +25,8 @@ class IoPool:
     """Up to ``workers`` daemon threads running submitted calls in order of arrival.
 
     Args:
-        workers: The most threads it starts (each only when a call waits for one).
+        workers: The most threads it starts (all at :meth:`start`, else each when a
+            call waits for one).
         name: Prefix of the threads' names.
     """
 
@@ -40,6 +41,23 @@ class IoPool:
         self._idle = 0
         self._closed = False
 
+    def start(self) -> None:
+        """Start every worker now (idempotent; none after shutdown). A thread's start
+        holds the interpreter lock across its creation, which can wait on the
+        process's memory map behind other work (issue 25): an agent that serves
+        starts its workers then, so that no request's path starts one."""
+        with self._lock:
+            while not self._closed and len(self._threads) < self._max:
+                self._spawn()
+                self._idle += 1
+
+    def _spawn(self) -> None:
+        t = threading.Thread(
+            target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+        )
+        self._threads.append(t)
+        t.start()
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Run ``fn(*args)`` on a worker; False (and not run) once shut down."""
         with self._lock:
@@ -47,11 +65,7 @@ class IoPool:
                 return False
             self._jobs.put((fn, args))
             if self._idle == 0 and len(self._threads) < self._max:
-                t = threading.Thread(
-                    target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(t)
-                t.start()
+                self._spawn()
             elif self._idle:
                 self._idle -= 1  # an idle worker takes it
         return True

@@ -21,7 +21,8 @@ log = logging.getLogger("kvxfer.agent")
 
 
 class SerialWorker:
-    """Runs ``submit``-ted calls in order on one daemon thread, started on first use.
+    """Runs ``submit``-ted calls in order on one daemon thread, started by
+    :meth:`start` or on first use.
 
     Exceptions are logged (the calls report their own failures on their transfers);
     after :meth:`shutdown` the calls still queued are dropped, not run.
@@ -36,15 +37,21 @@ class SerialWorker:
         self._closed = False
         self._pending = 0  # submitted and not finished (the running call included)
 
+    def start(self) -> bool:
+        """Start the thread now rather than at the first call (idempotent). Returns
+        False once shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            return True
+
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         """Queue ``fn(*args)``; ignored once shut down."""
-        if self._thread is None:
-            with self._lock:
-                if self._closed:
-                    return
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                    self._thread.start()
+        if self._thread is None and not self.start():
+            return
         with self._lock:
             self._pending += 1
         self._queue.put((fn, args))
