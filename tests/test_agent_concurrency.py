@@ -594,14 +594,16 @@ def test_push_post_must_be_a_push_post() -> None:
     assert "'engine'" in str(err.value) and "PushPost" in str(err.value)
 
 
-@pytest.mark.parametrize("direction", [Direction.PULL, Direction.PUSH])
+@pytest.mark.parametrize("case", ["pull", "pull before its hold", "push"])
 def test_no_thread_starts_on_a_requests_path_once_the_agents_serve(
-    monkeypatch: pytest.MonkeyPatch, direction: Direction
+    monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """A thread's start holds the interpreter lock while the thread is created, and
     creation can wait on the process's memory map behind other work (issue 25: a
     producer ran no Python for seconds inside ``Thread.start``). Once both agents
-    serve, a first pull or push (first contact included) starts no thread."""
+    serve, a first pull or push (first contact included) starts no thread, nor does
+    a pull whose guard word is read again while its hold has not come (the vLLM
+    scheduler hands the ticket out a step before the worker holds)."""
     from tests.faultkit import (
         BLOCK,
         PRODUCER_SEED,
@@ -609,9 +611,12 @@ def test_no_thread_starts_on_a_requests_path_once_the_agents_serve(
         Side,
         landed_intact,
         push_registered,
+        replace,
         settle,
         stub,
     )
+
+    direction = Direction.PUSH if case == "push" else Direction.PULL
 
     producer = Side(Role.PRODUCER, direction, seed=PRODUCER_SEED, lease_s=60.0)
     consumer = Side(Role.CONSUMER, direction, transfer_timeout_s=10.0)
@@ -625,8 +630,22 @@ def test_no_thread_starts_on_a_requests_path_once_the_agents_serve(
 
     monkeypatch.setattr(threading.Thread, "start", start)
     try:
-        if direction is Direction.PULL:
+        if case == "pull":
             t = consumer.agent.pull(engine.hold("first", [1, 2]), [5, 6])
+        elif case == "pull before its hold":
+            cap, guard = "cd" * 16, (3, 0xC0FFEE)
+            minted = replace(
+                stub(producer, "first"),
+                block_ids=((1, 2),),
+                num_tokens=2 * BLOCK,
+                capability=cap,
+                guard_slot=guard[0],
+                generation=guard[1],
+            )
+            t = consumer.agent.pull(minted, [5, 6])
+            time.sleep(0.3)  # its guard word is read again meanwhile
+            assert t.state is TransferState.PENDING, t.error
+            engine.hold("first", [1, 2], capability=cap, guard=guard)
         else:
             t = consumer.agent.expect_push(stub(producer, "first"), [5, 6], num_tokens=2 * BLOCK)
             push_registered(producer, "first")
@@ -635,6 +654,8 @@ def test_no_thread_starts_on_a_requests_path_once_the_agents_serve(
         assert t.state is TransferState.DONE, t.error
         assert landed_intact(consumer, [5, 6], [1, 2])
         assert started == [], f"threads started on the request's path: {started}"
+        if case == "pull before its hold":
+            assert consumer.agent.stats().guard_rereads == 1
     finally:
         monkeypatch.undo()
         consumer.close()

@@ -23,7 +23,10 @@ from kvxfer.backend import Backend, XferStatus
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["REREAD_DELAYS_S", "GuardReads", "expired_error"]
+__all__ = ["REREAD_DELAYS_S", "GuardReads", "Later", "expired_error"]
+
+#: ``later(delay_s, fn, transfer)``: run ``fn(transfer)`` after ``delay_s``.
+Later = Callable[[float, Callable[[Transfer], None], Transfer], object]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -49,6 +52,8 @@ class GuardReads:
         stats: The agent's counters (guard reads, rereads, failures).
         lock: The agent lock.
         lease_over: Whether a producer's lease ending at a wall-clock time may be over.
+        later: Runs a call (with the transfer) after a delay, on a thread that
+            exists already (the io pool's timer: no thread starts per re-read).
     """
 
     def __init__(
@@ -58,12 +63,14 @@ class GuardReads:
         stats: AgentStats,
         lock: threading.RLock,
         lease_over: Callable[[float], bool],
+        later: Later,
     ) -> None:
         self._backend = backend
         self._settler = settler
         self._stats = stats
         self._lock = lock
         self._lease_over = lease_over
+        self._later = later
 
     def landed(self, t: Transfer) -> None:
         """The backend reports every byte of ``t`` moved: check, then settle it."""
@@ -190,9 +197,7 @@ class GuardReads:
             log.debug("%s: its hold came; reading data and word again", t)
         else:
             log.debug("%s: not held yet; its guard word again in %.0f ms", t, delay * 1e3)
-        timer = threading.Timer(delay, then, (t,))
-        timer.daemon = True
-        timer.start()
+        self._later(delay, then, t)
         return True
 
     def _poll_word(self, t: Transfer) -> None:

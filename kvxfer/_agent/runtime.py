@@ -45,6 +45,13 @@ __all__ = ["ProbeVerdicts", "Runtime"]
 log = logging.getLogger("kvxfer.agent")
 
 
+def _timer(delay_s: float, fn: Callable[[Transfer], None], t: Transfer) -> None:
+    """A delayed call on a thread of its own (a runtime built without io workers)."""
+    timer = threading.Timer(delay_s, fn, (t,))
+    timer.daemon = True
+    timer.start()
+
+
 class ProbeVerdicts:
     """What the liveness probes (:mod:`kvxfer._agent.liveness`) settle transfers through.
 
@@ -111,7 +118,8 @@ class Runtime:
         self._lock = lock
         self._tick_hooks: list[Callable[[], None]] = []
         self._settler = Settler(backend, peers, receptions, stats, lock)
-        self._guards = GuardReads(backend, self._settler, stats, lock, self.lease_over)
+        later = io.later if io is not None else _timer
+        self._guards = GuardReads(backend, self._settler, stats, lock, self.lease_over, later)
         self._loop = ProgressLoop(
             self._config, self._tick, self._settler.transfers, leases, lambda: self.closed
         )

@@ -10,9 +10,12 @@ channel client's ``close()`` and never delays the process's exit (R-SAFE-4).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +43,11 @@ class IoPool:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._closed = False
+        # Calls due later (:meth:`later`): (monotonic due time, order, call, args).
+        self._due: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        self._timer_wake = threading.Condition(self._lock)
+        self._timer: threading.Thread | None = None
 
     def start(self) -> None:
         """Start every worker now (idempotent; none after shutdown). A thread's start
@@ -50,6 +58,40 @@ class IoPool:
             while not self._closed and len(self._threads) < self._max:
                 self._spawn()
                 self._idle += 1
+            self._start_timer()
+
+    def later(self, delay_s: float, fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on a worker ``delay_s`` seconds from now (one timer thread
+        for all such calls, started with the workers: no thread per call); False
+        (and never run) once shut down."""
+        with self._lock:
+            if self._closed:
+                return False
+            heapq.heappush(self._due, (time.monotonic() + delay_s, next(self._order), fn, args))
+            self._start_timer()
+            self._timer_wake.notify()
+        return True
+
+    def _start_timer(self) -> None:
+        """Under the lock: the timer thread, once."""
+        if self._timer is None and not self._closed:
+            self._timer = threading.Thread(
+                target=self._run_timer, name=f"{self._name}-timer", daemon=True
+            )
+            self._timer.start()
+
+    def _run_timer(self) -> None:
+        with self._lock:
+            while not self._closed:
+                if not self._due:
+                    self._timer_wake.wait()
+                    continue
+                wait = self._due[0][0] - time.monotonic()
+                if wait > 0:
+                    self._timer_wake.wait(wait)
+                    continue
+                _, _, fn, args = heapq.heappop(self._due)
+                self._submit_locked(fn, args)
 
     def _spawn(self) -> None:
         t = threading.Thread(
@@ -63,12 +105,15 @@ class IoPool:
         with self._lock:
             if self._closed:
                 return False
-            self._jobs.put((fn, args))
-            if self._idle == 0 and len(self._threads) < self._max:
-                self._spawn()
-            elif self._idle:
-                self._idle -= 1  # an idle worker takes it
+            self._submit_locked(fn, args)
         return True
+
+    def _submit_locked(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._jobs.put((fn, args))
+        if self._idle == 0 and len(self._threads) < self._max:
+            self._spawn()
+        elif self._idle:
+            self._idle -= 1  # an idle worker takes it
 
     def _run(self) -> None:
         while True:
@@ -90,6 +135,8 @@ class IoPool:
         with self._lock:
             self._closed = True
             threads = len(self._threads)
+            self._due.clear()
+            self._timer_wake.notify()
         while True:
             try:
                 self._jobs.get_nowait()
