@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from kvxfer.errors import HandshakeError, HandshakeTimeout
+from kvxfer.io import control
 from kvxfer.io.control import SideChannelClient, SideChannelServer
 
 
@@ -157,6 +158,27 @@ def test_a_held_up_round_writes_every_stack_while_it_lasts(dump_s: str) -> None:
         # (a loaded host may hold up another round past 0.3 s too: at least one dump)
     else:
         assert "Timeout (" not in out.stderr, out.stderr
+
+
+def test_the_stall_dump_is_rearmed_every_third_of_its_time_not_every_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each arming of the fault handler joins its previous thread and starts a new one
+    while holding the GIL: a producer's stall dump (CI 2026-12-02, load 28) caught its
+    server thread inside that very call. Armed every 0.1 s round before (10 thread
+    starts a second), it is armed every dump_s / 3 now: twice in 1.2 s at dump_s 3."""
+    arms: list[float] = []
+    monkeypatch.setattr(
+        control.faulthandler, "dump_traceback_later", lambda *a, **kw: arms.append(a[0])
+    )
+    monkeypatch.setattr(control.faulthandler, "cancel_dump_traceback_later", lambda: None)
+    monkeypatch.setenv("KVXFER_STALL_DUMP_S", "3")
+    with SideChannelServer(
+        "127.0.0.1", 0, lambda data: b"pong", max_bytes=1024, oversize_reply=lambda n: b""
+    ):
+        time.sleep(1.2)
+    assert arms and set(arms) == {3.0}
+    assert len(arms) <= 2, f"armed {len(arms)} times in 1.2 s"
 
 
 def test_deferred_work_never_starts_a_thread_on_the_server_thread(

@@ -60,10 +60,14 @@ SLOW_WORKERS = 4
 #: waiting for a worker, inside the handler, or the whole thread not running (a
 #: process-wide stall or starved GIL), so a slow answer seen by a peer can be traced.
 SLOW_S = 1.0
-#: ``KVXFER_STALL_DUMP_S``: when a round of a server thread takes longer than this many
-#: seconds, Python's fault handler writes every thread's stack to stderr *during* the
-#: stall (from its own C thread, which needs no GIL), naming the thread that holds the
-#: process up. A diagnostic for tests and operators chasing a stall: off when unset.
+#: ``KVXFER_STALL_DUMP_S``: when the server thread is held up this many seconds (at
+#: times already at two thirds of it), Python's fault handler writes every thread's stack to
+#: stderr *during* the stall (from its own C thread, which needs no GIL), naming the
+#: thread that holds the process up. A diagnostic for tests and operators chasing a
+#: stall: off when unset. Each arming joins the fault handler's previous thread and
+#: starts a new one while holding the GIL (CPython's faulthandler), so the server thread
+#: re-arms it only every third of that time, not every round (a round is 0.1 s: ten
+#: thread starts a second, each a chance for a loaded host to stall the process).
 STALL_DUMP_ENV = "KVXFER_STALL_DUMP_S"
 
 
@@ -286,11 +290,13 @@ class SideChannelServer:
         poller.register(wake, zmq.POLLIN)
         last = time.monotonic()
         dump_s = _stall_dump_s()
+        armed = -dump_s
         while not self._stop.is_set():
-            if dump_s:
-                # Re-armed every round: it fires only when a round outlives it.
-                faulthandler.dump_traceback_later(dump_s, exit=False, file=sys.stderr)
             now = time.monotonic()
+            if dump_s and now - armed >= dump_s / 3:
+                # It fires only when the thread is not back to re-arm it in time.
+                faulthandler.dump_traceback_later(dump_s, exit=False, file=sys.stderr)
+                armed = now
             if now - last > SLOW_S:
                 log.warning(
                     "side channel: one round of the server thread (a 0.1 s poll and the "
