@@ -83,22 +83,30 @@ _LIVE: set[VllmServer] = set()
 
 
 def thread_report(interval_s: float = 1.0) -> str:
-    """What every live server's threads did over ``interval_s``, as text: for each
-    thread its kernel state, where it sleeps, and how many ms it ran and waited for a
-    CPU meanwhile. Attached to a failed e2e test's report (tests/e2e/conftest.py)."""
+    """What every live server's threads did over ``interval_s``, as text: per server
+    how many threads sleep where, then each thread that is not asleep or ran or
+    waited for a CPU meanwhile (ms), with its kernel state and ``wchan``. Attached to
+    a failed e2e test's report (tests/e2e/conftest.py)."""
     servers = sorted(_LIVE, key=lambda s: s.name)
     before = {s.name: s.thread_states() for s in servers}
     time.sleep(interval_s)
     lines = [f"load average {os.getloadavg()}; ms over {interval_s:g} s"]
     for server in servers:
-        lines.append(f"== {server.name} (pid {server.pid})")
+        now = server.thread_states()
         then = before[server.name]
-        for tid, (name, state, wchan, run, wait) in sorted(server.thread_states().items()):
+        where: dict[str, int] = {}
+        busy = []
+        for tid, (name, state, wchan, run, wait) in sorted(now.items()):
             run0, wait0 = then.get(tid, (name, state, wchan, run, wait))[3:]
-            lines.append(
-                f"{tid:>8} {name:<32} {state} {wchan:<24} "
-                f"ran {(run - run0) / 1e6:8.1f} waited {(wait - wait0) / 1e6:8.1f}"
-            )
+            ran, waited = (run - run0) / 1e6, (wait - wait0) / 1e6
+            where[f"{state} {wchan}"] = where.get(f"{state} {wchan}", 0) + 1
+            if state != "S" or ran + waited > 1.0:
+                busy.append(
+                    f"  {tid:>8} {name:<32} {state} {wchan:<24} ran {ran:7.1f} waited {waited:7.1f}"
+                )
+        counts = ", ".join(f"{k} x{n}" for k, n in sorted(where.items(), key=lambda kv: -kv[1]))
+        lines.append(f"== {server.name} (pid {server.pid}): {len(now)} threads: {counts}")
+        lines.extend(busy)
     return "\n".join(lines)
 
 
