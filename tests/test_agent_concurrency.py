@@ -33,7 +33,18 @@ from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 from tests.agent_proc import AgentProc, ProcSpec
-from tests.faultkit import until
+from tests.faultkit import (
+    BLOCK,
+    PRODUCER_SEED,
+    Engine,
+    Side,
+    landed_intact,
+    push_registered,
+    replace,
+    settle,
+    stub,
+    until,
+)
 
 SHAPE = ModelShape(name="sm", layers=2, kv_heads=1, head_dim=8)
 SEED = 21
@@ -604,18 +615,6 @@ def test_no_thread_starts_on_a_requests_path_once_the_agents_serve(
     serve, a first pull or push (first contact included) starts no thread, nor does
     a pull whose guard word is read again while its hold has not come (the vLLM
     scheduler hands the ticket out a step before the worker holds)."""
-    from tests.faultkit import (
-        BLOCK,
-        PRODUCER_SEED,
-        Engine,
-        Side,
-        landed_intact,
-        push_registered,
-        replace,
-        settle,
-        stub,
-    )
-
     direction = Direction.PUSH if case == "push" else Direction.PULL
 
     producer = Side(Role.PRODUCER, direction, seed=PRODUCER_SEED, lease_s=60.0)

@@ -321,7 +321,8 @@ class PushWriter:
                     target.port,
                     target.engine_id,
                     target.incarnation,
-                    cancel=lambda: _failing(transfer),
+                    # (every failure is doomed first: Runtime.post's rule)
+                    cancel=lambda: transfer.meta.doomed is not None,
                 )
             except KvxferError as exc:
                 self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
@@ -468,11 +469,6 @@ class PushWriter:
             self._leases.draining[lease.request_id] = (lease, reason.text)
         else:
             self._tell_failed(lease, reason.text)
-
-
-def _failing(transfer: Transfer) -> bool:
-    """Whether ``transfer`` failed or is failing (it will never post)."""
-    return transfer.done or transfer.meta.doomed is not None
 
 
 def _same_consumer(a: wire.PushRegister, b: wire.PushRegister) -> bool:

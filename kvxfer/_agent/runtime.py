@@ -45,13 +45,6 @@ __all__ = ["ProbeVerdicts", "Runtime"]
 log = logging.getLogger("kvxfer.agent")
 
 
-def _timer(delay_s: float, fn: Callable[[Transfer], None], t: Transfer) -> None:
-    """A delayed call on a thread of its own (a runtime built without io workers)."""
-    timer = threading.Timer(delay_s, fn, (t,))
-    timer.daemon = True
-    timer.start()
-
-
 class ProbeVerdicts:
     """What the liveness probes (:mod:`kvxfer._agent.liveness`) settle transfers through.
 
@@ -92,7 +85,8 @@ class Runtime:
             lease is freed at the last one's DONE or ABORT).
         ping: Sends the liveness probes' Pings (the side channel's); None: quiet
             transfers are not probed.
-        io: Runs the probes off the progress thread (required with ``ping``).
+        io: Runs the probes off the progress thread, and a guarded pull's re-reads
+            after their delay.
     """
 
     def __init__(
@@ -106,8 +100,8 @@ class Runtime:
         lock: threading.RLock,
         readers: ReaderCount | None = None,
         *,
+        io: IoPool,
         ping: Ping | None = None,
-        io: IoPool | None = None,
     ) -> None:
         self._local = local
         self._config = local.config
@@ -118,14 +112,12 @@ class Runtime:
         self._lock = lock
         self._tick_hooks: list[Callable[[], None]] = []
         self._settler = Settler(backend, peers, receptions, stats, lock)
-        later = io.later if io is not None else _timer
-        self._guards = GuardReads(backend, self._settler, stats, lock, self.lease_over, later)
+        self._guards = GuardReads(backend, self._settler, stats, lock, self.lease_over, io.later)
         self._loop = ProgressLoop(
             self._config, self._tick, self._settler.transfers, leases, lambda: self.closed
         )
         self._liveness: Liveness | None = None  # probes quiet transfers
         if ping is not None:
-            assert io is not None, "probes run on io workers"
             self._liveness = Liveness(ping, io.submit, ProbeVerdicts(self), self._count_probe)
         # A producer's FAILED notice says its writes ended: quiet (R-SAFE-5).
         quiet_fail = functools.partial(self._settler.fail, quiet=True)
