@@ -33,27 +33,19 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 from kvxfer._agent.assembly import assemble, check_backend, open_backend
-from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import Peer
-from kvxfer._agent.push_write import Write
 from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend
-from kvxfer.core import blocks
 from kvxfer.core.blocks import BlockIds
 from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.core.layout import KVLayout
-from kvxfer.errors import ConfigError
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import Transfer
-from kvxfer.types import Direction
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 
@@ -84,15 +76,13 @@ class Agent:
             backend = open_backend(config, self.agent_name)
         check_backend(config, backend)
         self.backend = backend
-        self._stages = backend.capabilities.stages_through_host  # stage_out / stage_in do something
         self.stats_counters = AgentStats()
         parts = assemble(self._local, backend, self.stats_counters)
         self._lock, self._runtime, self._io_pool = parts.lock, parts.runtime, parts.io
         self._side, self._answers, self._peers = parts.side, parts.answers, parts.peers
-        self._leases, self._holds, self._push = parts.leases, parts.holds, parts.push
+        self._producer, self._push = parts.producer, parts.push
         self._puller, self._receiver = parts.puller, parts.receiver
-        self._receptions = parts.receptions
-        self._registrar = parts.registrar
+        self._receptions, self._registrar = parts.receptions, parts.registrar
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -211,9 +201,7 @@ class Agent:
             RegistrationError: no memory registered yet.
             PlanError: a block id that is not an integer, out of range or repeated.
         """
-        local = self._local.block_groups(block_ids)
-        if self._stages:
-            self.backend.stage_out(list(local))
+        self._producer.stage_out(block_ids)
 
     def hold(
         self,
@@ -260,64 +248,38 @@ class Agent:
             PlanError: a block id that is not an integer, out of range or repeated, or
                 a block count that does not fit ``num_tokens`` (nothing is held).
         """
-        local = self._local.block_groups(block_ids)
-        self._local.check_counts(local, num_tokens, 0)
-        groups = blocks.to_wire(local)
-        expiry = time.time() + (self.config.lease_s if lease_s is None else lease_s)
-        address = self._side.address if self._side.serving else ("", 0)
-        if self._stages and self.config.direction is Direction.PULL and not staged:
-            # host bounce: the consumer reads the staging buffers, so fill them first
-            # (a push stages each slice as it writes it: Backend.post_engine).
-            self.backend.stage_out(list(local))
-        writes: list[Write] = []
-        with self._lock:
-            held = self._holds.hold(
-                request_id,
-                groups,
-                num_tokens,
-                expiry,
-                address,
-                capability=capability,
-                guard=guard,
-                pin=pin,
-            )
-            if isinstance(held, Ticket):
-                return held  # freed at once: its consumer was done before
-            lease, ticket = held
-            if self.config.direction is Direction.PUSH and lease.targets:
-                writes = self._push.start(lease)
-        self._push.post_inline(writes)  # outside the lock: a post may copy every byte
-        if self.config.direction is Direction.PULL:
-            # The lease wants the progress thread's faster pace (see Runtime._run); a
-            # push has nothing to poll until its writer posted, which wakes the thread.
-            self._runtime.nudge()
-        return ticket
+        return self._producer.hold(
+            request_id,
+            block_ids,
+            num_tokens,
+            lease_s=lease_s,
+            staged=staged,
+            capability=capability,
+            guard=guard,
+            pin=pin,
+        )
 
     def stream(self, request_id: str, block_ids: BlockIds, num_tokens: int) -> None:
         """push_stream: write the blocks prefill has closed so far (R-XFER-3).
 
         Only whole blocks before ``num_tokens`` go now; :meth:`hold` writes the rest.
+
+        Raises:
+            ConfigError: ``push_stream`` is off.
         """
-        if not self.config.push_stream:
-            raise ConfigError("push_stream", False, "stream() needs push_stream enabled")
-        groups = blocks.to_wire(self._local.block_groups(block_ids))
-        self._push.stream(request_id, groups, num_tokens)
+        self._producer.stream(request_id, block_ids, num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Release a request's blocks at once (abort before or instead of the transfer)."""
-        with self._lock:
-            return self._leases.free(request_id, FreeReason.RELEASED)
+        return self._producer.release(request_id)
 
     def freed(self) -> list[str]:
         """Request ids whose held blocks the engine may reuse now (drained on read)."""
-        self._runtime.tick()
-        with self._lock:
-            return self._leases.drain_freed()
+        return self._producer.freed()
 
     def holding(self) -> list[str]:
         """Request ids currently held under a lease."""
-        with self._lock:
-            return list(self._leases.held)
+        return self._producer.holding()
 
     # -- consumer -------------------------------------------------------------------
     def pull(
@@ -417,10 +379,7 @@ class Agent:
     def stats(self) -> AgentStats:
         """A copy of the agent's counters."""
         with self._lock:
-            c = self.stats_counters
-            return msgspec.structs.replace(
-                c, failures=dict(c.failures), failures_by_stage=dict(c.failures_by_stage)
-            )
+            return self.stats_counters.copy()
 
     def close(self) -> None:
         """Stop serving, fail what is in flight, release every handle; idempotent."""

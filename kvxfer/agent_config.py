@@ -167,6 +167,12 @@ class AgentStats(msgspec.Struct, kw_only=True):
     quarantine_s_total: float = 0.0
     quarantine_s_max: float = 0.0
 
+    def copy(self) -> AgentStats:
+        """A snapshot: the counters and copies of their dicts (taken under the agent lock)."""
+        return msgspec.structs.replace(
+            self, failures=dict(self.failures), failures_by_stage=dict(self.failures_by_stage)
+        )
+
     def failure_accounting(self) -> dict[str, object]:
         """The failure counters (issue 16) as one JSON-able dict (``demo/bench --json``)."""
         return {

@@ -17,6 +17,7 @@ from kvxfer._agent.holds import HoldDesk
 from kvxfer._agent.leases import Lease, LeaseBook
 from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import PeerCache
+from kvxfer._agent.producer import Producer
 from kvxfer._agent.pull import Puller
 from kvxfer._agent.push_receive import PushReceiver
 from kvxfer._agent.push_write import PushWriter
@@ -80,11 +81,10 @@ class Parts:
         peers: Handshaken peers.
         side: The side channel: its server and every message this agent sends.
         io: Worker threads for side-channel requests.
-        leases: A producer's holds.
         receptions: A consumer's push receptions awaited.
         runtime: Posting, settling and the progress loop.
         push: A push producer's writes.
-        holds: A producer's holds as the engine and peers see them.
+        producer: A producer's hold, stream, release and freed calls.
         answers: What the side channel does with the messages after a handshake.
         puller: A consumer's pulls.
         receiver: A consumer's push receptions.
@@ -96,11 +96,10 @@ class Parts:
     peers: PeerCache
     side: SideChannel
     io: IoPool
-    leases: LeaseBook
     receptions: Receptions
     runtime: Runtime
     push: PushWriter
-    holds: HoldDesk
+    producer: Producer
     answers: Answers
     puller: Puller
     receiver: PushReceiver
@@ -151,11 +150,10 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         peers=peers,
         side=side,
         io=io,
-        leases=leases,
         receptions=receptions,
         runtime=runtime,
         push=push,
-        holds=holds,
+        producer=Producer(local, backend, holds, push, leases, runtime, side, lock),
         answers=answers,
         puller=Puller(local, peers, runtime, side, io, tp, group),
         receiver=PushReceiver(local, runtime, receptions, side, io, group, backend.agent_name),
