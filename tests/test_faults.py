@@ -707,6 +707,52 @@ def test_a_push_lease_expires_on_time_while_its_write_waits_for_a_mute_consumer(
         producer.close()
 
 
+def test_a_consumer_mute_in_its_handshake_holds_no_other_consumers_push() -> None:
+    """A consumer registered and then took the producer's Hello without answering (a
+    decode instance frozen or overloaded at its first contact). Its lease is long, so
+    the handshake goes on trying (5 s a try); pushes to other consumers meanwhile are
+    written at once, not queued behind it on the one writer thread. Freeing the mute
+    one's hold gives its handshake up."""
+    producer = Side(Role.PRODUCER, Direction.PUSH, seed=PRODUCER_SEED, lease_s=60.0)
+    consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=10.0)
+    engine = Engine(producer)
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)  # takes the producer's Hello, never answers
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    stranger = Stranger(producer.host, producer.port, Direction.PUSH)
+    try:
+        ack = stranger.request(
+            wire.PushRegister(
+                request_id="mute",
+                engine_id="decode-mute",
+                incarnation=7,
+                block_ids=((5, 6),),
+                num_tokens=2 * BLOCK,
+                host="127.0.0.1",
+                port=port,
+            )
+        )
+        assert isinstance(ack, wire.Ack), ack
+        engine.hold("mute", [3, 4])
+        assert mute.poll(3000), "the producer's Hello never arrived"
+        for i, (src, dst) in enumerate((([9, 10], [7, 8]), ([11, 12], [13, 14]))):
+            t = consumer.agent.expect_push(stub(producer, f"next{i}"), dst, num_tokens=2 * BLOCK)
+            push_registered(producer, f"next{i}")
+            engine.hold(f"next{i}", src)
+            took = settle(t, 10.0, engine)
+            assert t.state is TransferState.DONE, t.error
+            assert landed_intact(consumer, dst, src)
+            assert took < 2.0, f"push {i} waited {took:.1f}s behind the mute consumer"
+        assert "mute" in producer.agent.holding()
+        assert producer.agent.release("mute")
+        assert engine.wait_freed("mute", 5.0) < 1.0
+    finally:
+        stranger.close()
+        mute.close(linger=0)
+        consumer.close()
+        producer.close()
+
+
 def test_a_failed_read_releases_the_producers_lease_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:

@@ -131,7 +131,7 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
     runtime = Runtime(
         local, backend, peers, leases, receptions, stats, lock, readers, ping=side.ping, io=io
     )
-    push = PushWriter(local, backend, runtime, peers, leases, lock)
+    push = PushWriter(local, backend, runtime, peers, leases, lock, io)
     if config.direction is Direction.PUSH:
         # A lease whose consumer registers after its hold() is written by a tick.
         runtime.add_tick_hook(push.resume)

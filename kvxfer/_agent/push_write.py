@@ -31,6 +31,7 @@ from kvxfer._agent.readers import MAX_READERS
 from kvxfer._agent.receptions import NOTICE_REUSE_S
 from kvxfer._agent.runtime import Runtime
 from kvxfer._agent.tp_push_write import WritePlanner
+from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp
 from kvxfer.core import blocks, wire
@@ -44,6 +45,14 @@ __all__ = ["PushWriter", "Write"]
 log = logging.getLogger("kvxfer.agent")
 # Per-request timestamps for benchmarks (kvxfer.adapters.vllm.timeline turns it on).
 _timeline = logging.getLogger("kvxfer.timeline")
+
+
+#: A consumer rank's side channel and identity: host, port, engine id, incarnation.
+_Key = tuple[str, int, str, int]
+
+
+def _key(target: wire.PushRegister) -> _Key:
+    return (target.host, target.port, target.engine_id, target.incarnation)
 
 
 class Write(msgspec.Struct):
@@ -66,9 +75,10 @@ class PushWriter:
         local: Identity, registered memory and message signing.
         backend: The transport (notices of streamed or failed writes).
         runtime: Posts and settles the writes.
-        peers: The consumers, handshaken on the writer thread.
+        peers: The consumers, handshaken on io workers.
         leases: The producer's leases, which the writes serve.
         lock: The agent lock; the methods documented as such run under it.
+        io: Worker threads for first-contact handshakes with consumers.
     """
 
     def __init__(
@@ -79,6 +89,7 @@ class PushWriter:
         peers: PeerCache,
         leases: LeaseBook,
         lock: threading.RLock,
+        io: IoPool,
     ) -> None:
         self._local = local
         self._config = local.config
@@ -88,6 +99,12 @@ class PushWriter:
         self._leases = leases
         self._lock = lock
         self._pusher = SerialWorker("kvxfer-push")
+        self._io = io
+        # Writes to a consumer whose first-contact handshake runs on an io worker, in
+        # order, by its address and identity. Touched on the writer thread only (read
+        # elsewhere): a slow consumer's handshake never holds the other consumers'
+        # writes queued behind it on the one writer thread.
+        self._parked: dict[_Key, list[Write]] = {}
         self._planner = WritePlanner(local, lock)
         mode = self._config.push_post
         # A staging backend's post also copies the blocks out on the CPU first.
@@ -116,9 +133,8 @@ class PushWriter:
         on the engine's thread)."""
         for job in writes:
             target = job.target
-            peer = self._peers.cached(
-                target.host, target.port, target.engine_id, target.incarnation
-            )
+            key = _key(target)
+            peer = None if key in self._parked else self._peers.cached(*key)
             if peer is None:
                 self._pusher.submit(self._post_write, job)
                 continue
@@ -276,8 +292,9 @@ class PushWriter:
         the consumer rank of ``slot`` (R-XFER-2/3).
 
         The handshake with the consumer (which can take a timeout when it is gone) runs
-        on the push worker, never under the lock. One worker keeps a request's writes in
-        order. Each write's notice names the blocks it covers, and the last one says it
+        on an io worker, never under the lock, while the writes to that consumer wait in
+        order and the writer thread goes on with other consumers'. One writer keeps a
+        request's writes in order. Each write's notice names the blocks it covers, and the last one says it
         is final, so the consumer settles only when no block is missing. ``engine``: the
         engine's call may post the write itself after the lock (see
         :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
@@ -312,20 +329,18 @@ class PushWriter:
     def _post_write(self, job: Write, peer: Peer | None = None) -> None:
         transfer, target = job.transfer, job.target
         if peer is None:
-            try:
-                # Given up once the write failed (its lease expired or was freed): a
-                # consumer that went mute mid-handshake must not hold the writer thread,
-                # and the writes queued behind it, for every handshake try.
-                peer = self._peers.get(
-                    target.host,
-                    target.port,
-                    target.engine_id,
-                    target.incarnation,
-                    # (every failure is doomed first: Runtime.post's rule)
-                    cancel=lambda: transfer.meta.doomed is not None,
-                )
-            except KvxferError as exc:
-                self._runtime.fail(transfer, FailureKind.HANDSHAKE, exc)
+            # On the writer thread: a consumer not connected yet is handshaken on an io
+            # worker, its writes parked in order until then (:meth:`_handshaken`).
+            key = _key(target)
+            parked = self._parked.get(key)
+            if parked is not None:
+                parked.append(job)
+                return
+            peer = self._peers.cached(*key)
+            if peer is None:
+                self._parked[key] = [job]
+                if not self._io.submit(self._handshake, key):  # the agent is closing
+                    self._handshaken(key, None, TransferError("the agent closed"))
                 return
         write = transfer.meta.write
         assert write is not None
@@ -364,6 +379,33 @@ class PushWriter:
                 transfer.stats.bytes,
                 int(job.final),
             )
+
+    def _handshake(self, key: _Key) -> None:
+        """On an io worker: connect to the consumer of the writes parked at ``key``."""
+        try:
+            # Given up once every write parked for it failed (its lease expired or was
+            # freed): a consumer that went mute mid-handshake keeps no io worker for
+            # every handshake try. (Every failure is doomed first: Runtime.post's rule.)
+            peer = self._peers.get(*key, cancel=lambda: self._abandoned(key))
+        except KvxferError as exc:
+            self._pusher.submit(self._handshaken, key, None, exc)
+            return
+        self._pusher.submit(self._handshaken, key, peer, None)
+
+    def _abandoned(self, key: _Key) -> bool:
+        return all(job.transfer.meta.doomed is not None for job in tuple(self._parked.get(key, ())))
+
+    def _handshaken(self, key: _Key, peer: Peer | None, error: KvxferError | None) -> None:
+        """On the writer thread: post the writes parked at ``key`` in order, or fail them."""
+        for job in self._parked.pop(key, []):
+            if peer is None:
+                assert error is not None
+                self._runtime.fail(job.transfer, FailureKind.HANDSHAKE, error)
+                continue
+            try:
+                self._post_write(job, peer)
+            except Exception as exc:  # one write's failure must not strand the others
+                self._runtime.fail(job.transfer, FailureKind.POST, exc)
 
     def _pushed_notice(
         self,
