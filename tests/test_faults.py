@@ -657,6 +657,27 @@ def test_a_producer_dying_before_answering_a_push_registration_fails_it_within_t
     assert "refused" in str(t.error)
 
 
+def _mute_registration(producer: Side, engine_id: str, incarnation: int) -> tuple[Any, Stranger]:
+    """Register blocks 5-6 of request "mute" with ``producer`` for a consumer whose side
+    channel takes the producer's Hello and never answers; returns that socket and the
+    stranger that sent the registration (close both)."""
+    mute = zmq.Context.instance().socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    stranger = Stranger(producer.host, producer.port, Direction.PUSH)
+    register = wire.PushRegister(
+        request_id="mute",
+        engine_id=engine_id,
+        incarnation=incarnation,
+        block_ids=((5, 6),),
+        num_tokens=2 * BLOCK,
+        host="127.0.0.1",
+        port=port,
+    )
+    ack = stranger.request(register)
+    assert isinstance(ack, wire.Ack), ack
+    return mute, stranger
+
+
 def test_a_push_lease_expires_on_time_while_its_write_waits_for_a_mute_consumer() -> None:
     """A consumer registered, then stopped answering: it took the producer's handshake
     connection and died before its reply (a fault schedule on a loaded CI host: the
@@ -667,24 +688,9 @@ def test_a_push_lease_expires_on_time_while_its_write_waits_for_a_mute_consumer(
     producer = Side(Role.PRODUCER, Direction.PUSH, seed=PRODUCER_SEED, lease_s=0.6)
     consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=10.0)
     engine = Engine(producer)
-    ctx = zmq.Context.instance()
-    mute = ctx.socket(zmq.ROUTER)  # takes the producer's Hello, never answers
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
-    stranger = Stranger(producer.host, producer.port, Direction.PUSH)
+    mute, stranger = _mute_registration(producer, consumer.name, consumer.agent.incarnation)
     before = np.concatenate([r[[5, 6]] for r in consumer.cache.regions])
     try:
-        ack = stranger.request(
-            wire.PushRegister(
-                request_id="mute",
-                engine_id=consumer.name,
-                incarnation=consumer.agent.incarnation,
-                block_ids=((5, 6),),
-                num_tokens=2 * BLOCK,
-                host="127.0.0.1",
-                port=port,
-            )
-        )
-        assert isinstance(ack, wire.Ack), ack
         engine.hold("mute", [3, 4])
         assert mute.poll(3000), "the producer's Hello never arrived"
         took = engine.wait_freed("mute", 5.0)
@@ -716,23 +722,8 @@ def test_a_consumer_mute_in_its_handshake_holds_no_other_consumers_push() -> Non
     producer = Side(Role.PRODUCER, Direction.PUSH, seed=PRODUCER_SEED, lease_s=60.0)
     consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=10.0)
     engine = Engine(producer)
-    ctx = zmq.Context.instance()
-    mute = ctx.socket(zmq.ROUTER)  # takes the producer's Hello, never answers
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
-    stranger = Stranger(producer.host, producer.port, Direction.PUSH)
+    mute, stranger = _mute_registration(producer, "decode-mute", 7)
     try:
-        ack = stranger.request(
-            wire.PushRegister(
-                request_id="mute",
-                engine_id="decode-mute",
-                incarnation=7,
-                block_ids=((5, 6),),
-                num_tokens=2 * BLOCK,
-                host="127.0.0.1",
-                port=port,
-            )
-        )
-        assert isinstance(ack, wire.Ack), ack
         engine.hold("mute", [3, 4])
         assert mute.poll(3000), "the producer's Hello never arrived"
         for i, (src, dst) in enumerate((([9, 10], [7, 8]), ([11, 12], [13, 14]))):

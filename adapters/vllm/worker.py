@@ -62,12 +62,15 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 #: Staged-but-not-yet-held prompts remembered at most (the rest are staged again).
 _STAGED_KEEP = 4096
 
-#: Push consumer: the longest an idle step (vLLM scheduled nothing) waits for a push
-#: to land before it returns. vLLM's engine loop re-runs an empty step every ~1 ms
-#: while a request waits for its KV, for as long as the remote prefill runs; on a
-#: small host those steps took CPU from that very prefill. Waiting here on an event
-#: (set when a reception settles) turns the loop into a sleep; the cap bounds how long
-#: a request arriving meanwhile waits for the engine to look at it.
+#: Consumer: the longest an idle step (vLLM scheduled nothing) waits for a load to
+#: settle before it returns. vLLM's engine loop re-runs an empty step every ~1 ms
+#: while a request waits for its KV (a push: for as long as the remote prefill runs; a
+#: pull: its first contact's handshake, a READ over TCP), and a TP group's workers spin
+#: with it; on a small host those steps took the CPU from the very producer they wait
+#: for (a TP1 producer got 2 % of a core for 10 s while its TP2 consumer's workers
+#: spun, and its handshake went unanswered: issue 25). Waiting here on an event (set
+#: when a load settles) turns the loop into a sleep; the cap bounds how long a request
+#: arriving meanwhile waits for the engine to look at it.
 IDLE_WAIT_S = 0.02
 
 
@@ -131,11 +134,9 @@ class WorkerSide:
         self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
         self._producer = config.role is not Role.CONSUMER
         self._interval = _Interval(push=config.direction is Direction.PUSH)
-        self._push_consumer = (
-            config.direction is Direction.PUSH and config.role is not Role.PRODUCER
-        )
+        self._consumer = config.role is not Role.PRODUCER
         self._idle_step = False  # the current step forwards nothing
-        self._landed = threading.Event()  # a push reception settled
+        self._landed = threading.Event()  # a load settled
         agent.register(layout, defer=defer_registration)
         agent.serve()
 
@@ -320,7 +321,7 @@ class WorkerSide:
             self._fail_load(load.request_id, load.local_blocks, str(exc))
             return
         self._inflight[load.request_id] = transfer
-        if self._push_consumer:
+        if self._consumer:
             transfer.add_done_callback(self._on_landed)
         timeline.mark("d_load", load.request_id)
 
@@ -352,7 +353,7 @@ class WorkerSide:
         :meth:`block_ids_with_load_errors` in the same step, as vLLM requires. Every id
         is reported once, and only ids vLLM still holds (vLLM asserts on others).
         """
-        if self._idle_step and self._push_consumer and self._inflight:
+        if self._idle_step and self._consumer and self._inflight:
             self._await_landing()
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
@@ -394,8 +395,8 @@ class WorkerSide:
         self._landed.set()  # on the settling thread: quick, never raises
 
     def _await_landing(self) -> None:
-        """An idle step of a push consumer: sleep until a reception settles (the
-        agent's progress thread drains the notices) or :data:`IDLE_WAIT_S` passed."""
+        """An idle step of a consumer: sleep until a load settles (a pull's READ
+        completes, a push's notices are drained) or :data:`IDLE_WAIT_S` passed."""
         self._landed.clear()
         if any(t.done for t in self._inflight.values()):
             return

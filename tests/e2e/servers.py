@@ -124,15 +124,27 @@ def _history(
             then = before.get(name, {})
             ran = waited = 0.0
             awake = []
-            for tid, (_, state, wchan, run, wait) in threads.items():
+            busiest: list[tuple[float, float, str]] = []
+            for tid, (comm, state, wchan, run, wait) in threads.items():
                 run0, wait0 = then.get(tid, ("", "", "", run, wait))[3:]
                 ran += (run - run0) / 1e6
                 waited += (wait - wait0) / 1e6
+                busiest.append(((run - run0) / 1e6, (wait - wait0) / 1e6, f"{tid}/{comm}"))
                 if state != "S":
                     awake.append(f"{tid}:{state}:{wchan}")
             lines.append(
                 f"t+{t - start:6.1f}s {name:<40} ran {ran:8.1f} waited {waited:8.1f} "
                 f"{' '.join(awake)}"
+            )
+            # Which threads took the CPU, and which waited most for one (spinners
+            # and the starved), three of each.
+            top = sorted(busiest, reverse=True)[:3]
+            starved = sorted(busiest, key=lambda b: b[1], reverse=True)[:3]
+            lines.append(
+                "          ran most: "
+                + ", ".join(f"{who} {r:.0f}/{w:.0f}" for r, w, who in top)
+                + "; waited most: "
+                + ", ".join(f"{who} {r:.0f}/{w:.0f}" for r, w, who in starved)
             )
     return "\n".join(lines) + "\n"
 

@@ -68,9 +68,15 @@ def _ticket(blocks: list[int], tokens: int = 100) -> dict[str, Any]:
     }
 
 
-def _side(role: Role, direction: Direction = Direction.PULL, **kw: Any) -> SchedulerSide:
+def _side(
+    role: Role, direction: Direction = Direction.PULL, engine_id: str = "", **kw: Any
+) -> SchedulerSide:
     return SchedulerSide(
-        engine_id=f"{role.value}-0", role=role, direction=direction, block_size=BS, **kw
+        engine_id=engine_id or f"{role.value}-0",
+        role=role,
+        direction=direction,
+        block_size=BS,
+        **kw,
     )
 
 
@@ -398,7 +404,9 @@ def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, Schedu
     p = _worker("kv_producer", direction, _caches(fill=True))
     c = _worker("kv_consumer", direction, _caches(fill=False))
     d = Direction(direction)
-    ps, cs = _side(Role.PRODUCER, d), _side(Role.CONSUMER, d)
+    # The scheduler sides name their workers' engines (a pull's handshake checks it).
+    ps = _side(Role.PRODUCER, d, engine_id=p.agent.config.engine_id)
+    cs = _side(Role.CONSUMER, d, engine_id=c.agent.config.engine_id)
     info = p.handshake_info()
     ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
     return p, c, ps, cs

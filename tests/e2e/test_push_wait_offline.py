@@ -1,4 +1,4 @@
-"""A waiting push consumer costs little: its idle steps sleep until the push lands.
+"""A waiting consumer costs little: its idle steps sleep until its load lands.
 
 No engine: the worker side on real Agents over the fake backend (the helpers of
 ``test_adapter_offline``), the scheduler side with plain request objects, and
@@ -46,15 +46,19 @@ def test_a_step_plan_says_whether_vllm_scheduled_nothing() -> None:
     assert not s.build_step_plan().idle  # unknown: never treated as idle
 
 
-def test_an_idle_push_consumer_step_sleeps_until_its_push_lands(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_an_idle_consumer_step_sleeps_until_its_load_lands(
+    monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    """Registered for a push the producer has not written: an idle step waits (up to
-    IDLE_WAIT_S) instead of returning at once, a step with work never waits, and the
-    landing wakes a waiting idle step early."""
+    """Registered for a push the producer has not written, or pulling a ticket the
+    producer has not held yet (vLLM's scheduler hands it out a step before the worker
+    holds): an idle step waits (up to IDLE_WAIT_S) instead of returning at once, a step
+    with work never waits, and the landing wakes a waiting idle step early. (Before,
+    a pull consumer's idle steps returned at once: vLLM's loop and a TP group's workers
+    spun while a pull waited, on the CPU its producer needed.)"""
     wait_s = 1.0
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", wait_s)
-    p, c, ps, cs = _pair("push")
+    p, c, ps, cs = _pair(mode)
     try:
         prod_req = FakeRequest(
             "cmpl-w-0-00000001", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED"
@@ -64,7 +68,7 @@ def test_an_idle_push_consumer_step_sleeps_until_its_push_lands(
         cons_req = FakeRequest("cmpl-w-0-00000002", params, num_prompt_tokens=70)
         n, _ = cs.get_num_new_matched_tokens(cons_req, 0)
         cs.update_state_after_alloc(cons_req, [[9, 10, 11]], n, 0)
-        c.start_step(cs.build_step_plan({}))  # registers; vLLM scheduled nothing
+        c.start_step(cs.build_step_plan({}))  # registers or pulls; vLLM scheduled nothing
         acc = _new_acc()
         t0 = time.monotonic()
         _results(c, acc)

@@ -13,9 +13,10 @@ are not thread-safe.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,6 +182,15 @@ class RawNixl:
         Returns:
             seconds from the first ``make_prepped_xfer`` to the last DONE.
         """
+        makers = [
+            functools.partial(self._nixl.make_prepped_xfer, op, local, lids, remote, rids, notif)
+            for local, lids, remote, rids in posts
+        ]
+        return self._post_all(op, makers, timeout_s)
+
+    def _post_all(self, op: str, makers: Sequence[Callable[[], Any]], timeout_s: float) -> float:
+        """Make and post one transfer per maker, all before polling any, then wait for
+        them all; returns seconds from the first make to the last DONE."""
         deadline = time.monotonic() + timeout_s
         self._idle.clear()
         handles: list[Any] = []
@@ -188,12 +198,8 @@ class RawNixl:
             with self._lock:
                 t0 = time.perf_counter()
                 states = []
-                for local, local_ids, remote, remote_ids in posts:
-                    handles.append(
-                        self._nixl.make_prepped_xfer(
-                            op, local, local_ids, remote, remote_ids, notif
-                        )
-                    )
+                for make in makers:
+                    handles.append(make())
                     states.append(self._nixl.transfer(handles[-1]))
                 states = self._wait_all(handles, states, deadline)
                 t1 = time.perf_counter()
@@ -232,25 +238,8 @@ class RawNixl:
         Returns:
             seconds from building the first lists to the last DONE.
         """
-        deadline = time.monotonic() + timeout_s
-        self._idle.clear()
-        handles: list[Any] = []
-        try:
-            with self._lock:
-                t0 = time.perf_counter()
-                states = []
-                for runs, peer in posts:
-                    handles.append(self._runs_xfer(op, runs, peer, notif))
-                    states.append(self._nixl.transfer(handles[-1]))
-                states = self._wait_all(handles, states, deadline)
-                t1 = time.perf_counter()
-                for h in handles:
-                    h.release()
-        finally:
-            self._idle.set()
-        if any(s != "DONE" for s in states):
-            raise RuntimeError(f"raw NIXL {op}s of runs ended in states {states}")
-        return t1 - t0
+        makers = [functools.partial(self._runs_xfer, op, runs, peer, notif) for runs, peer in posts]
+        return self._post_all(op, makers, timeout_s)
 
     def time_request(
         self,
