@@ -296,9 +296,8 @@ class PushWriter:
         order and the writer thread goes on with other consumers'. One writer keeps a
         request's writes in order. Each write's notice names the blocks it covers, and
         the last one says it is final, so the consumer settles only when no block is
-        missing. ``engine``: the
-        engine's call may post the write itself after the lock (see
-        :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
+        missing. ``engine``: the engine's call may post the write itself after the lock
+        (see :class:`~kvxfer.agent_config.PushPost`), when the writer has nothing queued
         that it could overtake; the write is then returned instead of queued.
         """
         target = slot.register
