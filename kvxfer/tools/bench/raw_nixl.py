@@ -146,20 +146,24 @@ class RawNixl:
         Returns:
             ``(seconds from make_prepped_xfer to DONE, seconds of make_prepped_xfer)``.
         """
+        make = functools.partial(
+            self._nixl.make_prepped_xfer, op, local, local_ids, remote, remote_ids, notif
+        )
+        return self._post_one(op, make, timeout_s)
+
+    def _post_one(self, op: str, make: Callable[[], Any], timeout_s: float) -> tuple[float, float]:
+        """Make one transfer, post it and busy-poll it to completion; returns ``(seconds
+        from the make to DONE, seconds of the make)``."""
         deadline = time.monotonic() + timeout_s
         self._idle.clear()
         try:
             with self._lock:
                 t0 = time.perf_counter()
-                handle = self._nixl.make_prepped_xfer(
-                    op, local, local_ids, remote, remote_ids, notif
-                )
+                handle = make()
                 t1 = time.perf_counter()
                 state = self._nixl.transfer(handle)
-                while state == "PROC":
+                while state == "PROC" and time.monotonic() < deadline:
                     state = self._nixl.check_xfer_state(handle)
-                    if time.monotonic() > deadline:
-                        break
                 t2 = time.perf_counter()
                 handle.release()
         finally:
@@ -268,23 +272,9 @@ class RawNixl:
         Returns:
             ``(seconds from building the lists to DONE, seconds to build and initialize)``.
         """
-        deadline = time.monotonic() + timeout_s
-        self._idle.clear()
-        try:
-            with self._lock:
-                t0 = time.perf_counter()
-                handle = self._runs_xfer(op, runs, peer, notif)
-                t1 = time.perf_counter()
-                state = self._nixl.transfer(handle)
-                while state == "PROC" and time.monotonic() < deadline:
-                    state = self._nixl.check_xfer_state(handle)
-                t2 = time.perf_counter()
-                handle.release()
-        finally:
-            self._idle.set()
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL {op} of runs ended in state {state}")
-        return t2 - t0, t1 - t0
+        return self._post_one(
+            op, functools.partial(self._runs_xfer, op, runs, peer, notif), timeout_s
+        )
 
     def wait_notif(self, tag: bytes, timeout_s: float, poll_s: float = 0.0002) -> float:
         """Poll for a notification carrying ``tag``; returns when it was seen."""
