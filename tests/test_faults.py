@@ -744,6 +744,39 @@ def test_a_consumer_mute_in_its_handshake_holds_no_other_consumers_push() -> Non
         producer.close()
 
 
+def test_a_write_parked_as_its_consumers_handshake_was_given_up_is_handshaken_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer's handshake is given up once every write parked for it has failed (a
+    mute consumer's leases expired); a write to the same consumer parked just as that
+    was decided is still live and must not fail with the given-up handshake: it gets
+    a handshake of its own and lands."""
+    producer = Side(Role.PRODUCER, Direction.PUSH, seed=PRODUCER_SEED, lease_s=60.0)
+    consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=10.0)
+    engine = Engine(producer)
+    writer = producer.agent._push
+    parked: list[Any] = []
+    try:
+        t = consumer.agent.expect_push(stub(producer, "late"), [7, 8], num_tokens=2 * BLOCK)
+        push_registered(producer, "late")
+        # The write parks; its handshake is held back, as if still running.
+        monkeypatch.setattr(writer, "_handshake", parked.append)
+        engine.hold("late", [3, 4])
+        deadline = time.monotonic() + 5
+        while not parked:
+            assert time.monotonic() < deadline, "the write never parked"
+            time.sleep(0.001)
+        monkeypatch.undo()
+        gave_up = KvxferError("handshake given up: every write parked for it had failed")
+        writer._pusher.submit(writer._handshaken, parked[0], None, gave_up, True)
+        settle(t, 10.0, engine)
+        assert t.state is TransferState.DONE, t.error
+        assert landed_intact(consumer, [7, 8], [3, 4])
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_a_failed_read_releases_the_producers_lease_at_once(
     pull: tuple[Side, Engine, Side],
 ) -> None:

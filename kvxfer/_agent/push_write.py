@@ -340,7 +340,7 @@ class PushWriter:
             if peer is None:
                 self._parked[key] = [job]
                 if not self._io.submit(self._handshake, key):  # the agent is closing
-                    self._handshaken(key, None, TransferError("the agent closed"))
+                    self._handshaken(key, None, TransferError("the agent closed"), False)
                 return
         write = transfer.meta.write
         assert write is not None
@@ -382,22 +382,40 @@ class PushWriter:
 
     def _handshake(self, key: _Key) -> None:
         """On an io worker: connect to the consumer of the writes parked at ``key``."""
-        try:
+        gave_up = False
+
+        def cancel() -> bool:
             # Given up once every write parked for it failed (its lease expired or was
             # freed): a consumer that went mute mid-handshake keeps no io worker for
             # every handshake try. (Every failure is doomed first: Runtime.post's rule.)
-            peer = self._peers.get(*key, cancel=lambda: self._abandoned(key))
+            nonlocal gave_up
+            gave_up = self._abandoned(key)
+            return gave_up
+
+        try:
+            peer = self._peers.get(*key, cancel=cancel)
         except KvxferError as exc:
-            self._pusher.submit(self._handshaken, key, None, exc)
+            self._pusher.submit(self._handshaken, key, None, exc, gave_up)
             return
-        self._pusher.submit(self._handshaken, key, peer, None)
+        self._pusher.submit(self._handshaken, key, peer, None, False)
 
     def _abandoned(self, key: _Key) -> bool:
         return all(job.transfer.meta.doomed is not None for job in tuple(self._parked.get(key, ())))
 
-    def _handshaken(self, key: _Key, peer: Peer | None, error: KvxferError | None) -> None:
-        """On the writer thread: post the writes parked at ``key`` in order, or fail them."""
-        for job in self._parked.pop(key, []):
+    def _handshaken(
+        self, key: _Key, peer: Peer | None, error: KvxferError | None, gave_up: bool
+    ) -> None:
+        """On the writer thread: post the writes parked at ``key`` in order, or fail
+        them. A handshake given up because its writes had failed says nothing of the
+        consumer: a write parked after that decision is handshaken for anew."""
+        jobs = self._parked.pop(key, [])
+        live = [job for job in jobs if job.transfer.meta.doomed is None]
+        if peer is None and gave_up and live:
+            self._parked[key] = live
+            if self._io.submit(self._handshake, key):
+                return
+            del self._parked[key]  # the agent is closing
+        for job in jobs:
             if peer is None:
                 assert error is not None
                 self._runtime.fail(job.transfer, FailureKind.HANDSHAKE, error)
