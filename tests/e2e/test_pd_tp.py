@@ -79,9 +79,8 @@ PAIRS = [
 #: decode ranks).
 PAIRS_TP4 = [(1, 4, "float32", mode, 2) for mode in ("pull", "push")]
 # llm-d's TP1 -> TP4 is not in `make test` for its time: both pairs (8 tests) took
-# 4 min 14 s on 2 cores (2026-12-02), which `make test`'s 15 minutes do not leave. Its
-# first pull load failed twice in four runs at load 15-28 before a pull consumer's idle
-# steps slept (the TP1 producer starved of CPU: docs/RELIABILITY.md 4.5); every pair
+# 4 min 14 s on 2 cores (2026-12-02), which `make test`'s 15 minutes do not leave. A
+# TP1 producer starved of CPU at its first loads is docs/RELIABILITY.md 4.5; every pair
 # runs with the default 10 s deadline.
 SELECTED = (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else [])
 
