@@ -59,6 +59,7 @@ connector likewise asks for an HND cache across TP sizes).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -228,12 +229,22 @@ def source_ranks(
     _check_pair(consumer, producer)
     if not _is_int(salt) or salt < 0:
         raise ConfigError("salt", salt, "must be a non-negative int")
-    out: dict[int, int] = {}
+    consumer.heads_of(consumer_rank)  # a bad rank is named before the cache sees it
+    # Only salt mod replicas picks a replica: a request's salt (a CRC) maps to one of
+    # a few cached answers, so a pull pays no per-head scan (issue 27).
+    return dict(_sources(consumer, int(consumer_rank), producer, int(salt) % producer.replicas))
+
+
+@functools.lru_cache(maxsize=256)
+def _sources(
+    consumer: HeadLayout, consumer_rank: int, producer: HeadLayout, salt: int
+) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
     for head in consumer.heads_of(consumer_rank):
         holders = producer.ranks_of(head)
         i = consumer_rank - consumer.ranks_of(head).start
-        out[head] = holders[(i + salt) % len(holders)]
-    return out
+        out.append((head, holders[(i + salt) % len(holders)]))
+    return tuple(out)
 
 
 def needed_ranks(
@@ -249,6 +260,16 @@ def reader_ranks(
     """The consumer ranks that read from ``producer_rank`` (push: the ranks it writes
     into), ascending: the inverse of :func:`needed_ranks`."""
     producer.heads_of(producer_rank)  # a bad rank is named before the scan
+    _check_pair(consumer, producer)
+    if not _is_int(salt) or salt < 0:
+        raise ConfigError("salt", salt, "must be a non-negative int")
+    return _readers(producer, int(producer_rank), consumer, int(salt) % producer.replicas)
+
+
+@functools.lru_cache(maxsize=256)
+def _readers(
+    producer: HeadLayout, producer_rank: int, consumer: HeadLayout, salt: int
+) -> tuple[int, ...]:
     return tuple(
         c
         for c in range(consumer.tp_size)
