@@ -378,11 +378,14 @@ def _progress_thread_ticks(agent: Agent) -> list[float]:
     return ticks
 
 
-def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
+def test_no_fast_polling_while_the_only_transfer_is_inside_its_post(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A transfer inside its post has nothing to poll yet, and a push producer's leases
     wait only for its own writes: the progress thread keeps its idle pace meanwhile
     instead of ticking every progress interval (with UCX over CMA, that CPU came out of
     the copy the post was doing)."""
+    monkeypatch.setattr(_progress, "WIREUP_S", 0.0)  # the handshake's fast pace: below
     agents = _push_agents(16)
     prod, prod_be, cons, cons_cache = agents.prod, agents.prod_be, agents.cons, agents.cons_cache
     ticks = _progress_thread_ticks(prod)
@@ -415,6 +418,37 @@ def test_no_fast_polling_while_the_only_transfer_is_inside_its_post() -> None:
         assert cons_cache.mismatches([3, 4], [7, 8], SEED) == 0
     finally:
         prod_be.gate.set()
+        cons.close()
+        prod.close()
+
+
+@pytest.mark.parametrize("side", ["producer", "consumer"])
+def test_a_handshake_speeds_both_sides_progress_up_for_a_while(
+    monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    """After a handshake both sides' progress threads tick at the lease pace for
+    WIREUP_S, though nothing is in flight: UCX wires the new endpoint up only as both
+    workers progress, and at the 50 ms idle nap that took 130-210 ms, which the first
+    transfer paid (issue 27). Then they go back to the idle nap."""
+    monkeypatch.setattr(_progress, "WIREUP_S", 0.6)
+    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
+    prod, _ = _agent(Role.PRODUCER, Direction.PULL, prod_cache)
+    cons, _ = _agent(Role.CONSUMER, Direction.PULL, HostKVCache(SHAPE, 16, 16))
+    try:
+        watched = prod if side == "producer" else cons
+        time.sleep(0.1)  # both threads settle into their idle nap
+        ticks = _progress_thread_ticks(watched)
+        cons.connect(*prod.address, prod.config.engine_id)
+        time.sleep(0.3)
+        fast = len(ticks)
+        # The idle nap would be at most ~7 rounds in 0.3 s; the lease pace (1 ms) is
+        # ~300, and a loaded host still gives its thread far more than 30.
+        assert fast > 30, f"{fast} rounds in the 0.3 s after a handshake"
+        time.sleep(0.6)  # past WIREUP_S
+        ticks.clear()
+        time.sleep(0.3)
+        assert len(ticks) < 3 * 0.3 / 0.05, f"{len(ticks)} rounds once wired up"
+    finally:
         cons.close()
         prod.close()
 

@@ -143,6 +143,45 @@ def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull
     assert len(builds) == choices, "a pull built a planner the connect had prepared"
 
 
+def test_connecting_ahead_uses_each_connection_once_before_the_first_pull(
+    closing: list[Rank], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Agent.connect`` uses each producer rank's new connection once, ahead of any
+    request: one read of its guard word and one WARM notice, which the producer ignores
+    (issue 27: the first pull across TP sizes paid 0.4-1.1 ms for its first guard read
+    and ~1.8 ms for its first notice). Connecting again does neither; a pull is DONE."""
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    backend = consumer.backend
+    reads: list[int] = []
+    notices: list[bytes] = []
+    real_read, real_notify = backend.post_guard_read, backend.notify
+
+    def read(peer: Any, slot: int, notification: bytes = b"") -> Any:
+        reads.append(slot)
+        return real_read(peer, slot, notification)
+
+    def notify(peer: Any, payload: bytes) -> None:
+        notices.append(payload)
+        real_notify(peer, payload)
+
+    monkeypatch.setattr(backend, "post_guard_read", read)
+    monkeypatch.setattr(backend, "notify", notify)
+    for _ in range(2):
+        for p in producers:
+            consumer.agent.connect(*p.agent.address, p.agent.config.engine_id)
+    assert reads == [0, 0]  # once per rank, however often it connects
+    assert len(notices) == 2 and all(b"warm" in n for n in notices), notices
+    remote, local = [1, 2], [3, 4]
+    t = consumer.agent.pull(_hold(producers, "after-warm", remote, 8), local)
+    t.wait(5)
+    assert t.state is TransferState.DONE, t.error
+    assert consumer.cache.mismatches(local, remote, SEED) == []
+    # The WARM notices were drained (the DONEs after them were) and not taken for bad.
+    assert [p.agent.stats().notices_failed for p in producers] == [0, 0]
+
+
 def test_a_pull_across_tp_sizes_of_blocks_a_rank_freed_fails_closed(
     closing: list[Rank],
 ) -> None:

@@ -116,7 +116,13 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         retries=config.handshake_retries,
         max_bytes=max(config.max_message_bytes, 1 << 16) * 4,
     )
-    peers = PeerCache(local, backend, client, stats, prefix)
+
+    # A handshake (either side) speeds progress up while UCX wires the endpoint up;
+    # the runtime that progresses is built below, after the cache it needs.
+    def connected() -> None:
+        runtime.wiring_up()
+
+    peers = PeerCache(local, backend, client, stats, prefix, connected)
     side = SideChannel(local, backend, client)
     io = IoPool(IO_THREADS, "kvxfer-io")
 
@@ -140,6 +146,7 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
     answers = Answers(
         handlers={wire.Release: holds.release, wire.PushRegister: push.on_register},
         hold_state=holds.state,
+        welcomed=connected,
     )
     # Producers of another TP size: several ranks per request.
     group = ProducerGroup(local, runtime, io, side)

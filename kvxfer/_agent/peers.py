@@ -63,6 +63,7 @@ class Peer:
         self.handle = handle
         self.suspect = False
         self.rails: tuple[str, ...] = ()
+        self.warmed = False  # its connection was used once ahead of any request
 
     def __repr__(self) -> str:
         return f"<Peer {self.engine_id}@{self.host}:{self.port} inc={self.incarnation:016x}>"
@@ -86,8 +87,10 @@ class PeerCache:
         client: SideChannelClient,
         stats: AgentStats,
         log_prefix: str,
+        connected: Callable[[], None] | None = None,
     ) -> None:
         self._local = local
+        self._connected = connected
         self._backend = backend
         self._client = client
         self._stats = stats
@@ -231,6 +234,8 @@ class PeerCache:
             )
         peer = Peer(host, port, info, table, handle)
         peer.rails = rails
+        if self._connected is not None:
+            self._connected()  # the new endpoint is wired up as both sides progress
         return peer
 
     def _peer_table(self, info: PeerInfo) -> DescriptorTable:

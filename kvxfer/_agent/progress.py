@@ -22,7 +22,14 @@ from kvxfer.agent_config import AgentConfig
 from kvxfer.transfer import Transfer
 from kvxfer.types import Direction
 
-__all__ = ["IDLE_NAP_S", "LEASE_TICK_S", "RECEPTION_TICK_S", "WAITED_TICK_S", "ProgressLoop"]
+__all__ = [
+    "IDLE_NAP_S",
+    "LEASE_TICK_S",
+    "RECEPTION_TICK_S",
+    "WAITED_TICK_S",
+    "WIREUP_S",
+    "ProgressLoop",
+]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -40,6 +47,12 @@ WAITED_TICK_S = 0.005
 RECEPTION_TICK_S = 0.005
 # The progress thread's sleep when nothing is in flight (an idle agent costs nothing).
 IDLE_NAP_S = 0.05
+# How long after a handshake (either side) the thread keeps the lease pace while idle.
+# NIXL connects a new peer's UCX endpoint at the handshake, but the wire-up messages
+# are answered only as each side's worker progresses: at the idle nap an 8-byte READ
+# right after the handshake took 130-210 ms (a few round trips of 50 ms naps), and the
+# first transfer paid what was left of it. A tick costs a few µs.
+WIREUP_S = 1.0
 
 
 class ProgressLoop:
@@ -73,6 +86,7 @@ class ProgressLoop:
         self.started = False  # whether the thread was started (read on every transfer)
         self._start_lock = threading.Lock()
         self.last_tick = 0.0  # monotonic time of the latest tick, by any thread
+        self._wireup_until = 0.0  # monotonic: the lease pace while idle until then
 
     def start(self) -> None:
         """Start the progress thread (once, unless closed)."""
@@ -100,6 +114,13 @@ class ProgressLoop:
         short sleeps it comes back within a millisecond anyway."""
         if self._idle_nap:
             self._wake.set()
+
+    def wiring_up(self) -> None:
+        """A peer handshook with this agent, or this agent with it: keep the lease pace
+        for :data:`WIREUP_S` so that its transport connection is wired up now rather
+        than inside the first transfer."""
+        self._wireup_until = max(self._wireup_until, time.monotonic() + WIREUP_S)
+        self.nudge()
 
     def in_flight(self) -> None:
         """A transfer went in flight: wake the thread if it sleeps longer than the
@@ -156,6 +177,8 @@ class ProgressLoop:
                 # add up to 50 ms to a pull. A tick costs a few µs. (A push producer's
                 # leases wait for its own writes, which are transfers, above.)
                 interval = LEASE_TICK_S
+            elif time.monotonic() < self._wireup_until:
+                interval = LEASE_TICK_S  # a new peer's connection is being wired up
             else:
                 interval = IDLE_NAP_S
             self._idle_nap = interval == IDLE_NAP_S

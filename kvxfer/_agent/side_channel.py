@@ -16,6 +16,7 @@ the server's worker threads (:class:`~kvxfer.io.control.SideChannelServer`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,10 +43,13 @@ class Answers:
             ``wire.PushRegister``), called on a server worker thread; its return is
             the reply. A type without one is answered as unknown.
         hold_state: Answers a Ping that names a request, on the server thread.
+        welcomed: Called when a peer's Hello is answered (its transport connection is
+            wired up next, as both sides progress).
     """
 
     handlers: Mapping[type[Any], Callable[[Any], wire.Message]]
     hold_state: HoldHook
+    welcomed: Callable[[], None] | None = None
 
 
 class SideChannel:
@@ -84,7 +88,7 @@ class SideChannel:
                 incarnation=self._local.incarnation,
                 compat_hash=self._local.compat_hash,
                 enforce_compat=config.enforce_handshake_compat,
-                local_info=self._welcome,
+                local_info=functools.partial(self._welcome, answers.welcomed),
                 identity=self._identity,
                 on_message=on_message,
                 auth_secret=config.auth_secret,
@@ -208,11 +212,13 @@ class SideChannel:
             return None
         return Identity(role=self._config.role, direction=self._config.direction, layout=exposed)
 
-    def _welcome(self) -> wire.Welcome | None:
+    def _welcome(self, welcomed: Callable[[], None] | None) -> wire.Welcome | None:
         """What this agent tells a peer in the handshake (None until registered)."""
         exposed = self._local.exposed_layout
         if exposed is None:
             return None
+        if welcomed is not None:
+            welcomed()
         config = self._config
         return wire.Welcome(
             engine_id=config.engine_id,
