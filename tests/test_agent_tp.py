@@ -182,6 +182,36 @@ def test_connecting_ahead_uses_each_connection_once_before_the_first_pull(
     assert [p.agent.stats().notices_failed for p in producers] == [0, 0]
 
 
+def test_a_pull_across_tp_sizes_tells_each_rank_done_over_the_side_channel(
+    closing: list[Rank], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each producer rank hears a pull's DONE over the side channel from an io worker,
+    as a direct pull's producer does: never as a notification on the data endpoint (on
+    UCX the next read there would complete only once that rank's worker progressed),
+    nor sent on the engine's thread. Every rank frees the request."""
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    notices: list[bytes] = []
+    real_notify = consumer.backend.notify
+
+    def notify(peer: Any, payload: bytes) -> None:
+        notices.append(payload)
+        real_notify(peer, payload)
+
+    monkeypatch.setattr(consumer.backend, "notify", notify)
+    remote, local = [1, 2], [3, 4]
+    t = consumer.agent.pull(_hold(producers, "req-sc", remote, 8), local)
+    t.wait(5)
+    assert t.state is TransferState.DONE, t.error
+    assert consumer.cache.mismatches(local, remote, SEED) == []
+    deadline = time.monotonic() + 5
+    while any("req-sc" in p.agent.holding() for p in producers):
+        assert time.monotonic() < deadline, "a producer rank never freed the request"
+        time.sleep(0.01)
+    assert notices == []
+
+
 def test_a_pull_across_tp_sizes_of_blocks_a_rank_freed_fails_closed(
     closing: list[Rank],
 ) -> None:
@@ -304,7 +334,7 @@ def test_a_producer_rank_read_by_two_decode_ranks_frees_after_both(
     closing += [producer, *consumers]
     ticket = _hold([producer], "req-two", [2, 3], 8)
     consumers[0].agent.pull(ticket, [4, 5]).wait(5)
-    time.sleep(0.05)  # its DONE notice has arrived and been handled
+    time.sleep(0.05)  # its DONE has arrived and been handled
     assert producer.agent.freed() == []
     assert "req-two" in producer.agent.holding()  # decode rank 1 has not read yet
     consumers[1].agent.pull(ticket, [6, 7]).wait(5)

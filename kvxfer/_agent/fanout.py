@@ -2,7 +2,7 @@
 
 A consumer rank whose heads live on several producer ranks (tensor-parallel sizes
 that differ, :mod:`kvxfer._agent.tp_pull`) reads one request with one sub-transfer per producer
-rank; each is an ordinary runtime transfer (its own handle, deadline, DONE notice to
+rank; each is an ordinary runtime transfer (its own handle, deadline, DONE told to
 its rank). :class:`Fanout` folds them into the one :class:`~kvxfer.transfer.Transfer`
 the engine polls:
 

@@ -13,6 +13,7 @@ many consumer ranks read each (a producer rank frees once all of them reported,
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import msgspec
@@ -115,6 +116,25 @@ class ProducerGroup:
         for rank in self.ranks(ticket) if ranks is None else ranks:
             readers = 1 if push else self.readers(ticket, producer, rank)
             self._io.submit(self._release, rank_ticket(ticket, rank), readers, me)
+
+    def read_all(self, ticket: Ticket, readers: int) -> None:
+        """Tell one producer rank (its ticket) that this rank read all it needed, as
+        reader ``tp.rank`` of its ``readers`` (the rank frees once all did): over the
+        side channel from an io worker, as a direct pull's DONE goes. A notification
+        would make the next read on that data endpoint complete only once the rank's
+        worker progressed, and would be sent on the engine's thread."""
+        if self._runtime.closed:
+            return
+        tell = functools.partial(
+            self._side.release,
+            ticket,
+            reason="",
+            done=True,
+            brief=True,
+            readers=readers,
+            reader=self.tp().rank,
+        )
+        self._io.submit(tell)
 
     def _release(self, ticket: Ticket, readers: int, reader: int) -> None:
         """Tell one producer rank (its ticket) to release, as reader ``reader`` of the

@@ -13,11 +13,13 @@ each of its heads from the one producer rank :func:`kvxfer.core.heads.source_ran
   like any peer; its ``Welcome.tp`` is compared by global head layout);
 * a :class:`~kvxfer.core.tp_plan.TPPlanner` is built once per set of peers (and
   replica choice), like the descriptor tables it indexes, and cached;
-* one sub-transfer per producer rank is posted with that rank's plan, each with its
-  own DONE notice naming how many consumer ranks read that producer rank
-  (``Notice.readers``; :mod:`kvxfer._agent.readers`): the rank frees its lease only once
-  all of them sent theirs (or a Release); :class:`~kvxfer._agent.fanout.Fanout`
-  folds them into the one Transfer the engine sees.
+* one sub-transfer per producer rank is posted with that rank's plan; each, once its
+  guard word is checked, tells its rank DONE over the side channel from an io worker
+  (a ``Release`` with ``done``, as a direct pull's DONE goes), naming how many
+  consumer ranks read that producer rank (``Release.readers``;
+  :mod:`kvxfer._agent.readers`): the rank frees its lease only once all of them sent
+  theirs; :class:`~kvxfer._agent.fanout.Fanout` folds them into the one Transfer the
+  engine sees.
 
 When any rank's handshake or planning fails nothing is posted to the others; every
 needed rank whose sub-transfer did not complete is told to release the request.
@@ -28,6 +30,7 @@ replicated head spreads its requests over the producer ranks holding it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -143,7 +146,7 @@ class TPPuller:
 
     def _released(self, ticket: Ticket, subs: dict[int, Transfer], failed: tuple[int, ...]) -> None:
         """The aggregate failed: ranks whose read did not complete free the request
-        now (the others got their DONE notice with their bytes)."""
+        now (the others were told DONE with their bytes)."""
         # A rank that did not answer its handshake cannot be told (nor does one that
         # answered as another incarnation hold the lease); one that refused to pair
         # (layout, role) can.
@@ -282,11 +285,25 @@ class TPPuller:
                 others = TransferError(f"producer rank {rp.rank}: {sub.error}")
                 self._fail_all(fanout, FailureKind.ABORTED, others)
                 return
+            pull = sub.meta.pull
+            if pull is not None and pull.guard is not None:
+                # Its DONE goes over the side channel (ProducerGroup.read_all); a failure
+                # is told by the aggregate's release (_released), which counts the ranks.
+                pull.release = functools.partial(
+                    self._read_all,
+                    job.tickets[rp.rank],
+                    self.readers(ticket, job.producer, rp.rank),
+                )
         for rp in plans:
             sub = fanout.subs[rp.rank]
             guarded = sub.meta.pull is not None and sub.meta.pull.guard is not None
             notice = b"" if guarded else notices[rp.rank]
             self._runtime.post(sub, XferOp.READ, peers[rp.rank], rp.plan, notice)
+
+    def _read_all(self, ticket: Ticket, readers: int, reason: str) -> None:
+        """A guarded sub-transfer's end (``PullState.release``): "" is DONE."""
+        if not reason:
+            self._group.read_all(ticket, readers)
 
     def _done_notice(self, job: _Job, rank: int) -> bytes:
         """Producer rank ``rank``'s DONE: it frees its lease once all its readers sent
