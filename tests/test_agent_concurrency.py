@@ -453,6 +453,45 @@ def test_a_handshake_speeds_both_sides_progress_up_for_a_while(
         prod.close()
 
 
+@pytest.mark.parametrize("direction", [Direction.PULL, Direction.PUSH], ids=["pull", "push"])
+def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direction) -> None:
+    """``Agent.connect`` from the side that posts (a pull's consumer reads, a push's
+    producer writes) uses the new connection once before any request: one read of the
+    peer's guard word and one WARM notice, which the peer ignores. Once per peer; a
+    transfer after it is DONE."""
+    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
+    cons_cache = HostKVCache(SHAPE, 16, 16)
+    prod, prod_be = _agent(Role.PRODUCER, direction, prod_cache)
+    cons, cons_be = _agent(Role.CONSUMER, direction, cons_cache)
+    pull = direction is Direction.PULL
+    poster, passive = (cons, prod) if pull else (prod, cons)
+    poster_be, passive_be = (cons_be, prod_be) if pull else (prod_be, cons_be)
+    used: list[tuple[str, object]] = []
+    for be in (poster_be, passive_be):
+        real_read, real_notify = be.post_guard_read, be.notify
+
+        def read(peer: Any, slot: int, notification: bytes = b"", _r: Any = real_read) -> Any:
+            used.append(("read", slot))
+            return _r(peer, slot, notification)
+
+        def notify(peer: Any, payload: bytes, _n: Any = real_notify) -> None:
+            used.append(("notice", b"warm" in payload))
+            _n(peer, payload)
+
+        be.post_guard_read = read  # type: ignore[method-assign]
+        be.notify = notify  # type: ignore[method-assign]
+    try:
+        for _ in range(2):
+            poster.connect(*passive.address, passive.config.engine_id)
+        assert used == [("read", 0), ("notice", True)]
+        _start(direction, prod, cons, "after-warm", [3], [5]).wait(10)
+        assert cons_cache.mismatches([5], [3], SEED) == 0
+        assert passive.stats().notices_failed == 0  # the WARM notice was not taken for bad
+    finally:
+        cons.close()
+        prod.close()
+
+
 def test_polling_many_transfers_runs_one_round_of_progress() -> None:
     """An engine polls each transfer in flight once a step; a round of progress (every
     notice, status and deadline) serves all of them, so polling 40 transfers in one

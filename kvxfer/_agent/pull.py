@@ -29,7 +29,6 @@ from kvxfer.core.blocks import BlockIds, Pairing
 from kvxfer.errors import ConfigError, KvxferError, PlanError
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, PullState, Transfer
-from kvxfer.types import Direction, Role
 
 __all__ = ["Puller"]
 
@@ -125,20 +124,8 @@ class Puller:
     def connected(self, peer: Peer) -> None:
         """The engine connected to ``peer`` ahead of its pulls: prepare what they
         need (across TP sizes, the planner; :meth:`TPPuller.prepare
-        <kvxfer._agent.tp_pull.TPPuller.prepare>`), and the connection itself
-        (:meth:`Runtime.warm_up <kvxfer._agent.runtime.Runtime.warm_up>`)."""
+        <kvxfer._agent.tp_pull.TPPuller.prepare>`)."""
         self._tp.prepare(peer)
-        config = self._local.config
-        if config.role is Role.CONSUMER and config.direction is Direction.PULL:
-            notice = self._local.encode(
-                wire.Notice(
-                    kind=wire.NoticeKind.WARM,
-                    request_id="warm-up",
-                    engine_id=config.engine_id,
-                    incarnation=self._local.incarnation,
-                )
-            )
-            self._runtime.warm_up(peer, notice)
 
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
         """:meth:`Agent.abort <kvxfer.agent.Agent.abort>`."""

@@ -35,6 +35,7 @@ from kvxfer._agent.settle import Settler
 from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
+from kvxfer.core import wire
 from kvxfer.core.blocks import Pairing
 from kvxfer.core.descriptors import Plan, plan_pairing
 from kvxfer.errors import KvxferError, PeerError, TransferError, TransferTimeout
@@ -320,19 +321,28 @@ class Runtime:
         self._loop.start()
         self._loop.wiring_up()
 
-    def warm_up(self, peer: Peer, notice: bytes) -> None:
-        """Use ``peer``'s new connection once before any request does, as a pull
-        consumer's :meth:`Agent.connect <kvxfer.agent.Agent.connect>` asks: one read of
-        its guard word (waited for, within the handshake timeout) and one ``notice``
-        (a :attr:`~kvxfer.core.wire.NoticeKind.WARM` the peer ignores). UCX finishes
-        wiring an endpoint up and picks each operation's protocol on first use: the
-        first pull across TP sizes after a connect paid 0.4-1.1 ms more for its guard
-        read and ~1.8 ms more for its DONE notice than later ones (issue 27). Once per
-        peer; a failure is only logged (the first request then pays the set-up, and
-        fails closed if the peer is gone)."""
-        if peer.warmed:
+    def warm_up(self, peer: Peer) -> None:
+        """Use ``peer``'s new connection once before any request does, when this agent
+        posts to it (:meth:`Agent.connect <kvxfer.agent.Agent.connect>`): one read of
+        its guard word (waited for, within the handshake timeout) and one
+        :attr:`~kvxfer.core.wire.NoticeKind.WARM` notice, which the peer ignores. UCX
+        finishes wiring an endpoint up and picks each operation's protocol on first
+        use: the first pull across TP sizes after a connect paid 0.4-1.1 ms more for
+        its guard read and ~1.8 ms more for its first notice than later ones (issue
+        27). Once per peer; a failure is only logged (the first request then pays the
+        set-up, and fails closed if the peer is gone)."""
+        if peer.warmed or not self._local.posts:
             return
         peer.warmed = True
+        config = self._config
+        notice = self._local.encode(
+            wire.Notice(
+                kind=wire.NoticeKind.WARM,
+                request_id="warm-up",
+                engine_id=config.engine_id,
+                incarnation=self._local.incarnation,
+            )
+        )
         backend = self._backend
         until = time.monotonic() + self._config.handshake_timeout_s
         try:
