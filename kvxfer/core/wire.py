@@ -147,7 +147,7 @@ class NoticeKind(enum.Enum):
     ABORT = "abort"  # consumer → producer: will not pull; free the blocks
     PUSHED = "pushed"  # producer → consumer: these writes have landed
     FAILED = "failed"  # producer → consumer: the push failed; recompute
-    WARM = "warm"  # consumer → producer: a new connection's first notice; ignored
+    WARM = "warm"  # the posting side → its peer: a connection's first notice; ignored
 
 
 class HoldState(enum.Enum):
