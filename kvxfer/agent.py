@@ -182,13 +182,16 @@ class Agent:
         """Handshake with the peer at ``host:port`` (cached; concurrent callers share
         it), ahead of the first transfer with it. A consumer connecting to every rank
         of a producer group of another TP size also gets its pulls' planners built
-        once the last rank it reads is connected. An agent that posts to the peer (a
+        once the last rank it reads is connected; a push's producer connecting to a
+        consumer rank of another TP size, the planners of its writes into it. An
+        agent that posts to the peer (a
         pull's consumer, a push's producer) also uses the new connection once, so that
         the first request does not pay for its set-up (:meth:`Runtime.warm_up
         <kvxfer._agent.runtime.Runtime.warm_up>`: one guard-word read, waited for
         within ``handshake_timeout_s``, and one notice the peer ignores)."""
         peer = self._peers.get(host, port, expected_engine_id, None)
         self._puller.connected(peer)
+        self._push.connected(peer)
         self._runtime.warm_up(peer)
         return peer
 

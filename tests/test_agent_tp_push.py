@@ -7,6 +7,8 @@ with every block invalid, and nothing hangs."""
 from __future__ import annotations
 
 import time
+import zlib
+from typing import Any
 
 import msgspec
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout
+from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import Transfer, TransferState
@@ -84,6 +87,55 @@ def test_push_across_tp_sizes_writes_every_head_exactly(
     whole = sum(t.stats.bytes for t in transfers)
     assert whole > 0
     assert len({t.stats.bytes for t in transfers}) == 1
+
+
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp", "planners"), [(4, 1, 2, 2), (2, 4, 1, 4)])
+def test_connecting_to_the_consumer_ranks_ahead_builds_the_write_planners(
+    closing: list[Rank],
+    monkeypatch: pytest.MonkeyPatch,
+    kv_heads: int,
+    p_tp: int,
+    d_tp: int,
+    planners: int,
+) -> None:
+    """A producer rank that connects to the consumer ranks ahead of its first push
+    (``Agent.connect``) finds the planners of its writes built (issue 27: 3-10 ms of
+    the first push): one per consumer rank it writes into. With replicated heads (2
+    heads over 4 prefill ranks) each prefill rank serves one of the two replica
+    choices; the requests' salts pick both here."""
+    builds: list[int] = []
+    build = TPPlanner.build.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
+        builds.append(kw["salt"])
+        return build(cls, *args, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TPPlanner, "build", classmethod(counted))
+    p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
+    d_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=d_tp)
+    producers, consumers = _producers(p_heads), _consumers(d_heads)
+    closing += producers + consumers
+    for c in consumers:
+        c.agent.serve()
+    for p in producers:
+        for c in consumers:
+            p.agent.connect(*c.agent.address, c.agent.config.engine_id)
+    assert len(builds) == planners, builds
+    by_parity = {zlib.crc32(f"ahead-{i}".encode()) % 2: f"ahead-{i}" for i in range(16)}
+    assert len(by_parity) == 2  # a request for each replica choice
+    for i, rid in enumerate(sorted(by_parity.values())):
+        remote, local = [i, i + 4], [i + 6, i + 2]
+        cap = wire.new_capability()
+        ticket = _ticket(producers, rid, 8, cap)
+        transfers = [c.agent.expect_push(ticket, local) for c in consumers]
+        for p in producers:
+            p.agent.hold(rid, remote, 8, capability=cap)
+        for t in transfers:
+            t.wait(5)
+            assert t.state is TransferState.DONE, t.error
+        for c in consumers:
+            assert c.cache.mismatches(local, remote, SEED) == []
+    assert len(builds) == planners, "a push built a planner the connect had prepared"
 
 
 def test_a_producer_rank_frees_only_once_it_wrote_to_every_consumer_rank(

@@ -29,6 +29,7 @@ from kvxfer.core.heads import (
     place_heads,
     reader_ranks,
     region_heads,
+    source_choices,
     source_ranks,
     split_heads,
 )
@@ -214,6 +215,26 @@ def test_replicas_spread_over_producer_ranks_and_equal_tp_pairs_rank_with_rank(
     same = HeadLayout(num_kv_heads=n, tp_size=producer.tp_size)
     for r in range(same.tp_size):
         assert needed_ranks(same, r, same) == (r,)
+
+
+@given(st.sampled_from(tps.KV_HEADS), st.data(), st.integers(0, 2**32 - 1))
+def test_source_choices_are_every_answer_a_salt_can_give_each_once(
+    n: int, data: st.DataObject, salt: int
+) -> None:
+    producer = data.draw(tps.head_layouts(n))
+    consumer = data.draw(tps.head_layouts(n))
+    rank = data.draw(st.integers(0, consumer.tp_size - 1))
+    choices = source_choices(consumer, rank, producer)
+    maps = [tuple(sorted(sources.items())) for _, sources in choices]
+    assert len(set(maps)) == len(maps)  # each once
+    for s, sources in choices:  # each with a salt that gives it
+        assert source_ranks(consumer, rank, producer, salt=s) == sources
+    # Whatever a request's salt, its answer is one of them (agents prepare all).
+    assert tuple(sorted(source_ranks(consumer, rank, producer, salt=salt).items())) in maps
+    # Replicas chosen differently give different answers: as many as the replicas a
+    # head of this rank has.
+    assert len(maps) == min(producer.replicas, 8)
+    assert len(source_choices(consumer, rank, producer, limit=1)) == 1
 
 
 @given(st.integers(1, 16), st.integers(1, 16))

@@ -127,6 +127,12 @@ class PushWriter:
         write may then post on its own thread)."""
         return self._pusher.idle
 
+    def connected(self, peer: Peer) -> None:
+        """The engine connected to ``peer`` ahead of its pushes: prepare what its writes
+        need (into a consumer rank of another TP size, the planner;
+        :meth:`WritePlanner.prepare <kvxfer._agent.tp_push_write.WritePlanner.prepare>`)."""
+        self._planner.prepare(peer)
+
     def post_inline(self, writes: list[Write]) -> None:
         """Post writes collected under the lock, on this (the engine's) thread; one
         whose consumer is not connected yet goes to the writer (a handshake never runs

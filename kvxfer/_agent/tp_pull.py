@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 import zlib
@@ -46,7 +45,12 @@ from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
 from kvxfer.core.blocks import Pairing
-from kvxfer.core.heads import HeadLayout, TPRank, heads_per_region, source_ranks
+from kvxfer.core.heads import (
+    HeadLayout,
+    TPRank,
+    heads_per_region,
+    source_choices,
+)
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import (
     KvxferError,
@@ -210,7 +214,9 @@ class TPPuller:
         try:
             producer = mine.heads.for_tp_size(theirs.heads.tp_size)
             base = peer.port - theirs.rank  # rank p serves at base + p
-            for salt, sources in _source_choices(mine, producer):
+            for salt, sources in source_choices(
+                mine.heads, mine.rank, producer, limit=_MAX_CHOICES
+            ):
                 peers = {
                     p: self._peers.cached(peer.host, base + p, peer.engine_id, None)
                     for p in set(sources.values())
@@ -321,18 +327,6 @@ class TPPuller:
                 capability=job.ticket.capability,
             )
         )
-
-
-def _source_choices(tp: TPRank, producer: HeadLayout) -> list[tuple[int, dict[int, int]]]:
-    """Each distinct choice of producer ranks a pull of ``tp``'s rank can make, with a
-    salt that makes it: one unless the producer replicates a head (then the request's
-    salt picks the replica; :func:`~kvxfer.core.heads.source_ranks`)."""
-    replicas = [len(producer.ranks_of(h)) for h in tp.heads.heads_of(tp.rank)]
-    choices: dict[tuple[tuple[int, int], ...], tuple[int, dict[int, int]]] = {}
-    for salt in range(min(math.lcm(*replicas), _MAX_CHOICES)):
-        sources = source_ranks(tp.heads, tp.rank, producer, salt=salt)
-        choices.setdefault(tuple(sorted(sources.items())), (salt, sources))
-    return list(choices.values())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ consumer rank's side (its registrations with each producer rank) is
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import zlib
 
@@ -21,11 +22,14 @@ from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import Peer
 from kvxfer.core import blocks, wire
 from kvxfer.core.descriptors import Plan
-from kvxfer.core.heads import heads_per_region, source_ranks
+from kvxfer.core.heads import TPRank, heads_per_region, source_choices, source_ranks
 from kvxfer.core.tp_plan import TPPlanner
-from kvxfer.errors import ConfigError
+from kvxfer.errors import ConfigError, KvxferError
+from kvxfer.types import Direction, Role
 
 __all__ = ["WritePlanner"]
+
+log = logging.getLogger("kvxfer.agent")
 
 #: Write planners kept per agent (one per consumer rank and replica choice).
 _MAX_PLANNERS = 64
@@ -44,6 +48,60 @@ class WritePlanner:
         self._local = local
         self._lock = lock
         self._planners: dict[tuple[object, ...], TPPlanner] = {}
+
+    def prepare(self, peer: Peer) -> None:
+        """The engine connected to ``peer`` ahead of its pushes (:meth:`Agent.connect
+        <kvxfer.agent.Agent.connect>`): when it is a consumer rank of another TP size,
+        build the planners of this rank's writes into it now (one per replica choice:
+        one unless this group replicates heads), so that the first push does not pay
+        3-10 ms for them (issue 27). One that cannot be built is left to the first
+        write, which names what is wrong."""
+        config = self._local.config
+        mine, theirs = config.tp, peer.info.tp
+        if (
+            config.role is not Role.PRODUCER
+            or config.direction is not Direction.PUSH
+            or mine is None
+            or theirs is None
+            or mine.heads.tp_size == theirs.heads.tp_size
+        ):
+            return
+        try:
+            for salt, sources in source_choices(theirs.heads, theirs.rank, mine.heads):
+                if mine.rank in sources.values():
+                    self._planner(peer, theirs, mine, sources, salt)
+        except KvxferError as exc:
+            log.debug("write planner into %s not prepared: %s", peer, exc)
+
+    def _planner(
+        self, peer: Peer, theirs: TPRank, mine: TPRank, sources: dict[int, int], salt: int
+    ) -> TPPlanner:
+        """The planner of this rank's writes of ``sources`` into ``peer`` (cached per
+        consumer, its incarnation and the replica choice ``salt`` made)."""
+        key = (id(peer), peer.incarnation, tuple(sorted(sources.items())))
+        with self._lock:
+            planner = self._planners.get(key)
+        if planner is not None:
+            return planner
+        # The consumer's table was cut at its handshake to what this rank posts
+        # at (kvxfer._agent.peers); ours is the whole table or its one-head section.
+        cut = heads_per_region(peer.table.layout, theirs.heads, theirs.rank)
+        table, offset = self._local.posting_table(cut)
+        planner = TPPlanner.build(
+            peer.table,
+            {mine.rank: table},
+            local_heads=theirs.heads,
+            remote_heads=mine.heads,
+            local_rank=theirs.rank,
+            salt=salt,
+            only=(mine.rank,),
+            remote_offset=offset,
+        )
+        with self._lock:
+            if len(self._planners) >= _MAX_PLANNERS:
+                self._planners.pop(next(iter(self._planners)))
+            self._planners[key] = planner
+        return planner
 
     def plan(
         self,
@@ -79,28 +137,7 @@ class WritePlanner:
             )
         salt = zlib.crc32(target.request_id.encode())
         sources = source_ranks(theirs.heads, theirs.rank, mine.heads, salt=salt)
-        key = (id(peer), peer.incarnation, tuple(sorted(sources.items())))
-        with self._lock:
-            planner = self._planners.get(key)
-        if planner is None:
-            # The consumer's table was cut at its handshake to what this rank posts
-            # at (kvxfer._agent.peers); ours is the whole table or its one-head section.
-            cut = heads_per_region(peer.table.layout, theirs.heads, theirs.rank)
-            table, offset = self._local.posting_table(cut)
-            planner = TPPlanner.build(
-                peer.table,
-                {mine.rank: table},
-                local_heads=theirs.heads,
-                remote_heads=mine.heads,
-                local_rank=theirs.rank,
-                salt=salt,
-                only=(mine.rank,),
-                remote_offset=offset,
-            )
-            with self._lock:
-                if len(self._planners) >= _MAX_PLANNERS:
-                    self._planners.pop(next(iter(self._planners)))
-                self._planners[key] = planner
+        planner = self._planner(peer, theirs, mine, sources, salt)
         # Planned as the consumer rank would read from us; a WRITE swaps the sides.
         (part,) = planner.plan(blocks.from_wire(remote), blocks.from_wire(local), tokens)
         read = part.plan

@@ -81,6 +81,7 @@ __all__ = [
     "place_heads",
     "reader_ranks",
     "region_heads",
+    "source_choices",
     "source_ranks",
     "split_heads",
 ]
@@ -245,6 +246,23 @@ def _sources(
         i = consumer_rank - consumer.ranks_of(head).start
         out.append((head, holders[(i + salt) % len(holders)]))
     return tuple(out)
+
+
+def source_choices(
+    consumer: HeadLayout, consumer_rank: int, producer: HeadLayout, *, limit: int = 8
+) -> list[tuple[int, dict[int, int]]]:
+    """Each distinct :func:`source_ranks` answer for ``consumer_rank``, with a salt that
+    gives it: one unless the producer replicates heads, at most ``limit``. What an
+    agent prepares ahead of a rank's first request (a request's salt picks one).
+
+    Raises:
+        LayoutMismatch, ConfigError: as :func:`source_ranks`.
+    """
+    choices: dict[tuple[tuple[int, int], ...], tuple[int, dict[int, int]]] = {}
+    for salt in range(min(producer.replicas, limit)):
+        sources = source_ranks(consumer, consumer_rank, producer, salt=salt)
+        choices.setdefault(tuple(sorted(sources.items())), (salt, sources))
+    return list(choices.values())
 
 
 def needed_ranks(
