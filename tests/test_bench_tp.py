@@ -39,13 +39,19 @@ def test_pairs_parse_and_refuse_what_cannot_run() -> None:
         tc.build_tp_cases(pairs=[(3, 1)], patterns=["contiguous"], **sel)
     with pytest.raises(ValueError, match="replicates"):  # 16 ranks over 8 heads
         tc.build_tp_cases(pairs=[(16, 1)], patterns=["contiguous"], **sel)
+    with pytest.raises(ValueError, match="unknown direction 'pul'"):
+        tc.build_tp_cases(pairs=[(1, 2)], patterns=["contiguous"], directions=["pul"], **sel)
     cases = tc.build_tp_cases(pairs=[(1, 2), (2, 1)], patterns=list(bc.PATTERNS), **sel)
-    assert [(c.prefill_tp, c.decode_tp, c.pattern) for c in cases] == [
-        (1, 2, "contiguous"),
-        (1, 2, "scattered"),
-        (2, 1, "contiguous"),
-        (2, 1, "scattered"),
+    assert [(c.prefill_tp, c.decode_tp, c.pattern, c.direction) for c in cases] == [
+        (1, 2, "contiguous", "pull"),
+        (1, 2, "scattered", "pull"),
+        (2, 1, "contiguous", "pull"),
+        (2, 1, "scattered", "pull"),
     ]
+    both = tc.build_tp_cases(
+        pairs=[(1, 2)], patterns=["contiguous"], directions=["pull", "push"], **sel
+    )
+    assert [c.label.split()[-1] for c in both] == ["pull", "push"]
 
 
 @pytest.mark.parametrize(("p", "d", "ranks", "heads"), [(1, 2, 1, 4), (2, 1, 2, 8), (4, 2, 2, 4)])
@@ -93,10 +99,10 @@ def test_tiny_tp_cases_through_real_processes() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     objs = [json.loads(line) for line in out.stdout.splitlines()]
     assert objs[0]["kind"] == "run" and objs[0]["tp"] == tc.DEFAULT_PAIRS
-    rows = {(o["prefill_tp"], o["decode_tp"]): o for o in objs if o["kind"] == "tp"}
-    assert sorted(rows) == [(1, 2), (2, 1)]
+    rows = {(o["prefill_tp"], o["decode_tp"], o["direction"]): o for o in objs if o["kind"] == "tp"}
+    assert sorted(rows) == [(1, 2, "pull"), (1, 2, "push"), (2, 1, "pull"), (2, 1, "push")]
     blocks, regions = 3, 2 * QWEN.layers  # ceil(40 / 16)
-    for (p, d), r in rows.items():
+    for (p, d, direction), r in rows.items():
         assert r["status"] == "ok", r
         heads = 8 // d
         assert r["producer_ranks"] == list(range(p))
@@ -110,7 +116,14 @@ def test_tiny_tp_cases_through_real_processes() -> None:
         assert r["verified"] is True
         assert r["mismatches"] == {"kvxfer": 0, "nixl": 0, "nixl_runs": 0}
         assert r["reps"] == 1 and r["handshakes_in_timed_reps"] == 0
-        assert sorted(r["handshake_s"]) == [str(q) for q in range(p)]
+        # A pull's decode rank connects to each prefill rank; a push's prefill ranks
+        # connect to the decode rank.
+        hs = (
+            [str(q) for q in range(p)]
+            if direction == "pull"
+            else [f"{q}->decode" for q in range(p)]
+        )
+        assert sorted(r["handshake_s"]) == hs
         for key in (
             "kvxfer_gbps",
             "nixl_gbps",
@@ -123,4 +136,5 @@ def test_tiny_tp_cases_through_real_processes() -> None:
         ):
             assert r[key] > 0, key
     table = tc.format_tp_table(list(rows.values()))
-    assert "TP1->TP2" in table and "TP2->TP1" in table
+    for label in ("TP1->TP2 r0 pull", "TP1->TP2 r0 push", "TP2->TP1 r0 pull", "TP2->TP1 r0 push"):
+        assert label in table

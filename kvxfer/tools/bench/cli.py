@@ -133,10 +133,10 @@ def parser() -> argparse.ArgumentParser:
         nargs="?",
         const="1:2,2:1",
         metavar="P:D,...",
-        help="instead of the matrix, pulls across TP sizes: prefill TP P to decode TP D "
-        "(default 1:2,2:1), one decode rank and one process per prefill rank it reads; "
-        "--models --block-sizes --tokens --patterns select (qwen3-0.6b, 16, 4000 "
-        "(quick 1000), contiguous)",
+        help="instead of the matrix, transfers across TP sizes: prefill TP P to decode "
+        "TP D (default 1:2,2:1), one decode rank and one process per prefill rank holding "
+        "its heads; --models --block-sizes --tokens --patterns --directions select "
+        "(qwen3-0.6b, 16, 4000 (quick 1000), contiguous, pull and push)",
     )
     p.add_argument(
         "--hybrid",

@@ -1,10 +1,11 @@
-"""The pure parts of ``kvxfer bench --tp``: pulls across tensor-parallel sizes.
+"""The pure parts of ``kvxfer bench --tp``: transfers across tensor-parallel sizes.
 
-A TP case is one decode rank pulling one request from a prefill group of another TP
-size, with real processes and real NIXL: prefill TP1 → decode TP2 (the decode rank
-reads its half of the heads from one producer process, one descriptor per head per
-block) and prefill TP2 → decode TP1 (the decode rank reads every head, half from each
-of two producer processes, in one request). Both caches are head-major (HND) and
+A TP case is one request moving into one decode rank from a prefill group of another
+TP size, pulled by the decode rank or pushed by the prefill ranks, with real processes
+and real NIXL: prefill TP1 → decode TP2 (the decode rank gets its half of the heads
+from one producer process, one descriptor per head per block) and prefill TP2 → decode
+TP1 (the decode rank gets every head, half from each of two producer processes, in one
+request). Both caches are head-major (HND) and
 described as the vLLM adapter describes them by default: one region per (layer, K/V)
 on a TP1 side, one per (layer, K/V, head) on a wider one; the pairing cuts them per
 head (:func:`kvxfer.core.heads.pairing_heads`), as the agents do.
@@ -45,8 +46,10 @@ DEFAULT_PAIRS = "1:2,2:1"
 
 
 class TPCase(msgspec.Struct, frozen=True, kw_only=True):
-    """One measured pull across TP sizes: decode rank ``decode_rank`` of a decode group
-    of ``decode_tp`` ranks pulls one request from a prefill group of ``prefill_tp``."""
+    """One measured transfer across TP sizes: decode rank ``decode_rank`` of a decode
+    group of ``decode_tp`` ranks pulls one request from a prefill group of
+    ``prefill_tp`` (``direction`` pull), or the prefill ranks holding its heads push it
+    there (push)."""
 
     model: str
     block_size: int
@@ -56,6 +59,7 @@ class TPCase(msgspec.Struct, frozen=True, kw_only=True):
     decode_tp: int
     decode_rank: int = 0
     backend: str = "ucx"
+    direction: str = "pull"
 
     @property
     def shape(self) -> ModelShape:
@@ -88,7 +92,7 @@ class TPCase(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def producer_ranks(self) -> tuple[int, ...]:
-        """The prefill ranks the decode rank reads (one process each)."""
+        """The prefill ranks holding the decode rank's heads (one process each)."""
         return needed_ranks(self.decode_heads, self.decode_rank, self.prefill_heads)
 
     @property
@@ -100,7 +104,7 @@ class TPCase(msgspec.Struct, frozen=True, kw_only=True):
     def label(self) -> str:
         return (
             f"{self.model} bs{self.block_size} {self.tokens}t {self.pattern} "
-            f"TP{self.prefill_tp}->TP{self.decode_tp} r{self.decode_rank} {self.backend}"
+            f"TP{self.prefill_tp}->TP{self.decode_tp} r{self.decode_rank} {self.direction}"
         )
 
     def fields(self) -> dict[str, Any]:
@@ -138,14 +142,19 @@ def build_tp_cases(
     block_sizes: Sequence[int],
     tokens: Sequence[int],
     patterns: Sequence[str],
+    directions: Sequence[str] = ("pull",),
 ) -> list[TPCase]:
     """Every selected TP case (decode rank 0), checking that the sizes split the heads.
 
     Raises:
-        ValueError: an unknown model or pattern, or TP sizes that cannot split a model's
-            KV heads (named).
+        ValueError: an unknown model, pattern or direction, or TP sizes that cannot
+            split a model's KV heads (named).
     """
-    for name, values, allowed in (("model", models, bc.SHAPES), ("pattern", patterns, bc.PATTERNS)):
+    for name, values, allowed in (
+        ("model", models, bc.SHAPES),
+        ("pattern", patterns, bc.PATTERNS),
+        ("direction", directions, bc.DIRECTIONS),
+    ):
         bad = [v for v in values if v not in allowed]
         if bad:
             raise ValueError(f"unknown {name} {bad[0]!r}; choose from {', '.join(allowed)}")
@@ -167,7 +176,8 @@ def build_tp_cases(
                     f"{case.shape.kv_heads} KV heads; the bench reads unreplicated prefill heads"
                 )
             out += [
-                msgspec.structs.replace(case, block_size=bs, tokens=n, pattern=pat)
+                msgspec.structs.replace(case, block_size=bs, tokens=n, pattern=pat, direction=d)
+                for d in directions
                 for bs in block_sizes
                 for n in tokens
                 for pat in patterns
@@ -316,13 +326,15 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
         f"{'x mcpy':>6} {'1st/st':>6}"
     )
     lines = [
-        "pulls across TP sizes: one decode rank; GB/s (decimal), medians; x: kvxfer over",
-        "raw NIXL posting the planner's ids on prepared lists (nixl), its merged runs as",
-        "per-request lists (n.runs), and memcpy, paired per rep; descs: planned pairs (one",
-        "per head per block, HND); posted: transfer units kvxfer's backend posts; nixl u:",
-        "units NIXL merges the prepared ids into; runs: the fewest that cover the bytes;",
-        "NHD descs: a token-major cache's strided head slices (refused by kvxfer); 1st/st:",
-        "the first pull after the handshake over the steady median",
+        "transfers across TP sizes into one decode rank, pulled by it or pushed by the",
+        "prefill ranks; GB/s (decimal), medians; x: kvxfer over raw NIXL posting the",
+        "planner's ids on prepared lists (nixl: READs, or WRITEs from each prefill rank),",
+        "its merged runs as per-request lists (n.runs), and memcpy, paired per rep;",
+        "descs: planned pairs (one per head per block, HND); posted: transfer units",
+        "kvxfer's backend posts; nixl u: units NIXL merges the prepared ids into; runs:",
+        "the fewest that cover the bytes; NHD descs: a token-major cache's strided head",
+        "slices (refused by kvxfer); 1st/st: the first transfer after the handshake over",
+        "the steady median",
         head,
     ]
     for r in results:

@@ -1,13 +1,15 @@
 """The parent side of ``kvxfer bench --tp``: the processes of one TP case and its reps.
 
-Per case: one process per prefill rank the decode rank reads (rank *p* serving at
-base port + *p*) and one for the decode rank. Per rep, as :mod:`.runner` does for the
-plain matrix and interleaved the same way (alternating which goes first): kvxfer
-(every prefill rank's ``hold()`` under one capability and guard word, as vLLM's
-scheduler mints them, then the decode rank's ``pull()`` + ``wait()`` of rank 0's
-ticket), raw NIXL posting the same planner's ids on the same memory (one READ per
-producer rank, posted together), and a memcpy of the same bytes. The first of each is
-verified per (layer, K/V, head, block, token) and kept out of the medians.
+Per case: one process per prefill rank holding the decode rank's heads (rank *p*
+serving at base port + *p*) and one for the decode rank. Per rep, as :mod:`.runner`
+does for the plain matrix and interleaved the same way (alternating which goes
+first): kvxfer, raw NIXL posting the same planner's ids on the same memory, raw NIXL
+posting its merged runs, and a memcpy of the same bytes. A pull case is the decode
+rank's ``pull()`` of every prefill rank's ``hold()`` (under one capability and guard
+word, as vLLM's scheduler mints them) against one READ per prefill rank, posted
+together; a push case is the decode rank's ``expect_push()`` and every prefill rank's
+``hold()`` against one WRITE per prefill rank, posted at once from each. The first of
+each is verified per (layer, K/V, head, block, token) and kept out of the medians.
 """
 
 from __future__ import annotations
@@ -50,11 +52,21 @@ class TPRunner:
     def _close(self) -> None:
         self._children.close()
 
-    def _recv(self, name: str, timeout: float | None = None) -> Any:
-        return self._children.recv(name, timeout)
+    def send(self, name: str, cmd: str, payload: Any = None) -> None:
+        """Send process ``name`` a command without waiting for its answer."""
+        self._children.send(name, cmd, payload)
+
+    def recv(self, name: str) -> Any:
+        """The answer to process ``name``'s last command."""
+        return self._children.recv(name)
 
     def call(self, name: str, cmd: str, payload: Any = None) -> Any:
+        """Send process ``name`` a command and return its answer."""
         return self._children.call(name, cmd, payload)
+
+    def request_id(self) -> int:
+        """A number no earlier rep of this run used."""
+        return next(self._rid)
 
     # -- one case -----------------------------------------------------------------------
     def run(self, case: tc.TPCase) -> dict[str, Any]:
@@ -69,12 +81,17 @@ class TPRunner:
         finally:
             self._close()
 
-    def _serve_producers(self, ranks: Sequence[int]) -> tuple[int, dict[int, dict[str, Any]]]:
+    def _serve_producers(
+        self, ranks: Sequence[int], direction: str
+    ) -> tuple[int, dict[int, dict[str, Any]]]:
         """Prefill rank p's agent at base + p (another base when a port is taken)."""
         for _ in range(10):
             base = random.randrange(20000, 60000)
             try:
-                return base, {p: self.call(f"prefill{p}", "agent", base + p) for p in ranks}
+                return base, {
+                    p: self.call(f"prefill{p}", "agent", {"port": base + p, "direction": direction})
+                    for p in ranks
+                }
             except BenchError as exc:
                 if exc.dead or "ddress" not in str(exc):
                     raise
@@ -87,55 +104,44 @@ class TPRunner:
             p: self.call(f"prefill{p}", "cache", {"case": cb, "role": "producer", "rank": p})
             for p in ranks
         }
-        self.call(
+        decode = self.call(
             "decode",
             "cache",
             {"case": cb, "role": "consumer", "rank": case.decode_rank, "nbytes": nbytes},
         )
-        base, served = self._serve_producers(ranks)
-        self.call("decode", "agent", 0)
+        base, served = self._serve_producers(ranks, case.direction)
+        own = self.call("decode", "agent", {"port": 0, "direction": case.direction})
         producers = {str(p): {**made[p], **served[p]} for p in ranks}
         peers = self.call("decode", "peers", {"producers": producers})
-        incarnations = [
-            served[p]["incarnation"] if p in served else 0 for p in range(max(ranks) + 1)
-        ]
-        # Prefill ranks some other decode rank reads too: the bench releases that share.
+        handshake_s = dict(peers["handshake_s"])
+        if case.direction == "push":
+            # The prefill ranks post: each connects to the decode rank ahead, as an
+            # embedder's writer would (Agent.connect), and plans as its agent does.
+            for p in ranks:
+                wrote = self.call(f"prefill{p}", "writer", {**decode, **own})
+                handshake_s[f"{p}->decode"] = wrote["handshake_s"]
+        # Prefill ranks another decode rank reads too: the bench releases that share.
         from kvxfer.core.heads import reader_ranks
 
         release = {
             p: len(reader_ranks(case.prefill_heads, p, case.decode_heads)) > 1 for p in ranks
         }
-        slots = bc.num_blocks_for(case.base) + 64  # GuardBook.slots_for
-
-        def kvxfer(verify: bool) -> dict[str, Any]:
-            i = next(self._rid)
-            rid, cap = f"tp-{i}", secrets.token_hex(16)
-            guard = [i % slots, secrets.randbits(56) or 1]
-            hold = {"rid": rid, "capability": cap, "guard": guard}
-            held = {p: self.call(f"prefill{p}", "hold", hold) for p in ranks}
-            ticket = dict(held[ranks[0]]["ticket"], port=base, incarnations=incarnations)
-            got = self.call("decode", "pull", {"ticket": ticket, "verify": verify})
-            for p in ranks:
-                if not self.call(f"prefill{p}", "freed", {"rid": rid, "release": release[p]}):
-                    raise BenchError(f"prefill rank {p} never freed {rid}")
-            return {**got, "hold_s": max(h["hold_s"] for h in held.values())}
-
-        def raw(verify: bool) -> dict[str, Any]:
-            out: dict[str, Any] = self.call("decode", "raw_read", {"verify": verify})
-            return out
-
-        def raw_runs(verify: bool) -> dict[str, Any]:
-            out: dict[str, Any] = self.call("decode", "raw_read", {"verify": verify, "runs": True})
-            return out
-
-        first, raw_first, runs_first = kvxfer(True), raw(True), raw_runs(True)
+        reps: _PullReps | _PushReps
+        if case.direction == "pull":
+            incarnations = [
+                served[p]["incarnation"] if p in served else 0 for p in range(max(ranks) + 1)
+            ]
+            reps = _PullReps(self, case, base, incarnations, release)
+        else:
+            reps = _PushReps(self, case, (served[ranks[0]]["host"], base), release)
+        first, raw_first, runs_first = reps.kvxfer(True), reps.raw(True), reps.raw(True, True)
         times: dict[str, list[float]] = {"kvxfer": [], "nixl": [], "nixl_runs": [], "memcpy": []}
         holds: list[float] = []
         hs: list[int] = []
         steps: list[tuple[str, Callable[[bool], dict[str, Any]]]] = [
-            ("kvxfer", kvxfer),
-            ("nixl", raw),
-            ("nixl_runs", raw_runs),
+            ("kvxfer", reps.kvxfer),
+            ("nixl", reps.raw),
+            ("nixl_runs", lambda verify: reps.raw(verify, True)),
         ]
         for i in range(self.reps):
             for name, fn in steps if i % 2 == 0 else steps[::-1]:
@@ -150,11 +156,129 @@ class TPRunner:
             "units_posted": raw_first["units_posted"],
             "nixl_units": raw_first["nixl_units"],
             "descriptors_per_rank": raw_first["descriptors_per_rank"],
-            "handshake_s": peers["handshake_s"],
+            "handshake_s": handshake_s,
             "handshakes_in_timed_reps": (max(hs) - first["handshakes"]) if hs else None,
             "hold_s": bc.median(holds),
         }
         return tc.assemble(case, first, raw_first, runs_first, times, extra)
+
+
+class _PullReps:
+    """One transfer of each kind of a pull case: the decode rank reads."""
+
+    def __init__(
+        self,
+        runner: TPRunner,
+        case: tc.TPCase,
+        base: int,
+        incarnations: list[int],
+        release: dict[int, bool],
+    ) -> None:
+        self.runner, self.case, self.base = runner, case, base
+        self.incarnations, self.release = incarnations, release
+        self.ranks = case.producer_ranks
+        self.slots = bc.num_blocks_for(case.base) + 64  # GuardBook.slots_for
+
+    def kvxfer(self, verify: bool) -> dict[str, Any]:
+        """Every prefill rank's ``hold()`` under one capability and guard word, as
+        vLLM's scheduler mints them, then the decode rank's ``pull()`` + ``wait()``."""
+        call, i = self.runner.call, self.runner.request_id()
+        rid, cap = f"tp-{i}", secrets.token_hex(16)
+        guard = [i % self.slots, secrets.randbits(56) or 1]
+        hold = {"rid": rid, "capability": cap, "guard": guard}
+        held = {p: call(f"prefill{p}", "hold", hold) for p in self.ranks}
+        ticket = dict(held[self.ranks[0]]["ticket"], port=self.base, incarnations=self.incarnations)
+        got = call("decode", "pull", {"ticket": ticket, "verify": verify})
+        for p in self.ranks:
+            if not call(f"prefill{p}", "freed", {"rid": rid, "release": self.release[p]}):
+                raise BenchError(f"prefill rank {p} never freed {rid}")
+        return {**got, "hold_s": max(h["hold_s"] for h in held.values())}
+
+    def raw(self, verify: bool, runs: bool = False) -> dict[str, Any]:
+        """Raw NIXL's READs of the same request (``runs``: its merged runs)."""
+        out: dict[str, Any] = self.runner.call(
+            "decode", "raw_read", {"verify": verify, "runs": runs}
+        )
+        return out
+
+
+class _PushReps:
+    """One transfer of each kind of a push case: the prefill ranks write.
+
+    Each is timed from the first prefill rank's post (kvxfer: its ``hold()``; raw NIXL:
+    its planning) to the decode rank seeing the last byte (its transfer over; raw:
+    every rank's notification), on the host's one monotonic clock. The parent sends
+    every rank its command before reading any reply, so the ranks write together.
+    """
+
+    def __init__(
+        self,
+        runner: TPRunner,
+        case: tc.TPCase,
+        address: tuple[str, int],
+        release: dict[int, bool],
+    ) -> None:
+        self.runner, self.case, self.address, self.release = runner, case, address, release
+        self.ranks = case.producer_ranks
+
+    def kvxfer(self, verify: bool) -> dict[str, Any]:
+        """The decode rank's ``expect_push()`` (it registers with each prefill rank),
+        then every prefill rank's ``hold()`` under the router's shared capability."""
+        rid, cap = f"tp-{self.runner.request_id()}", secrets.token_hex(16)
+        self.runner.send(
+            "decode",
+            "expect_push",
+            {
+                "host": self.address[0],
+                "port": self.address[1],
+                "rid": rid,
+                "capability": cap,
+                "verify": verify,
+            },
+        )
+        self.runner.recv("decode")  # registered
+        for p in self.ranks:
+            self.runner.send(f"prefill{p}", "hold", {"rid": rid, "capability": cap})
+        # Read the decode rank's result first, so this process sleeps through the write.
+        try:
+            got = self.runner.recv("decode")
+        finally:
+            held = {p: self.runner.recv(f"prefill{p}") for p in self.ranks}
+        pushed = [
+            self.runner.call(f"prefill{p}", "pushed", {"rid": rid, "release": self.release[p]})
+            for p in self.ranks
+        ]
+        t0 = min(h["t0"] for h in held.values())
+        return {
+            **got,
+            "s": got["t1"] - t0,
+            "descriptors": sum(x["descriptors"] for x in pushed),
+            "hold_s": max(h["hold_s"] for h in held.values()),
+            "handshakes": got["handshakes"] + sum(x["handshakes"] for x in pushed),
+        }
+
+    def raw(self, verify: bool, runs: bool = False) -> dict[str, Any]:
+        """Raw NIXL's WRITEs of the same request, one per prefill rank (``runs``: its
+        merged runs), each with its own notification."""
+        tag = f"raw-{self.runner.request_id()}"
+        tags = {p: f"{tag}-{p}" for p in self.ranks}
+        self.runner.send("decode", "raw_expect", {"tags": list(tags.values()), "verify": verify})
+        self.runner.recv("decode")  # polling
+        for p in self.ranks:
+            self.runner.send(f"prefill{p}", "raw_write", {"tag": tags[p], "runs": runs})
+        try:
+            wrote = {p: self.runner.recv(f"prefill{p}") for p in self.ranks}
+        finally:
+            got = self.runner.recv("decode")
+        out = {k: sum(w[k] for w in wrote.values()) for k in _SUMMED}
+        out["descriptors_per_rank"] = {
+            k: v for w in wrote.values() for k, v in w["descriptors_per_rank"].items()
+        }
+        return {**out, **got, "s": got["t1"] - min(w["t0"] for w in wrote.values())}
+
+
+#: Counts of a raw push that add up over its prefill ranks.
+_SUMMED = ("bytes", "descriptors", "units_posted", "nixl_units", "runs")
 
 
 def _ints(text: str) -> list[int]:
@@ -167,14 +291,15 @@ def _strs(text: str) -> list[str]:
 
 def plan_tp_cases(args: argparse.Namespace) -> tuple[list[tc.TPCase], list[dict[str, Any]]]:
     """The TP cases ``--tp`` selects (with ``--models`` ``--block-sizes`` ``--tokens``
-    ``--patterns``; defaults Qwen3-0.6B, 16, 4000 (quick: 1000), contiguous) and those
-    skipped for memory."""
+    ``--patterns`` ``--directions``; defaults Qwen3-0.6B, 16, 4000 (quick: 1000),
+    contiguous, pull and push) and those skipped for memory."""
     cases = tc.build_tp_cases(
         pairs=tc.parse_pairs(args.tp),
         models=_strs(args.models or bc.QWEN),
         block_sizes=_ints(args.block_sizes or "16"),
         tokens=_ints(args.tokens or ("1000" if args.quick else "4000")),
         patterns=_strs(args.patterns or "contiguous"),
+        directions=_strs(args.directions or ",".join(bc.DIRECTIONS)),
     )
     budget = int((args.mem_budget * 2**30) if args.mem_budget else 0.75 * bc.mem_available())
     keep, skipped = [], []
@@ -192,12 +317,12 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
     """``kvxfer bench --tp``: run the TP cases and print their table (or JSON lines)."""
     other = [
         f"--{k.replace('_', '-')}"
-        for k in ("directions", "backends", "modes", "netns", "from_json", "plot", "check")
+        for k in ("backends", "modes", "netns", "from_json", "plot", "check")
         if getattr(args, k)
     ]
     if other:
         print(
-            f"kvxfer bench: --tp runs pulls on ucx over loopback, not with {other[0]}",
+            f"kvxfer bench: --tp runs on ucx over loopback, not with {other[0]}",
             file=sys.stderr,
         )
         return 2

@@ -2,16 +2,18 @@
 
 Each process owns one TP rank's head-major KV cache (described as the vLLM adapter
 does by default, :meth:`~kvxfer.tools.bench.tp_cases.TPCase.per_head`, carved from
-one allocation as an engine's pool is), a kvxfer pull Agent with
+one allocation as an engine's pool is), a kvxfer Agent of the case's direction with
 that TP identity, and a :class:`~kvxfer.tools.bench.raw_nixl.RawNixl` on the same
 memory. Prefill rank *p* serves its side channel at the run's base port + *p*, under
-one engine id for the group, as pulls across TP sizes expect.
+one engine id for the group, as transfers across TP sizes expect.
 
-The decode rank builds, once, the same :class:`~kvxfer.core.tp_plan.TPPlanner` its agent
-builds, and raw NIXL posts, per request, that planner's ids on prepared lists of the
-same tables: one READ per producer rank, posted together, as kvxfer's sub-transfers
-are. The parent drives the processes with ``(command, payload)`` tuples as
-:mod:`.worker` is driven.
+Pull: the decode rank builds, once, the same :class:`~kvxfer.core.tp_plan.TPPlanner`
+its agent builds, and raw NIXL posts, per request, that planner's ids on prepared lists
+of the same tables: one READ per producer rank, posted together, as kvxfer's
+sub-transfers are. Push: each prefill rank builds the planner its agent builds for
+writes into the decode rank (restricted to its own part), and raw NIXL posts one WRITE
+of it per rank, the decode rank waiting for each rank's notification. The parent
+drives the processes with ``(command, payload)`` tuples as :mod:`.worker` is driven.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class TPRankProc:
         self.rank = 0
         self.cache: Any = None
         self.agent: Any = None
+        self.before: Any = None  # the agent's stats as its last hold began
         self.reg: Any = None
         self.memcpy: MemcpyBench | None = None
         self.planner: Any = None
@@ -109,8 +112,9 @@ class TPRankProc:
         assert self.case is not None
         return self.cache.layout(per_head=self.case.per_head(self.producer))
 
-    def cmd_agent(self, port: int) -> dict[str, Any]:
-        """A pull Agent with this rank's TP identity, serving at ``port`` (0: any)."""
+    def cmd_agent(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """An Agent of ``direction`` with this rank's TP identity, serving at ``port``
+        (0: any)."""
         from kvxfer.agent import Agent, AgentConfig
         from kvxfer.core.compat import Fingerprint
         from kvxfer.core.heads import TPRank
@@ -119,6 +123,7 @@ class TPRankProc:
         assert self.case is not None
         self._close_agent()
         heads = self.case.prefill_heads if self.producer else self.case.decode_heads
+        direction, port = Direction(payload["direction"]), int(payload["port"])
         agent = Agent(
             AgentConfig(
                 engine_id=PREFILL_ENGINE if self.producer else "bench-tp-decode",
@@ -127,10 +132,10 @@ class TPRankProc:
                     dtype="bfloat16",
                     kv_cache_dtype="bfloat16",
                     attention_backend="bench",
-                    direction=Direction.PULL,
+                    direction=direction,
                 ),
                 role=Role.PRODUCER if self.producer else Role.CONSUMER,
-                direction=Direction.PULL,
+                direction=direction,
                 backend=self.case.backend,
                 side_channel_host="127.0.0.1",
                 side_channel_port=port,
@@ -143,7 +148,12 @@ class TPRankProc:
         self.agent = agent
         agent.register(self._layout())
         host, bound = agent.serve()
-        return {"host": host, "port": bound, "incarnation": agent.incarnation}
+        return {
+            "host": host,
+            "port": bound,
+            "incarnation": agent.incarnation,
+            "engine_id": agent.config.engine_id,
+        }
 
     def _close_agent(self) -> None:
         if self.agent is not None:
@@ -151,8 +161,9 @@ class TPRankProc:
             self.agent = None
 
     def cmd_peers(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Decode rank: the producer ranks' raw peers and tables, the planner kvxfer
-        builds, raw NIXL's prepared lists, and one timed handshake per rank."""
+        """Decode rank: the producer ranks' raw peers; for a pull also one timed
+        handshake per rank, the tables and planner kvxfer builds, and raw NIXL's
+        prepared lists of them."""
         from kvxfer.core.descriptors import DescriptorTable, PlanOptions
         from kvxfer.core.heads import heads_per_region, pairing_heads, split_heads
         from kvxfer.core.layout import KVLayout
@@ -171,40 +182,93 @@ class TPRankProc:
         per = own
         for key, prod in payload["producers"].items():
             p = int(key)
+            self.raw_peers[p] = self.raw.add_peer(prod["raw"])
+            if case.direction == "push":
+                # The prefill ranks handshake with this rank, plan and post (cmd_writer).
+                continue
+            t0 = time.perf_counter()
+            self.agent.connect(prod["host"], prod["port"], PREFILL_ENGINE)
+            handshake[key] = time.perf_counter() - t0
             theirs = msgspec.convert(prod["layout"], KVLayout)
             per = pairing_heads(own, heads_per_region(theirs, case.prefill_heads, p))
             remotes[p] = DescriptorTable.build(
                 split_heads(theirs, case.prefill_heads, p, per), opts
             )
-            self.raw_peers[p] = self.raw.add_peer(prod["raw"])
             remote_dlists[p] = self.raw.prep(self.raw_peers[p], remotes[p])
-            t0 = time.perf_counter()
-            self.agent.connect(prod["host"], prod["port"], PREFILL_ENGINE)
-            handshake[key] = time.perf_counter() - t0
-        local = DescriptorTable.build(split_heads(mine, case.decode_heads, self.rank, per), opts)
+        if case.direction == "pull":
+            local = DescriptorTable.build(
+                split_heads(mine, case.decode_heads, self.rank, per), opts
+            )
+            self.planner = TPPlanner.build(
+                local,
+                remotes,
+                local_heads=case.decode_heads,
+                remote_heads=case.prefill_heads,
+                local_rank=self.rank,
+            )
+            self.dlists = (self.raw.prep(None, local), remote_dlists)
+        return {"handshake_s": handshake}
+
+    def cmd_writer(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Prefill rank of a push: the decode rank's raw peer, the planner of this rank's
+        writes into it as the agent builds it (:mod:`kvxfer._agent.tp_push_write`: the
+        decode rank's planner restricted to this rank), raw NIXL's prepared lists of
+        its tables, and one timed handshake with the decode rank's agent."""
+        from kvxfer.core.descriptors import DescriptorTable, PlanOptions
+        from kvxfer.core.heads import heads_per_region, pairing_heads, split_heads
+        from kvxfer.core.layout import KVLayout
+        from kvxfer.core.tp_plan import TPPlanner
+
+        case = self.case
+        assert case is not None and self.agent is not None and self.producer
+        opts = PlanOptions()
+        theirs = msgspec.convert(payload["layout"], KVLayout)
+        d, p = case.decode_rank, self.rank
+        per = pairing_heads(
+            heads_per_region(theirs, case.decode_heads, d),
+            heads_per_region(self._layout(), case.prefill_heads, p),
+        )
+        consumer = DescriptorTable.build(split_heads(theirs, case.decode_heads, d, per), opts)
+        mine = DescriptorTable.build(split_heads(self._layout(), case.prefill_heads, p, per), opts)
         self.planner = TPPlanner.build(
-            local,
-            remotes,
+            consumer,
+            {p: mine},
             local_heads=case.decode_heads,
             remote_heads=case.prefill_heads,
-            local_rank=self.rank,
+            local_rank=d,
+            only=(p,),
         )
-        self.dlists = (self.raw.prep(None, local), remote_dlists)
-        return {"handshake_s": handshake}
+        self.raw_peers[d] = self.raw.add_peer(payload["raw"])
+        self.dlists = (self.raw.prep(None, mine), {d: self.raw.prep(self.raw_peers[d], consumer)})
+        t0 = time.perf_counter()
+        self.agent.connect(payload["host"], payload["port"], payload["engine_id"])
+        return {"handshake_s": time.perf_counter() - t0}
 
     # -- prefill ranks ----------------------------------------------------------------
     def cmd_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Hold the request under the group's shared capability and guard word."""
+        """Hold the request under the group's shared capability (and, for a pull,
+        guard word). A push holds once the decode rank's registration is here (it
+        opens the lease), as a real prefill finds it after computing the prompt, and
+        returns at once: the write runs on the agent's writer."""
         assert self.case is not None
+        if self.case.direction == "push":
+            deadline = time.monotonic() + 60
+            while payload["rid"] not in self.agent.holding():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the decode rank never registered {payload['rid']}")
+                time.sleep(0.0005)
+        guard = tuple(payload["guard"]) if payload.get("guard") else None
+        self.before = self.agent.stats()
         t0 = time.perf_counter()
         ticket = self.agent.hold(
             payload["rid"],
             self.blocks_mine,
             self.case.tokens,
             capability=payload["capability"],
-            guard=tuple(payload["guard"]),
+            guard=guard,
         )
-        return {"ticket": msgspec.to_builtins(ticket), "hold_s": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        return {"ticket": msgspec.to_builtins(ticket), "t0": t0, "hold_s": t1 - t0}
 
     def cmd_freed(self, payload: dict[str, Any]) -> bool:
         """Wait until the request is freed. ``release``: other decode ranks read this
@@ -217,6 +281,58 @@ class TPRankProc:
                 return False
             time.sleep(0.0005)
         return True
+
+    def cmd_raw_write(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Raw NIXL's push from this rank: the planner's output computed on the clock,
+        one WRITE of its ids on the prepared lists (or with ``runs`` its merged address
+        runs as per-request lists) carrying ``tag`` as its notification."""
+        from kvxfer.core.descriptors import Runs
+
+        assert self.case is not None and self.dlists is not None
+        (d,) = self.dlists[1]
+        mine, remotes = self.dlists
+        tag = payload["tag"].encode()
+        t0 = time.perf_counter()
+        plans = self.planner.plan([self.blocks_theirs], [self.blocks_mine], self.case.tokens)
+        # Planned as the decode rank reads from this rank; a WRITE swaps the sides.
+        if payload.get("runs"):
+            merged = []
+            for rp in plans:
+                r = rp.runs()
+                swapped = Runs(
+                    local_addr=r.remote_addr,
+                    remote_addr=r.local_addr,
+                    length=r.length,
+                    local_device=r.remote_device,
+                    remote_device=r.local_device,
+                )
+                merged.append((swapped, self.raw_peers[d]))
+            self.raw.xfer_runs_many("WRITE", merged, tag, 300)
+        else:
+            posts = [
+                (
+                    mine,
+                    rp.plan.remote_ids.astype(np.int32),
+                    remotes[d],
+                    rp.plan.local_ids.astype(np.int32),
+                )
+                for rp in plans
+            ]
+            self.raw.xfer_many("WRITE", posts, tag, 300)
+        return {"t0": t0, **self._counts(plans)}
+
+    def cmd_pushed(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Prefill rank of a push: wait until the request is freed (``release``: other
+        decode ranks hold these heads too and the bench runs one of them, so the bench
+        releases their share once this decode rank's write is done)."""
+        if payload["release"]:
+            self.agent.release(payload["rid"])
+        if not self.cmd_freed({"rid": payload["rid"], "release": False}):
+            raise TimeoutError(f"prefill rank {self.rank} never freed {payload['rid']}")
+        after = self.agent.stats()
+        # The writer's count: a decode rank of another TP size counts only bytes.
+        posted = after.descriptors_posted - self.before.descriptors_posted
+        return {"handshakes": after.handshakes, "descriptors": posted}
 
     # -- decode rank ------------------------------------------------------------------
     def _zero(self) -> None:
@@ -277,16 +393,60 @@ class TPRankProc:
             ]
             self.raw.xfer_many("READ", posts, DONE_NOTICE, 300)
         s = time.perf_counter() - t0
-        posted, nixl_units = self._units(plans)
         return {
             "s": s,
+            **self._counts(plans),
+            "bad": self._mismatches() if payload["verify"] else None,
+        }
+
+    def cmd_expect_push(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Register for the push (with every prefill rank holding this rank's heads),
+        say so, and wait for the bytes; ``t1`` is when the transfer was over."""
+        from kvxfer.agent import Ticket
+
+        assert self.case is not None
+        if payload["verify"]:
+            self._zero()
+        ticket = Ticket.for_push(
+            PREFILL_ENGINE,
+            payload["host"],
+            payload["port"],
+            payload["rid"],
+            self.case.tokens,
+            capability=payload["capability"],
+            tp_size=self.case.prefill_tp,
+        )
+        transfer = self.agent.expect_push(ticket, self.blocks_mine)
+        self.conn.send(("ok", "registered"))
+        transfer.wait(300)
+        t1 = time.perf_counter()
+        return {
+            "t1": t1,
+            "bytes": transfer.stats.bytes,
+            "descriptors": transfer.stats.descriptors,
+            "bad": self._mismatches() if payload["verify"] else None,
+            "handshakes": self.agent.stats().handshakes,
+        }
+
+    def cmd_raw_expect(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Wait for raw NIXL's WRITE notification from each prefill rank (``tags``);
+        ``t1`` is when the last was seen."""
+        if payload["verify"]:
+            self._zero()
+        self.conn.send(("ok", "polling"))
+        t1 = max(self.raw.wait_notif(tag.encode(), 300) for tag in payload["tags"])
+        return {"t1": t1, "bad": self._mismatches() if payload["verify"] else None}
+
+    def _counts(self, plans: Any) -> dict[str, Any]:
+        """Bytes, descriptors, units and runs of one request's rank plans."""
+        posted, nixl_units = self._units(plans)
+        return {
             "bytes": sum(rp.plan.nbytes for rp in plans),
             "descriptors": sum(rp.plan.num_descriptors for rp in plans),
             "units_posted": posted,
             "nixl_units": nixl_units,
             "descriptors_per_rank": {str(rp.rank): rp.plan.num_descriptors for rp in plans},
             "runs": sum(len(rp.runs()) for rp in plans),
-            "bad": self._mismatches() if payload["verify"] else None,
         }
 
     def _units(self, plans: Any) -> tuple[int, int]:
@@ -333,7 +493,7 @@ class TPRankProc:
 
 #: Commands on kvxfer's side of a rep: raw NIXL's poller pauses from one of them to
 #: this process's next other command (see RawNixl.pause).
-_KVXFER_TURN = frozenset({"hold", "pull"})
+_KVXFER_TURN = frozenset({"hold", "pull", "expect_push"})
 
 
 def tp_worker_main(conn: Connection) -> None:
