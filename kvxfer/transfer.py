@@ -129,7 +129,9 @@ class PullState(msgspec.Struct, kw_only=True):
         guarding: The data landed; the transfer's ``handle`` is the guard word's read.
         awaiting_hold: The guard word says the hold has not come yet: only the word is
             read again until it does, then data and word.
-        done_notice: The DONE notice, sent once the guard word matched.
+        done_notice: Makes the DONE notice, sent once the guard word matched when no
+            ``release`` tells the producer (made only then: an Agent's pulls tell
+            DONE over the side channel).
         release: Called (outside the lock) when the posted pull fails: tells the
             producer at once.
         repost: Posts it again (same plan) when its guard word says the producer has
@@ -143,7 +145,7 @@ class PullState(msgspec.Struct, kw_only=True):
     guard: tuple[int, int] | None = None
     guarding: bool = False
     awaiting_hold: bool = False
-    done_notice: bytes = b""
+    done_notice: Callable[[], bytes] | None = None
     release: Callable[[str], None] | None = None
     repost: Callable[[], None] | None = None
     reposts: int = 0

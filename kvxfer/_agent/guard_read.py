@@ -210,7 +210,14 @@ class GuardReads:
         if repost is not None and not t.done and t.meta.doomed is None and not self._settler.closed:
             repost()
 
-    def arm(self, t: Transfer, peer: Peer, slot: int, generation: int, done_notice: bytes) -> bool:
+    def arm(
+        self,
+        t: Transfer,
+        peer: Peer,
+        slot: int,
+        generation: int,
+        done_notice: Callable[[], bytes],
+    ) -> bool:
         """Before a pull's post: make it fail-closed when both ends can (its DONE
         notice then waits for the guard word). A ticket without a generation from a
         producer that guards its holds is refused (a router dropped the kvxfer keys,

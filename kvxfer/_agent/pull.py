@@ -187,15 +187,19 @@ class Puller:
         pull.release = release
 
     def _start(self, transfer: Transfer, peer: Peer, ticket: Ticket, pairing: Pairing) -> None:
-        notice = self._local.encode(
-            wire.Notice(
-                kind=wire.NoticeKind.DONE,
-                request_id=ticket.request_id,
-                engine_id=self._local.config.engine_id,
-                incarnation=self._local.incarnation,
-                capability=ticket.capability,
+        # Encoded only where it goes as a notification (an unguarded pull's, on its
+        # data): a guarded pull tells DONE over the side channel (_release_after).
+        def notice() -> bytes:
+            return self._local.encode(
+                wire.Notice(
+                    kind=wire.NoticeKind.DONE,
+                    request_id=ticket.request_id,
+                    engine_id=self._local.config.engine_id,
+                    incarnation=self._local.incarnation,
+                    capability=ticket.capability,
+                )
             )
-        )
+
         pull = transfer.meta.pull
         assert pull is not None
         if transfer.done:  # the agent closed meanwhile
@@ -205,5 +209,5 @@ class Puller:
             transfer, peer, ticket.guard_slot, ticket.generation, notice
         ):
             return
-        on_data = b"" if pull.guard is not None else notice
+        on_data = b"" if pull.guard is not None else notice()
         self._runtime.post(transfer, XferOp.READ, peer, pairing, on_data)

@@ -251,7 +251,12 @@ class Runtime:
         self._loop.in_flight()  # wakes the progress thread from a longer nap
 
     def arm_guard(
-        self, t: Transfer, peer: Peer, slot: int, generation: int, done_notice: bytes
+        self,
+        t: Transfer,
+        peer: Peer,
+        slot: int,
+        generation: int,
+        done_notice: Callable[[], bytes],
     ) -> bool:
         """Before a pull's post: make it fail-closed when both ends can
         (:meth:`GuardReads.arm <kvxfer._agent.guard_read.GuardReads.arm>`). Returns False

@@ -269,7 +269,11 @@ class Settler:
             handle, meta.handle = meta.handle, None
             if handle is not None:
                 self._backend.release(handle)
-            if meta.pull is not None and meta.pull.done_notice and meta.peer is not None:
+            if (
+                meta.pull is not None
+                and meta.pull.done_notice is not None
+                and meta.peer is not None
+            ):
                 # A guarded pull's DONE goes only now, after its guard word was read (the
                 # producer frees on it, which changes the word), and off the data
                 # endpoint: see _send_done.
@@ -297,11 +301,11 @@ class Settler:
         Agent's pull) the notice goes as a notification."""
         meta = t.meta
         pull = meta.pull
-        assert pull is not None
+        assert pull is not None and pull.done_notice is not None
         if pull.release is None:
             assert meta.peer is not None
             try:
-                self._backend.notify(meta.peer.handle, pull.done_notice)
+                self._backend.notify(meta.peer.handle, pull.done_notice())
             except KvxferError as exc:
                 self._stats.notices_failed += 1
                 log.info("could not send the DONE notice of %s: %s", t.request_id, exc)

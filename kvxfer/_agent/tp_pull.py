@@ -277,7 +277,8 @@ class TPPuller:
             return
         for rp in plans:
             fanout.planned(rp.rank, blocks.to_wire(rp.plan.local_blocks))
-        notices = {rp.rank: self._done_notice(job, rp.rank) for rp in plans}
+        # Made only where one goes as a notification (an unguarded rank's, on its data).
+        notices = {rp.rank: functools.partial(self._done_notice, job, rp.rank) for rp in plans}
         ticket = job.ticket
         for rp in plans:
             # Fail-closed per rank (R-SAFE-1): every producer rank armed the ticket's
@@ -303,7 +304,7 @@ class TPPuller:
         for rp in plans:
             sub = fanout.subs[rp.rank]
             guarded = sub.meta.pull is not None and sub.meta.pull.guard is not None
-            notice = b"" if guarded else notices[rp.rank]
+            notice = b"" if guarded else notices[rp.rank]()
             self._runtime.post(sub, XferOp.READ, peers[rp.rank], rp.plan, notice)
 
     def _read_all(self, ticket: Ticket, readers: int, reason: str) -> None:
