@@ -30,6 +30,7 @@ from kvxfer.testing.kvcache import ModelShape
 
 __all__ = [
     "DEFAULT_PAIRS",
+    "PREFILL_ENGINE",
     "TPCase",
     "assemble",
     "build_tp_cases",
@@ -43,6 +44,8 @@ __all__ = [
 
 #: ``--tp`` without a value: prefill TP1 → decode TP2 and prefill TP2 → decode TP1.
 DEFAULT_PAIRS = "1:2,2:1"
+#: The engine id every prefill rank's agent serves under (one per group).
+PREFILL_ENGINE = "bench-tp-prefill"
 
 
 class TPCase(msgspec.Struct, frozen=True, kw_only=True):

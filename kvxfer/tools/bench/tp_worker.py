@@ -32,13 +32,13 @@ from kvxfer.tools.bench.data import MemcpyBench
 from kvxfer.tools.bench.measure import DONE_NOTICE
 from kvxfer.tools.bench.procs import serve_commands
 from kvxfer.tools.bench.raw_nixl import RawNixl
-from kvxfer.tools.bench.tp_cases import TPCase
+from kvxfer.tools.bench.tp_cases import PREFILL_ENGINE, TPCase
+from kvxfer.tools.bench.tp_push import TPPushCommands
 
 __all__ = ["FILL_SEED", "TPRankProc", "tp_worker_main"]
 
 FILL_SEED = 17
 _SECRET = "kvxfer-bench-tp-secret"
-PREFILL_ENGINE = "bench-tp-prefill"
 
 
 def _tp_cache(case: TPCase, producer: bool, rank: int) -> Any:
@@ -95,7 +95,7 @@ class TPRankProc:
         self.case = case = msgspec.convert(payload["case"], TPCase)
         self.producer, self.rank = payload["role"] == "producer", int(payload["rank"])
         self.cache = _tp_cache(case, self.producer, self.rank)
-        self.reg = self.raw.register(self._layout())
+        self.reg = self.raw.register(self.layout())
         mine, theirs = ("remote", "local") if self.producer else ("local", "remote")
         self.blocks_mine = bc.case_blocks(case.base, mine)
         self.blocks_theirs = bc.case_blocks(case.base, theirs)
@@ -105,9 +105,9 @@ class TPRankProc:
                 b.reshape(b.shape[0], -1).view(np.uint16) for b in self.cache.buffers.values()
             ]
             self.memcpy = MemcpyBench(regions, nbytes)
-        return {"layout": msgspec.to_builtins(self._layout()), "raw": self.raw.metadata()}
+        return {"layout": msgspec.to_builtins(self.layout()), "raw": self.raw.metadata()}
 
-    def _layout(self) -> Any:
+    def layout(self) -> Any:
         """The rank's layout as the vLLM adapter describes it by default."""
         assert self.case is not None
         return self.cache.layout(per_head=self.case.per_head(self.producer))
@@ -146,7 +146,7 @@ class TPRankProc:
             )
         )
         self.agent = agent
-        agent.register(self._layout())
+        agent.register(self.layout())
         host, bound = agent.serve()
         return {
             "host": host,
@@ -174,7 +174,7 @@ class TPRankProc:
         opts = PlanOptions()
         # Cut as the agent cuts (kvxfer._agent.peers, kvxfer._agent.local): the producer ranks'
         # layouts to what this rank posts at, this rank's to one head if it must be.
-        mine = self._layout()
+        mine = self.layout()
         own = heads_per_region(mine, case.decode_heads, self.rank)
         remotes: dict[int, Any] = {}
         remote_dlists: dict[int, Any] = {}
@@ -208,41 +208,6 @@ class TPRankProc:
             )
             self.dlists = (self.raw.prep(None, local), remote_dlists)
         return {"handshake_s": handshake}
-
-    def cmd_writer(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Prefill rank of a push: the decode rank's raw peer, the planner of this rank's
-        writes into it as the agent builds it (:mod:`kvxfer._agent.tp_push_write`: the
-        decode rank's planner restricted to this rank), raw NIXL's prepared lists of
-        its tables, and one timed handshake with the decode rank's agent."""
-        from kvxfer.core.descriptors import DescriptorTable, PlanOptions
-        from kvxfer.core.heads import heads_per_region, pairing_heads, split_heads
-        from kvxfer.core.layout import KVLayout
-        from kvxfer.core.tp_plan import TPPlanner
-
-        case = self.case
-        assert case is not None and self.agent is not None and self.producer
-        opts = PlanOptions()
-        theirs = msgspec.convert(payload["layout"], KVLayout)
-        d, p = case.decode_rank, self.rank
-        per = pairing_heads(
-            heads_per_region(theirs, case.decode_heads, d),
-            heads_per_region(self._layout(), case.prefill_heads, p),
-        )
-        consumer = DescriptorTable.build(split_heads(theirs, case.decode_heads, d, per), opts)
-        mine = DescriptorTable.build(split_heads(self._layout(), case.prefill_heads, p, per), opts)
-        self.planner = TPPlanner.build(
-            consumer,
-            {p: mine},
-            local_heads=case.decode_heads,
-            remote_heads=case.prefill_heads,
-            local_rank=d,
-            only=(p,),
-        )
-        self.raw_peers[d] = self.raw.add_peer(payload["raw"])
-        self.dlists = (self.raw.prep(None, mine), {d: self.raw.prep(self.raw_peers[d], consumer)})
-        t0 = time.perf_counter()
-        self.agent.connect(payload["host"], payload["port"], payload["engine_id"])
-        return {"handshake_s": time.perf_counter() - t0}
 
     # -- prefill ranks ----------------------------------------------------------------
     def cmd_hold(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -282,64 +247,12 @@ class TPRankProc:
             time.sleep(0.0005)
         return True
 
-    def cmd_raw_write(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Raw NIXL's push from this rank: the planner's output computed on the clock,
-        one WRITE of its ids on the prepared lists (or with ``runs`` its merged address
-        runs as per-request lists) carrying ``tag`` as its notification."""
-        from kvxfer.core.descriptors import Runs
-
-        assert self.case is not None and self.dlists is not None
-        (d,) = self.dlists[1]
-        mine, remotes = self.dlists
-        tag = payload["tag"].encode()
-        t0 = time.perf_counter()
-        plans = self.planner.plan([self.blocks_theirs], [self.blocks_mine], self.case.tokens)
-        # Planned as the decode rank reads from this rank; a WRITE swaps the sides.
-        if payload.get("runs"):
-            merged = []
-            for rp in plans:
-                r = rp.runs()
-                swapped = Runs(
-                    local_addr=r.remote_addr,
-                    remote_addr=r.local_addr,
-                    length=r.length,
-                    local_device=r.remote_device,
-                    remote_device=r.local_device,
-                )
-                merged.append((swapped, self.raw_peers[d]))
-            self.raw.xfer_runs_many("WRITE", merged, tag, 300)
-        else:
-            posts = [
-                (
-                    mine,
-                    rp.plan.remote_ids.astype(np.int32),
-                    remotes[d],
-                    rp.plan.local_ids.astype(np.int32),
-                )
-                for rp in plans
-            ]
-            self.raw.xfer_many("WRITE", posts, tag, 300)
-        return {"t0": t0, **self._counts(plans)}
-
-    def cmd_pushed(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Prefill rank of a push: wait until the request is freed (``release``: other
-        decode ranks hold these heads too and the bench runs one of them, so the bench
-        releases their share once this decode rank's write is done)."""
-        if payload["release"]:
-            self.agent.release(payload["rid"])
-        if not self.cmd_freed({"rid": payload["rid"], "release": False}):
-            raise TimeoutError(f"prefill rank {self.rank} never freed {payload['rid']}")
-        after = self.agent.stats()
-        # The writer's count: a decode rank of another TP size counts only bytes.
-        posted = after.descriptors_posted - self.before.descriptors_posted
-        return {"handshakes": after.handshakes, "descriptors": posted}
-
     # -- decode rank ------------------------------------------------------------------
-    def _zero(self) -> None:
+    def zero(self) -> None:
         for buf in self.cache.buffers.values():
             buf[self.blocks_mine] = 0
 
-    def _mismatches(self) -> int:
+    def mismatches(self) -> int:
         """Wrong (layer, K/V, head, block, token) rows in the landed blocks (0: exact)."""
         bad = 0
         for (layer, part), buf in self.cache.buffers.items():
@@ -352,7 +265,7 @@ class TPRankProc:
         from kvxfer.agent import Ticket
 
         if payload["verify"]:
-            self._zero()
+            self.zero()
         ticket = msgspec.convert(payload["ticket"], Ticket)
         t0 = time.perf_counter()
         transfer = self.agent.pull(ticket, self.blocks_mine)
@@ -363,7 +276,7 @@ class TPRankProc:
             "s": s,
             "bytes": stats.bytes,
             "descriptors": stats.descriptors,
-            "bad": self._mismatches() if payload["verify"] else None,
+            "bad": self.mismatches() if payload["verify"] else None,
             "handshakes": self.agent.stats().handshakes,
         }
 
@@ -374,7 +287,7 @@ class TPRankProc:
         runs as per-request lists (``initialize_xfer``)."""
         assert self.case is not None and self.dlists is not None
         if payload["verify"]:
-            self._zero()
+            self.zero()
         local, remotes = self.dlists
         t0 = time.perf_counter()
         plans = self.planner.plan([self.blocks_mine], [self.blocks_theirs], self.case.tokens)
@@ -395,49 +308,11 @@ class TPRankProc:
         s = time.perf_counter() - t0
         return {
             "s": s,
-            **self._counts(plans),
-            "bad": self._mismatches() if payload["verify"] else None,
+            **self.counts(plans),
+            "bad": self.mismatches() if payload["verify"] else None,
         }
 
-    def cmd_expect_push(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Register for the push (with every prefill rank holding this rank's heads),
-        say so, and wait for the bytes; ``t1`` is when the transfer was over."""
-        from kvxfer.agent import Ticket
-
-        assert self.case is not None
-        if payload["verify"]:
-            self._zero()
-        ticket = Ticket.for_push(
-            PREFILL_ENGINE,
-            payload["host"],
-            payload["port"],
-            payload["rid"],
-            self.case.tokens,
-            capability=payload["capability"],
-            tp_size=self.case.prefill_tp,
-        )
-        transfer = self.agent.expect_push(ticket, self.blocks_mine)
-        self.conn.send(("ok", "registered"))
-        transfer.wait(300)
-        t1 = time.perf_counter()
-        return {
-            "t1": t1,
-            "bytes": transfer.stats.bytes,
-            "descriptors": transfer.stats.descriptors,
-            "bad": self._mismatches() if payload["verify"] else None,
-            "handshakes": self.agent.stats().handshakes,
-        }
-
-    def cmd_raw_expect(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Wait for raw NIXL's WRITE notification from each prefill rank (``tags``);
-        ``t1`` is when the last was seen."""
-        if payload["verify"]:
-            self._zero()
-        self.conn.send(("ok", "polling"))
-        t1 = max(self.raw.wait_notif(tag.encode(), 300) for tag in payload["tags"])
-        return {"t1": t1, "bad": self._mismatches() if payload["verify"] else None}
-
-    def _counts(self, plans: Any) -> dict[str, Any]:
+    def counts(self, plans: Any) -> dict[str, Any]:
         """Bytes, descriptors, units and runs of one request's rank plans."""
         posted, nixl_units = self._units(plans)
         return {
@@ -514,7 +389,12 @@ def tp_worker_main(conn: Connection) -> None:
         return payload
 
     try:
-        serve_commands(conn, lambda cmd: getattr(proc, f"cmd_{cmd}", None), before)
+        push = TPPushCommands(proc)
+
+        def command(cmd: str) -> Any:
+            return getattr(proc, f"cmd_{cmd}", None) or getattr(push, f"cmd_{cmd}", None)
+
+        serve_commands(conn, command, before)
     finally:
         try:
             proc.close()
