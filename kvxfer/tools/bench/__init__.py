@@ -15,9 +15,10 @@ The package, one module per job:
   planning cost;
 * :mod:`.raw_nixl` - the raw NIXL baseline: a bare ``nixl_agent`` on the same memory;
 * :mod:`.data` - the provenance fill, the exact byte check and memcpy;
-* :mod:`.tp_cases`, :mod:`.tp_runner`, :mod:`.tp_worker`, :mod:`.tp_push` - ``--tp``:
-  pulls and pushes across tensor-parallel sizes (the pure parts; the parent; a prefill
-  or decode rank's process; its push commands);
+* :mod:`.tp_cases`, :mod:`.tp_runner`, :mod:`.tp_main`, :mod:`.tp_worker`,
+  :mod:`.tp_push` - ``--tp``: pulls and pushes across tensor-parallel sizes (the pure
+  parts; the parent; a prefill or decode rank's process, its state and set-up, its
+  push commands);
 * :mod:`.netns` - two network namespaces joined by a veth pair (``--netns``);
 * :mod:`.report` - cross-case figures, the bars, the table and the plot;
 * :mod:`.tables` - the Markdown tables of docs/PERFORMANCE.md from ``--json`` runs

@@ -10,15 +10,13 @@ They act on the process's :class:`~kvxfer.tools.bench.tp_worker.TPRankProc`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvxfer.tools.bench.tp_cases import PREFILL_ENGINE
-
-if TYPE_CHECKING:
-    from kvxfer.tools.bench.tp_worker import TPRankProc
+from kvxfer.tools.bench.tp_worker import TPRankProc
 
 __all__ = ["TPPushCommands"]
 

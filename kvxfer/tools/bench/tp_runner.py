@@ -29,7 +29,7 @@ import msgspec
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.tp_cases as tc
 from kvxfer.tools.bench.procs import BenchError, Children
-from kvxfer.tools.bench.tp_worker import tp_worker_main
+from kvxfer.tools.bench.tp_main import tp_worker_main
 
 __all__ = ["TPRunner", "main_tp", "plan_tp_cases"]
 

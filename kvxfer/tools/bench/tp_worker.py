@@ -18,7 +18,6 @@ drives the processes with ``(command, payload)`` tuples as :mod:`.worker` is dri
 
 from __future__ import annotations
 
-import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,12 +29,10 @@ import numpy.typing as npt
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.data import MemcpyBench
 from kvxfer.tools.bench.measure import DONE_NOTICE
-from kvxfer.tools.bench.procs import serve_commands
 from kvxfer.tools.bench.raw_nixl import RawNixl
 from kvxfer.tools.bench.tp_cases import PREFILL_ENGINE, TPCase
-from kvxfer.tools.bench.tp_push import TPPushCommands
 
-__all__ = ["FILL_SEED", "TPRankProc", "tp_worker_main"]
+__all__ = ["FILL_SEED", "TPRankProc"]
 
 FILL_SEED = 17
 _SECRET = "kvxfer-bench-tp-secret"
@@ -364,39 +361,3 @@ class TPRankProc:
         if self.memcpy is not None:
             self.memcpy.close()
             self.memcpy = None
-
-
-#: Commands on kvxfer's side of a rep: raw NIXL's poller pauses from one of them to
-#: this process's next other command (see RawNixl.pause).
-_KVXFER_TURN = frozenset({"hold", "pull", "expect_push"})
-
-
-def tp_worker_main(conn: Connection) -> None:
-    """Entry point of a TP bench process (``multiprocessing`` spawn target)."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    try:
-        raw = RawNixl(f"bench-tp-raw-{os.getpid()}")
-        proc = TPRankProc(conn, raw)
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-
-    def before(cmd: str, payload: Any) -> Any:
-        if cmd in _KVXFER_TURN:
-            raw.pause()
-        else:
-            raw.resume()
-        return payload
-
-    try:
-        push = TPPushCommands(proc)
-
-        def command(cmd: str) -> Any:
-            return getattr(proc, f"cmd_{cmd}", None) or getattr(push, f"cmd_{cmd}", None)
-
-        serve_commands(conn, command, before)
-    finally:
-        try:
-            proc.close()
-        finally:
-            raw.close()
