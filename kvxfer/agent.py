@@ -43,9 +43,12 @@ from kvxfer.agent_config import AgentConfig, AgentStats, PushPost
 from kvxfer.backend import Backend
 from kvxfer.core.blocks import BlockIds
 from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.heads import peer_ranks
 from kvxfer.core.layout import KVLayout
+from kvxfer.errors import ConfigError
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import Transfer
+from kvxfer.types import Direction, Role
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 
@@ -194,6 +197,49 @@ class Agent:
         self._push.connected(peer)
         self._runtime.warm_up(peer)
         return peer
+
+    def connect_group(
+        self, host: str, port: int, tp_size: int = 1, expected_engine_id: str | None = None
+    ) -> list[Peer]:
+        """:meth:`connect` to every rank of a peer instance of ``tp_size`` ranks (rank
+        0 at ``host:port``, rank *p* at ``port + p``) that this rank will transfer
+        with: the producer ranks holding its heads (a pull's consumer), or the
+        consumer ranks holding its heads (a push's producer); between equal TP sizes
+        rank *r* pairs rank *r*. Each replica a request may pick is included.
+
+        Raises:
+            ConfigError: ``tp_size`` is not a positive int that splits the model's
+                heads, several ranks without this agent's TP identity
+                (``AgentConfig.tp``), a port past 65535, or an agent that does not
+                post (a pull's producer, a push's consumer).
+            HandshakeError, CompatError, LayoutMismatch, PeerError: as :meth:`connect`.
+        """
+        config = self.config
+        reads = config.direction is Direction.PULL
+        if config.role is (Role.PRODUCER if reads else Role.CONSUMER):
+            raise ConfigError(
+                "role",
+                config.role.value,
+                f"a {config.direction.value} {config.role.value} never posts; the other "
+                "side connects to it",
+            )
+        if type(tp_size) is not int or tp_size < 1:
+            raise ConfigError("tp_size", tp_size, "must be a positive int")
+        mine = config.tp
+        if mine is None:
+            if tp_size != 1:
+                raise ConfigError(
+                    "tp_size",
+                    tp_size,
+                    "a peer group of several ranks needs this agent's TP identity "
+                    "(AgentConfig.tp) to know which ranks hold its heads",
+                )
+            ranks: tuple[int, ...] = (0,)
+        else:
+            ranks = peer_ranks(mine.heads, mine.rank, tp_size, reads=reads)
+        if port + ranks[-1] > 65535:
+            raise ConfigError("port", port, f"rank {ranks[-1]} would serve at {port + ranks[-1]}")
+        return [self.connect(host, port + p, expected_engine_id) for p in ranks]
 
     # -- producer -------------------------------------------------------------------
     def stage_out(self, block_ids: BlockIds) -> None:

@@ -143,6 +143,56 @@ def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull
     assert len(builds) == choices, "a pull built a planner the connect had prepared"
 
 
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 2), (2, 2)])
+def test_connect_group_connects_each_rank_a_decode_rank_reads_and_no_other(
+    closing: list[Rank], p_tp: int, d_tp: int
+) -> None:
+    """``Agent.connect_group`` with the producer group's rank 0 address and TP size
+    handshakes with exactly the producer ranks holding the decode rank's heads (rank
+    with rank between equal sizes), and the first pull finds them all connected."""
+    p_heads = HeadLayout(num_kv_heads=4, tp_size=p_tp)
+    d_heads = HeadLayout(num_kv_heads=4, tp_size=d_tp)
+    producers, consumers = _producers(p_heads), _consumers(d_heads)
+    closing += producers + consumers
+    host, port = producers[0].agent.address
+    for c in consumers:
+        peers = c.agent.connect_group(host, port, p_tp, "prefill")
+        want = needed_ranks(d_heads, c.rank, p_heads) if p_tp != d_tp else (c.rank,)
+        assert [peer.port - port for peer in peers] == list(want)
+        assert c.agent.stats().handshakes == len(want)
+    cap, guard = wire.new_capability(), (next(_slots), random.randrange(1, 2**56))
+    held = [p.agent.hold("grouped", [1, 2], 8, capability=cap, guard=guard) for p in producers]
+    incarnations = tuple(t.incarnation for t in held)
+    for c in consumers:
+        # Across TP sizes every rank gets rank 0's ticket; between equal ones its own.
+        own = held[c.rank] if p_tp == d_tp else held[0]
+        ticket = msgspec.structs.replace(own, incarnations=incarnations)
+        t = c.agent.pull(ticket, [5, 6])
+        t.wait(5)
+        assert t.state is TransferState.DONE, t.error
+        assert c.cache.mismatches([5, 6], [1, 2], SEED) == []
+    assert all(
+        c.agent.stats().handshakes == len(c.agent.connect_group(host, port, p_tp))
+        for c in consumers
+    )
+
+
+def test_connect_group_refuses_what_it_cannot_connect_by_name(closing: list[Rank]) -> None:
+    producers = _producers(HeadLayout(num_kv_heads=4, tp_size=2))
+    (consumer,) = _consumers(HeadLayout(num_kv_heads=4, tp_size=1))
+    closing += [*producers, consumer]
+    host, port = producers[0].agent.address
+    with pytest.raises(ConfigError, match=r"^tp_size=3: must divide num_kv_heads"):
+        consumer.agent.connect_group(host, port, 3)
+    with pytest.raises(ConfigError, match=r"^tp_size=0: must be a positive int"):
+        consumer.agent.connect_group(host, port, 0)
+    with pytest.raises(ConfigError, match=r"^port=65535: rank 1 would serve at 65536"):
+        consumer.agent.connect_group(host, 65535, 2)
+    with pytest.raises(ConfigError, match=r"^role='kv_producer': a pull kv_producer never posts"):
+        producers[0].agent.connect_group(host, port + 1, 1)
+    assert consumer.agent.stats().handshakes == 0
+
+
 def test_connecting_ahead_uses_each_connection_once_before_the_first_pull(
     closing: list[Rank], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
-from kvxfer.core.heads import HeadLayout
+from kvxfer.core.heads import HeadLayout, reader_ranks
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, TransferError
 from kvxfer.testing.fake_backend import Faults
@@ -33,6 +33,19 @@ def _producers(heads: HeadLayout, stream: bool = False) -> list[Rank]:
 
 def _consumers(heads: HeadLayout) -> list[Rank]:
     return consumers(heads, direction=Direction.PUSH, timeout_s=3.0)
+
+
+def _consumers_serving(heads: HeadLayout) -> list[Rank]:
+    """Consumer ranks serving at consecutive ports (rank c at base + c), as a decode
+    instance's ranks do."""
+    return producers(
+        heads,
+        seed=None,
+        direction=Direction.PUSH,
+        timeout_s=3.0,
+        engine_id="decode",
+        role=Role.CONSUMER,
+    )
 
 
 def _ticket(producers: list[Rank], rid: str, tokens: int, cap: str) -> Ticket:
@@ -136,6 +149,35 @@ def test_connecting_to_the_consumer_ranks_ahead_builds_the_write_planners(
         for c in consumers:
             assert c.cache.mismatches(local, remote, SEED) == []
     assert len(builds) == planners, "a push built a planner the connect had prepared"
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4)])
+def test_connect_group_connects_each_consumer_rank_a_producer_rank_writes_into(
+    closing: list[Rank], p_tp: int, d_tp: int
+) -> None:
+    """A push's producer rank given the decode group's rank 0 address and TP size
+    handshakes with exactly the consumer ranks holding its heads; the push that
+    follows needs no other handshake."""
+    p_heads = HeadLayout(num_kv_heads=4, tp_size=p_tp)
+    d_heads = HeadLayout(num_kv_heads=4, tp_size=d_tp)
+    producers, consumers = _producers(p_heads), _consumers_serving(d_heads)
+    closing += producers + consumers
+    host, port = consumers[0].agent.address
+    for p in producers:
+        peers = p.agent.connect_group(host, port, d_tp, "decode")
+        assert [peer.port - port for peer in peers] == list(reader_ranks(p_heads, p.rank, d_heads))
+    before = [p.agent.stats().handshakes for p in producers]
+    cap = wire.new_capability()
+    ticket = _ticket(producers, "grouped", 8, cap)
+    transfers = [c.agent.expect_push(ticket, [5, 6]) for c in consumers]
+    for p in producers:
+        p.agent.hold("grouped", [1, 2], 8, capability=cap)
+    for t in transfers:
+        t.wait(5)
+        assert t.state is TransferState.DONE, t.error
+    for c in consumers:
+        assert c.cache.mismatches([5, 6], [1, 2], SEED) == []
+    assert [p.agent.stats().handshakes for p in producers] == before
 
 
 def test_a_producer_rank_frees_only_once_it_wrote_to_every_consumer_rank(

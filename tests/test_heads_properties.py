@@ -26,6 +26,7 @@ from kvxfer.core.heads import (
     map_regions,
     needed_ranks,
     pairing_heads,
+    peer_ranks,
     place_heads,
     reader_ranks,
     region_heads,
@@ -235,6 +236,22 @@ def test_source_choices_are_every_answer_a_salt_can_give_each_once(
     # head of this rank has.
     assert len(maps) == min(producer.replicas, 8)
     assert len(source_choices(consumer, rank, producer, limit=1)) == 1
+
+
+@given(st.sampled_from(tps.KV_HEADS), st.data())
+def test_peer_ranks_are_every_rank_any_salt_makes_a_rank_transfer_with(
+    n: int, data: st.DataObject
+) -> None:
+    mine = data.draw(tps.head_layouts(n))
+    other = data.draw(tps.head_layouts(n))
+    rank = data.draw(st.integers(0, mine.tp_size - 1))
+    salts = range(8 * max(mine.replicas, other.replicas))
+    read = {p for s in salts for p in needed_ranks(mine, rank, other, salt=s)}
+    written = {c for s in salts for c in reader_ranks(mine, rank, other, salt=s)}
+    if other.tp_size == mine.tp_size:
+        read = written = {rank}  # equal sizes pair rank with rank, whatever the salt
+    assert peer_ranks(mine, rank, other.tp_size, reads=True) == tuple(sorted(read))
+    assert peer_ranks(mine, rank, other.tp_size, reads=False) == tuple(sorted(written))
 
 
 @given(st.integers(1, 16), st.integers(1, 16))

@@ -88,20 +88,24 @@ def make_rank(
 def producers(
     heads: HeadLayout,
     *,
-    seed: int,
+    seed: int | None,
     direction: Direction,
     timeout_s: float,
     stream: bool = False,
     per_head: bool = True,
     bounce: bool = False,
+    engine_id: str = "prefill",
+    role: Role = Role.PRODUCER,
 ) -> list[Rank]:
-    """Producer ranks serving at base + rank (retrying another base if one is taken)."""
+    """Producer ranks serving at base + rank (retrying another base if one is taken);
+    with ``role`` and ``engine_id``, any group of ranks serving so (a decode group's
+    ranks: ``seed=None`` leaves their caches empty)."""
     for _ in range(20):
         base = random.randrange(20000, 60000)
         ranks = [
             make_rank(
-                "prefill",
-                Role.PRODUCER,
+                engine_id,
+                role,
                 heads,
                 r,
                 base + r,

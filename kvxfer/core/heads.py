@@ -78,6 +78,7 @@ __all__ = [
     "map_regions",
     "needed_ranks",
     "pairing_heads",
+    "peer_ranks",
     "place_heads",
     "reader_ranks",
     "region_heads",
@@ -263,6 +264,28 @@ def source_choices(
         sources = source_ranks(consumer, consumer_rank, producer, salt=salt)
         choices.setdefault(tuple(sorted(sources.items())), (salt, sources))
     return list(choices.values())
+
+
+def peer_ranks(heads: HeadLayout, rank: int, peer_tp_size: int, *, reads: bool) -> tuple[int, ...]:
+    """The ranks of a peer group of ``peer_tp_size`` ranks (same model) that ``rank``
+    of ``heads`` ever transfers with, whatever a request's salt picks, ascending: the
+    producer ranks it reads from (``reads``: a pull's consumer rank) or the consumer
+    ranks it writes into (a push's producer rank). Equal TP sizes pair rank with rank.
+
+    Raises:
+        ConfigError: ``peer_tp_size`` cannot split the heads, or a bad rank.
+    """
+    heads.heads_of(rank)  # a bad rank is named first
+    peer = heads.for_tp_size(peer_tp_size)
+    if peer.tp_size == heads.tp_size:
+        return (rank,)
+    if reads:
+        got = {p for _, sources in source_choices(heads, rank, peer) for p in sources.values()}
+    else:
+        got = {
+            c for salt in range(heads.replicas) for c in reader_ranks(heads, rank, peer, salt=salt)
+        }
+    return tuple(sorted(got))
 
 
 def needed_ranks(
