@@ -10,6 +10,7 @@ import pytest
 
 from kvxfer.adapters.vllm.kv_transfer_config import (
     BufferDevice,
+    PeerAddress,
     TransferConfig,
     parse_kv_transfer_config,
 )
@@ -340,3 +341,50 @@ def test_direct_construction_is_validated(fields: dict[str, Any], key: str) -> N
 def test_direct_construction_normalizes_seconds() -> None:
     c = TransferConfig(role=Role.PRODUCER, link_down_exit_s=5)
     assert c.link_down_exit_s == 5.0 and isinstance(c.link_down_exit_s, float)
+
+
+# -- connect_ahead ---------------------------------------------------------------------
+
+
+def test_connect_ahead_parses_to_peer_addresses() -> None:
+    peers = [{"host": "10.0.0.1", "port": 5600, "tp_size": 2}, {"host": "p2", "port": 7000}]
+    got = parse_kv_transfer_config(cfg(connect_ahead=peers)).connect_ahead
+    assert got == (
+        PeerAddress(host="10.0.0.1", port=5600, tp_size=2),
+        PeerAddress(host="p2", port=7000, tp_size=1, engine_id=None),
+    )
+    assert parse_kv_transfer_config(cfg()).connect_ahead == ()
+
+
+@pytest.mark.parametrize(
+    ("item", "key", "rule"),
+    [
+        ({"host": "h"}, "connect_ahead[0].port", "is required"),
+        ({"port": 5}, "connect_ahead[0].host", "is required"),
+        ({"host": "h", "port": 0}, "connect_ahead[0].port", "in [1, 65535]"),
+        ({"host": "h", "port": True}, "connect_ahead[0].port", "in [1, 65535]"),
+        ({"host": "h", "port": "5600"}, "connect_ahead[0].port", "in [1, 65535]"),
+        ({"host": "", "port": 5}, "connect_ahead[0].host", "non-empty string"),
+        ({"host": "h", "port": 5, "tp_size": 0}, "connect_ahead[0].tp_size", "int > 0"),
+        ({"host": "h", "port": 5, "engine_id": ""}, "connect_ahead[0].engine_id", "non-empty"),
+        ({"host": "h", "port": 5, "tp": 2}, "connect_ahead[0].tp", "unknown key"),
+        ("h:5600", "connect_ahead[0]", "{host, port, tp_size} object"),
+    ],
+)
+def test_connect_ahead_entries_are_checked_by_name(item: Any, key: str, rule: str) -> None:
+    rejects(cfg(connect_ahead=[item]), f"{X}.{key}", rule=rule)
+
+
+def test_connect_ahead_must_be_a_list() -> None:
+    rejects(cfg(connect_ahead={"host": "h", "port": 5}), f"{X}.connect_ahead", rule="a list")
+
+
+@pytest.mark.parametrize(
+    ("connector", "role"),
+    [("RblnNixlPullConnector", "kv_producer"), ("RblnNixlPushConnector", "kv_consumer")],
+)
+def test_connect_ahead_only_where_this_instance_posts(connector: str, role: str) -> None:
+    config = {**cfg(connect_ahead=[{"host": "h", "port": 5}]), "kv_connector": connector}
+    rejects({**config, "kv_role": role}, f"{X}.connect_ahead", rule="never posts")
+    for posting in {"kv_both", "kv_consumer" if role == "kv_producer" else "kv_producer"}:
+        assert parse_kv_transfer_config({**config, "kv_role": posting}).connect_ahead

@@ -31,6 +31,7 @@ from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
 __all__ = [
     "CONNECTORS",
     "BufferDevice",
+    "PeerAddress",
     "TransferConfig",
     "parse_kv_transfer_config",
 ]
@@ -43,6 +44,17 @@ class BufferDevice(enum.Enum):
 
     RBLN = "rbln"
     CPU = "cpu"
+
+
+class PeerAddress(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A peer instance to connect to at start-up (``connect_ahead``): its rank 0's
+    side-channel address (rank *p* at ``port + p``), its TP size and, optionally, the
+    engine id it must have."""
+
+    host: str
+    port: int
+    tp_size: int = 1
+    engine_id: str | None = None
 
 
 #: Connector class names accepted in ``kv_connector`` and the direction each implies.
@@ -65,6 +77,7 @@ _OWN_EXTRA: Final = (
     "link_down_exit_s",
     "enforce_handshake_compat",
     "head_regions",
+    "connect_ahead",
 )
 _D2D_ONLY = (
     "device-to-device only: host bounce (kv_buffer_device 'cpu') registers one full "
@@ -95,7 +108,11 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
             kvxfer.core.heads.pairing_heads); still accepted: it only sets how many
             descriptors requests post (true on a TP1 instance multiplies those of
             equal-TP pairs by the KV heads, and logs a warning saying so).
-        passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.
+        connect_ahead: Peer instances this one posts to (a pull's consumer: its
+            producers; a push's producer: its consumers), connected at start-up in the
+            background so that the first request finds the handshakes done: a list of
+            ``{"host", "port", "tp_size", "engine_id"}`` objects (port: rank 0's
+            side-channel port, the one tickets name; tp_size default 1).
         extra_passthrough: ``kv_connector_extra_config`` keys kvxfer does not own
             (the upstream NIXL connector's), untouched.
     """
@@ -113,6 +130,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
     link_down_exit_s: float = 0.0
     enforce_handshake_compat: bool = True
     head_regions: bool | None = None
+    connect_ahead: tuple[PeerAddress, ...] = ()
     passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
     extra_passthrough: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -146,6 +164,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"{_EXTRA}.head_regions", self.head_regions, "must be a bool or null")
         self._check_counts()
         self._check_combinations()
+        msgspec.structs.force_setattr(self, "connect_ahead", self._peer_addresses())
         if _is_int(self.link_down_exit_s):  # JSON `5` means 5.0 s; keep the field a float
             msgspec.structs.force_setattr(self, "link_down_exit_s", float(self.link_down_exit_s))
 
@@ -190,6 +209,53 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
                 True,
                 "push direction only: use kv_connector 'RblnNixlPushConnector'",
             )
+
+    def _peer_addresses(self) -> tuple[PeerAddress, ...]:
+        key, value = f"{_EXTRA}.connect_ahead", self.connect_ahead
+        if not isinstance(value, list | tuple):
+            raise ConfigError(key, value, "must be a list of {host, port, tp_size} objects")
+        posts = self.role is not (
+            Role.PRODUCER if self.direction is Direction.PULL else Role.CONSUMER
+        )
+        if value and not posts:
+            raise ConfigError(
+                key,
+                list(value),
+                f"a {self.direction.value} {self.role.value} never posts: the instances "
+                "that do connect to it",
+            )
+        out: list[PeerAddress] = []
+        item: Any
+        for i, item in enumerate(value):
+            where = f"{key}[{i}]"
+            if isinstance(item, PeerAddress):  # built directly: checked as its fields
+                item = msgspec.structs.asdict(item)
+            if not isinstance(item, Mapping):
+                raise ConfigError(where, item, "must be a {host, port, tp_size} object")
+            for field, ok, rule in (
+                ("host", lambda v: isinstance(v, str) and v != "", "must be a non-empty string"),
+                ("port", lambda v: _is_int(v) and 0 < v < 65536, "must be an int in [1, 65535]"),
+                ("tp_size", lambda v: _is_int(v) and v > 0, "must be an int > 0"),
+                (
+                    "engine_id",
+                    lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= MAX_ENGINE_ID_LEN),
+                    f"must be null or a non-empty string of at most {MAX_ENGINE_ID_LEN} characters",
+                ),
+            ):
+                if field in item and not ok(item[field]):
+                    raise ConfigError(f"{where}.{field}", item[field], rule)
+            unknown = sorted(set(item) - set(PeerAddress.__struct_fields__))
+            if unknown:
+                raise ConfigError(
+                    f"{where}.{unknown[0]}",
+                    item[unknown[0]],
+                    "unknown key; use host, port, tp_size, engine_id",
+                )
+            for field in ("host", "port"):
+                if field not in item:
+                    raise ConfigError(f"{where}.{field}", None, "is required")
+            out.append(PeerAddress(**item))
+        return tuple(out)
 
     @property
     def device_to_device(self) -> bool:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvxfer.adapters.vllm import timeline
+from kvxfer.adapters.vllm.ahead import ConnectAhead
 from kvxfer.adapters.vllm.cache_layout import (
     CPU_VEC_INTERIOR,
     Interior,
@@ -139,6 +140,11 @@ class WorkerSide:
         self._landed = threading.Event()  # a load settled
         agent.register(layout, defer=defer_registration)
         agent.serve()
+        # Handshakes need the registered layout: with deferred registration they start
+        # at the first real step, once it is complete.
+        self._ahead = ConnectAhead(agent, config.connect_ahead)
+        if not defer_registration:
+            self._ahead.start()
 
     @classmethod
     def from_kv_caches(
@@ -232,6 +238,7 @@ class WorkerSide:
                 raise RegistrationError(
                     f"deferred KV registration failed: {exc}; this instance cannot move KV"
                 ) from exc
+            self._ahead.start()
         for hold in plan.holds:
             staged = self._staged.pop(hold.request_id, None) == hold.block_ids
             try:
@@ -411,6 +418,7 @@ class WorkerSide:
         return self._interval.take()
 
     def close(self) -> None:
+        self._ahead.stop()
         self.agent.close()
 
 

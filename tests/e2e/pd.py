@@ -57,27 +57,46 @@ class PDPair:
 
 
 def start_prefill(
-    name: str, mode: str, model_dir: Path, log_dir: Path, *, wait: bool = True
+    name: str,
+    mode: str,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    wait: bool = True,
+    port: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> VllmServer:
     return start_server(
         name,
         model_dir,
         log_dir,
-        kv_transfer_config=kv_config("kv_producer", mode),
-        env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        kv_transfer_config=kv_config("kv_producer", mode, extra=extra),
+        env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port or free_port())},
         wait=wait,
     )
 
 
 def start_pair(mode: str, model_dir: Path, log_dir: Path) -> PDPair:
-    """Start both instances at once (cold start overlaps) and wait for both."""
-    prefill = start_prefill(f"prefill-{mode}", mode, model_dir, log_dir, wait=False)
+    """Start both instances at once (cold start overlaps) and wait for both. The side
+    that posts (pull: decode, push: prefill) connects ahead to the other
+    (``connect_ahead``, at vLLM's default side-channel host, the one tickets name)."""
+    p_port, d_port = free_port(), free_port()
+    ahead = {"connect_ahead": [{"host": "localhost", "port": p_port if mode == "pull" else d_port}]}
+    prefill = start_prefill(
+        f"prefill-{mode}",
+        mode,
+        model_dir,
+        log_dir,
+        wait=False,
+        port=p_port,
+        extra=ahead if mode == "push" else None,
+    )
     decode = start_server(
         f"decode-{mode}",
         model_dir,
         log_dir,
-        kv_transfer_config=kv_config("kv_consumer", mode),
-        env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        kv_transfer_config=kv_config("kv_consumer", mode, extra=ahead if mode == "pull" else None),
+        env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)},
         wait=False,
     )
     wait_all_healthy([prefill, decode])

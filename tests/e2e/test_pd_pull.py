@@ -80,6 +80,10 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     engine = params["remote_engine_id"]
     # The initiating side of a pull (decode) announces the producer's descriptors.
     assert re.search(rf"remote descriptor\(s\) for engine {re.escape(engine)}\b", d.log_text())
+    # It connected to the producer at start-up (connect_ahead, tests/e2e/pd.py).
+    ahead = r"kvxfer: connected ahead to localhost:(\d+) \(tp_size 1\), ranks at ports \[(\d+)\]"
+    got = re.search(ahead, d.log_text())
+    assert got and got[1] == got[2] == str(params["remote_port"]), "no connect_ahead line"
     assert d.metric("vllm:kvxfer_transfer_time_seconds_count") >= 1
     assert d.metric("vllm:kvxfer_bytes_total") > 0
     assert d.metric("vllm:kvxfer_failed_transfers_total") == 0

@@ -48,6 +48,9 @@ def test_push_decode_does_not_recompute_and_producer_announces_descriptors(
     # In push the producer initiates the data plane: it logs the consumer's descriptors.
     d_engine = re.search(r"for engine (\S+) at", p.log_text())
     assert d_engine, "no 'remote descriptor(s) for engine' line on the push producer"
+    # The producer connected to the consumer at start-up (connect_ahead, tests/e2e/pd.py).
+    ahead = r"kvxfer: connected ahead to localhost:(\d+) \(tp_size 1\), ranks at ports \[\1\]"
+    assert re.search(ahead, p.log_text()), "no connect_ahead line on the push producer"
     assert p.metric("vllm:kvxfer_leases_released_total") >= 1
 
 
