@@ -27,7 +27,7 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 
 #: The first pause before trying an unanswered peer again, and the longest.
 FIRST_RETRY_S = 0.5
-MAX_RETRY_S = 10.0
+MAX_RETRY_S = 5.0
 
 
 class ConnectAhead:

@@ -82,6 +82,9 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     assert re.search(rf"remote descriptor\(s\) for engine {re.escape(engine)}\b", d.log_text())
     # It connected to the producer at start-up (connect_ahead, tests/e2e/pd.py).
     ahead = r"kvxfer: connected ahead to localhost:(\d+) \(tp_size 1\), ranks at ports \[(\d+)\]"
+    deadline = time.monotonic() + 15  # a peer not up yet is tried again within 5 s
+    while not re.search(ahead, d.log_text()) and time.monotonic() < deadline:
+        time.sleep(0.25)
     got = re.search(ahead, d.log_text())
     assert got and got[1] == got[2] == str(params["remote_port"]), "no connect_ahead line"
     assert d.metric("vllm:kvxfer_transfer_time_seconds_count") >= 1

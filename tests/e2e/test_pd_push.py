@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -50,6 +51,9 @@ def test_push_decode_does_not_recompute_and_producer_announces_descriptors(
     assert d_engine, "no 'remote descriptor(s) for engine' line on the push producer"
     # The producer connected to the consumer at start-up (connect_ahead, tests/e2e/pd.py).
     ahead = r"kvxfer: connected ahead to localhost:(\d+) \(tp_size 1\), ranks at ports \[\1\]"
+    deadline = time.monotonic() + 15  # a peer not up yet is tried again within 5 s
+    while not re.search(ahead, p.log_text()) and time.monotonic() < deadline:
+        time.sleep(0.25)
     assert re.search(ahead, p.log_text()), "no connect_ahead line on the push producer"
     assert p.metric("vllm:kvxfer_leases_released_total") >= 1
 

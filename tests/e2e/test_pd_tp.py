@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.core.heads import HeadLayout, needed_ranks
+from kvxfer.core.heads import HeadLayout, needed_ranks, peer_ranks
 
 from . import kv_digests
 from .model import TinyModelSpec, build_tiny_model
@@ -97,12 +97,12 @@ def _tp_args(tp: int, dtype: str) -> list[str]:
     return args
 
 
-def _side_channel_env(tp: int) -> dict[str, str]:
+def _side_channel_port(tp: int) -> int:
     # Rank r listens on the base port + r: leave room for every rank.
     base = free_port()
     while base + tp - 1 > 65535:
         base = free_port()
-    return {**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(base)}
+    return base
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,8 @@ class TPPair(PDPair):
 
     decode_tp: int = 1
     kv_heads: int = 2
+    prefill_tp: int = 1
+    ports: tuple[int, int] = (0, 0)  # prefill's and decode's rank 0 side channel
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +167,29 @@ def tp_setup(
     tag = f"p{p_tp}-d{d_tp}-{dtype}-{mode}-kv{kv}"
     model = tiny_model_dir if kv == 2 else build_tiny_model(TinyModelSpec(num_key_value_heads=kv))
     unified = _unified(unified_servers, ref_tp, dtype, model, e2e_log_dir)
+    p_port, d_port = _side_channel_port(p_tp), _side_channel_port(d_tp)
+    # The side that posts connects ahead to the other's ranks holding its heads.
+    ahead = [
+        {"host": "localhost", "port": p_port, "tp_size": p_tp}
+        if mode == "pull"
+        else {"host": "localhost", "port": d_port, "tp_size": d_tp}
+    ]
     prefill = start_server(
         f"prefill-tp-{tag}",
         model,
         e2e_log_dir,
         extra_args=_tp_args(p_tp, dtype),
-        kv_transfer_config=kv_config("kv_producer", mode, kv_connector_module_path=VERIFY_MODULE),
-        env={**_side_channel_env(p_tp), kv_digests.ENV: str(kv_digest_dir)},
+        kv_transfer_config=kv_config(
+            "kv_producer",
+            mode,
+            kv_connector_module_path=VERIFY_MODULE,
+            extra={"connect_ahead": ahead} if mode == "push" else None,
+        ),
+        env={
+            **PD_ENV,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
+            kv_digests.ENV: str(kv_digest_dir),
+        },
         wait=False,
     )
     decode = start_server(
@@ -179,13 +197,30 @@ def tp_setup(
         model,
         e2e_log_dir,
         extra_args=_tp_args(d_tp, dtype),
-        kv_transfer_config=kv_config("kv_consumer", mode, kv_connector_module_path=VERIFY_MODULE),
-        env={**_side_channel_env(d_tp), kv_digests.ENV: str(kv_digest_dir)},
+        kv_transfer_config=kv_config(
+            "kv_consumer",
+            mode,
+            kv_connector_module_path=VERIFY_MODULE,
+            extra={"connect_ahead": ahead} if mode == "pull" else None,
+        ),
+        env={
+            **PD_ENV,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
+            kv_digests.ENV: str(kv_digest_dir),
+        },
         wait=False,
     )
     try:
         wait_all_healthy([unified, prefill, decode])
-        pair = TPPair(mode, prefill, decode, decode_tp=d_tp, kv_heads=kv)
+        pair = TPPair(
+            mode,
+            prefill,
+            decode,
+            decode_tp=d_tp,
+            kv_heads=kv,
+            prefill_tp=p_tp,
+            ports=(p_port, d_port),
+        )
         # The first load is where a producer stalled (issue 25): the history of its
         # threads' activity goes with a failure.
         with sampling([prefill, decode]):
@@ -213,6 +248,35 @@ def test_output_equals_unified_and_every_prompt_token_came_over(
         # vLLM recomputes only the last prompt token itself (it needs its logits).
         assert local <= 1 and remote >= len(ids) - 1, (name, local, remote, len(ids))
     assert not re.search(r"kvxfer: KV load of \S+ (failed|refused)", d.log_text())
+
+
+def test_the_posting_side_connected_ahead_to_the_ranks_holding_its_heads(
+    tp_setup: tuple[TPPair, VllmServer],
+) -> None:
+    """``connect_ahead`` (this module's pairs give the posting side the other's rank 0
+    address and TP size): every posting rank handshook at start-up with exactly the
+    peer ranks holding its heads (``Agent.connect_group``)."""
+    pair, _ = tp_setup
+    kv, (p_port, d_port) = pair.kv_heads, pair.ports
+    p_heads = HeadLayout(num_kv_heads=kv, tp_size=pair.prefill_tp)
+    d_heads = HeadLayout(num_kv_heads=kv, tp_size=pair.decode_tp)
+    if pair.mode == "pull":  # decode ranks read prefill ranks
+        poster, mine, base, peer_tp, reads = pair.decode, d_heads, p_port, pair.prefill_tp, True
+    else:  # prefill ranks write into decode ranks
+        poster, mine, base, peer_tp, reads = pair.prefill, p_heads, d_port, pair.decode_tp, False
+    want = sorted(
+        [base + p for p in peer_ranks(mine, r, peer_tp, reads=reads)] for r in range(mine.tp_size)
+    )
+    line = (
+        rf"kvxfer: connected ahead to localhost:{base} \(tp_size {peer_tp}\), "
+        r"ranks at ports \[([\d, ]+)\]"
+    )
+    # A peer not up yet is tried again after a pause of at most 5 s (adapters/vllm/ahead.py).
+    deadline = time.monotonic() + 15
+    while len(re.findall(line, poster.log_text())) < len(want) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    got = sorted([int(x) for x in m.split(", ")] for m in re.findall(line, poster.log_text()))
+    assert got == want, poster.log_text()[-3000:]
 
 
 def test_negative_control_decode_continues_the_transferred_prompt(
