@@ -20,12 +20,11 @@ from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, needed_ranks
-from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, KvxferError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import TransferState
 from kvxfer.types import Direction
-from tests.tp_ranks import NUM_BLOCKS, Rank, consumers, producers
+from tests.tp_ranks import NUM_BLOCKS, Rank, consumers, count_planner_builds, producers
 from tests.tp_ranks import closing as closing  # the fixture, by name
 
 SEED = 21
@@ -113,14 +112,7 @@ def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull
     (``Agent.connect``) finds the planner built (issue 27: 3-20 ms of the first pull).
     With replicated heads (2 heads over 4 ranks) each replica choice has its planner;
     the requests' salts pick both here."""
-    builds: list[int] = []
-    build = TPPlanner.build.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
-        builds.append(kw["salt"])
-        return build(cls, *args, **kw)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(TPPlanner, "build", classmethod(counted))
+    builds = count_planner_builds(monkeypatch)
     p_heads, d_heads = (
         HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp),
         HeadLayout(num_kv_heads=kv_heads, tp_size=1),

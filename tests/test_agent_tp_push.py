@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any
 
 import msgspec
 import pytest
@@ -16,12 +15,11 @@ import pytest
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, reader_ranks
-from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
-from tests.tp_ranks import Rank, consumers, make_rank, producers
+from tests.tp_ranks import Rank, consumers, count_planner_builds, make_rank, producers
 from tests.tp_ranks import closing as closing  # the fixture, by name
 
 SEED = 33
@@ -116,14 +114,7 @@ def test_connecting_to_the_consumer_ranks_ahead_builds_the_write_planners(
     the first push): one per consumer rank it writes into. With replicated heads (2
     heads over 4 prefill ranks) each prefill rank serves one of the two replica
     choices; the requests' salts pick both here."""
-    builds: list[int] = []
-    build = TPPlanner.build.__func__  # type: ignore[attr-defined]
-
-    def counted(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
-        builds.append(kw["salt"])
-        return build(cls, *args, **kw)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(TPPlanner, "build", classmethod(counted))
+    builds = count_planner_builds(monkeypatch)
     p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
     d_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=d_tp)
     producers, consumers = _producers(p_heads), _consumers(d_heads)

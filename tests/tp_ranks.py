@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from kvxfer.backend import BackendOptions
 from kvxfer.backends.host_bounce import HostBounceBackend
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank
+from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import KvxferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.tp_kvcache import TPHostCache
@@ -152,6 +154,19 @@ def consumers(
         )
         for r in range(heads.tp_size)
     ]
+
+
+def count_planner_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the ``salt`` of every ``TPPlanner.build`` from now on (the list grows)."""
+    builds: list[int] = []
+    build = TPPlanner.build.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
+        builds.append(kw["salt"])
+        return build(cls, *args, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TPPlanner, "build", classmethod(counted))
+    return builds
 
 
 @pytest.fixture

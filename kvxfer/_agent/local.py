@@ -11,7 +11,7 @@ from kvxfer.agent_config import AgentConfig
 from kvxfer.core import blocks, wire
 from kvxfer.core.blocks import BlockIds
 from kvxfer.core.descriptors import DescriptorTable
-from kvxfer.core.heads import heads_per_region
+from kvxfer.core.heads import TPRank, heads_per_region
 from kvxfer.core.layout import GroupKind, KVLayout
 from kvxfer.core.tp_plan import HeadSection
 from kvxfer.errors import RegistrationError
@@ -139,6 +139,22 @@ class LocalEnd:
         if config.direction is Direction.PULL:
             return config.role is not Role.PRODUCER
         return config.role is not Role.CONSUMER
+
+    def across_tp(self, theirs: TPRank | None, role: Role, direction: Direction) -> TPRank | None:
+        """This rank's TP identity when this agent is ``role`` in ``direction`` and
+        ``theirs`` (a peer's) is of another TP size; None otherwise (nothing to plan
+        per rank ahead)."""
+        config = self.config
+        mine = config.tp
+        if (
+            config.role is not role
+            or config.direction is not direction
+            or mine is None
+            or theirs is None
+            or mine.heads.tp_size == theirs.heads.tp_size
+        ):
+            return None
+        return mine
 
     def posting_table(self, peer_heads: int) -> tuple[DescriptorTable, int]:
         """The table this agent posts from against a peer table whose regions hold

@@ -201,15 +201,9 @@ class TPPuller:
         the producer replicates heads) are built here, so that the first pull does not
         pay 3-20 ms for them (issue 27). A planner that cannot be built is left to the
         first pull, which names what is wrong."""
-        config = self._local.config
-        theirs, mine = peer.info.tp, config.tp
-        if (
-            config.role is not Role.CONSUMER
-            or config.direction is not Direction.PULL
-            or theirs is None
-            or mine is None
-            or theirs.heads.tp_size == mine.heads.tp_size
-        ):
+        theirs = peer.info.tp
+        mine = self._local.across_tp(theirs, Role.CONSUMER, Direction.PULL)
+        if mine is None or theirs is None:
             return
         try:
             producer = mine.heads.for_tp_size(theirs.heads.tp_size)

@@ -56,15 +56,9 @@ class WritePlanner:
         one unless this group replicates heads), so that the first push does not pay
         3-10 ms for them (issue 27). One that cannot be built is left to the first
         write, which names what is wrong."""
-        config = self._local.config
-        mine, theirs = config.tp, peer.info.tp
-        if (
-            config.role is not Role.PRODUCER
-            or config.direction is not Direction.PUSH
-            or mine is None
-            or theirs is None
-            or mine.heads.tp_size == theirs.heads.tp_size
-        ):
+        theirs = peer.info.tp
+        mine = self._local.across_tp(theirs, Role.PRODUCER, Direction.PUSH)
+        if mine is None or theirs is None:
             return
         try:
             for salt, sources in source_choices(theirs.heads, theirs.rank, mine.heads):
