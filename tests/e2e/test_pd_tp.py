@@ -168,48 +168,32 @@ def tp_setup(
     model = tiny_model_dir if kv == 2 else build_tiny_model(TinyModelSpec(num_key_value_heads=kv))
     unified = _unified(unified_servers, ref_tp, dtype, model, e2e_log_dir)
     p_port, d_port = _side_channel_port(p_tp), _side_channel_port(d_tp)
-    # The side that posts connects ahead to the other's ranks holding its heads.
-    ahead = [
-        {"host": "localhost", "port": p_port, "tp_size": p_tp}
-        if mode == "pull"
-        else {"host": "localhost", "port": d_port, "tp_size": d_tp}
-    ]
-    prefill = start_server(
-        f"prefill-tp-{tag}",
-        model,
-        e2e_log_dir,
-        extra_args=_tp_args(p_tp, dtype),
-        kv_transfer_config=kv_config(
-            "kv_producer",
-            mode,
-            kv_connector_module_path=VERIFY_MODULE,
-            extra={"connect_ahead": ahead} if mode == "push" else None,
-        ),
-        env={
-            **PD_ENV,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port),
-            kv_digests.ENV: str(kv_digest_dir),
-        },
-        wait=False,
-    )
-    decode = start_server(
-        f"decode-tp-{tag}",
-        model,
-        e2e_log_dir,
-        extra_args=_tp_args(d_tp, dtype),
-        kv_transfer_config=kv_config(
-            "kv_consumer",
-            mode,
-            kv_connector_module_path=VERIFY_MODULE,
-            extra={"connect_ahead": ahead} if mode == "pull" else None,
-        ),
-        env={
-            **PD_ENV,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port),
-            kv_digests.ENV: str(kv_digest_dir),
-        },
-        wait=False,
-    )
+    # The side that posts (pull: decode, push: prefill) connects ahead to the other.
+    posts = "kv_consumer" if mode == "pull" else "kv_producer"
+
+    def start(role: str, tp: int, port: int, peer: tuple[int, int]) -> VllmServer:
+        ahead = {"connect_ahead": [{"host": "localhost", "port": peer[0], "tp_size": peer[1]}]}
+        return start_server(
+            f"{'prefill' if role == 'kv_producer' else 'decode'}-tp-{tag}",
+            model,
+            e2e_log_dir,
+            extra_args=_tp_args(tp, dtype),
+            kv_transfer_config=kv_config(
+                role,
+                mode,
+                kv_connector_module_path=VERIFY_MODULE,
+                extra=ahead if role == posts else None,
+            ),
+            env={
+                **PD_ENV,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+                kv_digests.ENV: str(kv_digest_dir),
+            },
+            wait=False,
+        )
+
+    prefill = start("kv_producer", p_tp, p_port, (d_port, d_tp))
+    decode = start("kv_consumer", d_tp, d_port, (p_port, p_tp))
     try:
         wait_all_healthy([unified, prefill, decode])
         pair = TPPair(
