@@ -48,7 +48,7 @@ from kvxfer.core.layout import KVLayout
 from kvxfer.errors import ConfigError
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import Transfer
-from kvxfer.types import Direction, Role
+from kvxfer.types import Direction, posts
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "BlockIds", "PushPost", "Ticket"]
 
@@ -216,7 +216,7 @@ class Agent:
         """
         config = self.config
         reads = config.direction is Direction.PULL
-        if config.role is (Role.PRODUCER if reads else Role.CONSUMER):
+        if not posts(config.role, config.direction):
             raise ConfigError(
                 "role",
                 config.role.value,

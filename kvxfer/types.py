@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-__all__ = ["MAX_ENGINE_ID_LEN", "Direction", "Role"]
+__all__ = ["MAX_ENGINE_ID_LEN", "Direction", "Role", "posts"]
 
 
 class Role(enum.Enum):
@@ -26,6 +26,13 @@ class Direction(enum.Enum):
 
     PULL = "pull"
     PUSH = "push"
+
+
+def posts(role: Role, direction: Direction) -> bool:
+    """Whether an instance of ``role`` posts transfers in ``direction`` (a pull's
+    consumer, a push's producer, either as ``kv_both``): only that side plans against
+    its peers' tables and connects to them ahead of requests."""
+    return role is not (Role.PRODUCER if direction is Direction.PULL else Role.CONSUMER)
 
 
 #: Engine ids travel in every handshake frame; the wire schema bounds them to this.

@@ -82,8 +82,9 @@ def test_it_stops_when_the_worker_closes(
 def test_a_peer_it_can_never_connect_to_is_given_up_by_name(
     closing: list[Rank], caplog: pytest.LogCaptureFixture
 ) -> None:
-    (decode,) = _decode(2)[:1]
-    closing.append(decode)
+    ranks = _decode(2)
+    closing += ranks
+    decode = ranks[0]
     bad = PeerAddress(host="127.0.0.1", port=30000, tp_size=3)  # cannot split 4 heads
     connecting = ConnectAhead(decode.agent, [bad])
     with caplog.at_level(logging.ERROR, logger="kvxfer.adapters.vllm"):

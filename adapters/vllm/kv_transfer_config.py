@@ -26,7 +26,7 @@ import msgspec
 
 from kvxfer.core.descriptors import PlanOptions
 from kvxfer.errors import ConfigError
-from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role
+from kvxfer.types import MAX_ENGINE_ID_LEN, Direction, Role, posts
 
 __all__ = [
     "CONNECTORS",
@@ -113,6 +113,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
             background so that the first request finds the handshakes done: a list of
             ``{"host", "port", "tp_size", "engine_id"}`` objects (port: rank 0's
             side-channel port, the one tickets name; tp_size default 1).
+        passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.
         extra_passthrough: ``kv_connector_extra_config`` keys kvxfer does not own
             (the upstream NIXL connector's), untouched.
     """
@@ -214,10 +215,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
         key, value = f"{_EXTRA}.connect_ahead", self.connect_ahead
         if not isinstance(value, list | tuple):
             raise ConfigError(key, value, "must be a list of {host, port, tp_size} objects")
-        posts = self.role is not (
-            Role.PRODUCER if self.direction is Direction.PULL else Role.CONSUMER
-        )
-        if value and not posts:
+        if value and not posts(self.role, self.direction):
             raise ConfigError(
                 key,
                 list(value),

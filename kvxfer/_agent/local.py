@@ -15,7 +15,7 @@ from kvxfer.core.heads import TPRank, heads_per_region
 from kvxfer.core.layout import GroupKind, KVLayout
 from kvxfer.core.tp_plan import HeadSection
 from kvxfer.errors import RegistrationError
-from kvxfer.types import Direction, Role
+from kvxfer.types import Direction, Role, posts
 
 __all__ = ["LocalEnd"]
 
@@ -135,10 +135,7 @@ class LocalEnd:
     def posts(self) -> bool:
         """Whether this agent posts transfers (a pull's consumer, a push's producer,
         either as ``kv_both``): only such a side plans against its peers' tables."""
-        config = self.config
-        if config.direction is Direction.PULL:
-            return config.role is not Role.PRODUCER
-        return config.role is not Role.CONSUMER
+        return posts(self.config.role, self.config.direction)
 
     def across_tp(self, theirs: TPRank | None, role: Role, direction: Direction) -> TPRank | None:
         """This rank's TP identity when this agent is ``role`` in ``direction`` and

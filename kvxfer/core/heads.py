@@ -279,8 +279,9 @@ def peer_ranks(heads: HeadLayout, rank: int, peer_tp_size: int, *, reads: bool) 
     peer = heads.for_tp_size(peer_tp_size)
     if peer.tp_size == heads.tp_size:
         return (rank,)
-    if reads:
-        got = {p for _, sources in source_choices(heads, rank, peer) for p in sources.values()}
+    if reads:  # every replica choice, however many (an agent prepares at most 8)
+        choices = source_choices(heads, rank, peer, limit=peer.replicas)
+        got = {p for _, sources in choices for p in sources.values()}
     else:
         got = {
             c for salt in range(heads.replicas) for c in reader_ranks(heads, rank, peer, salt=salt)
