@@ -73,6 +73,20 @@ def test_failed_and_skipped_cases_are_reported() -> None:
     assert "SKIPPED: needs 9 GiB" in tc.format_tp_table([row])
 
 
+def test_the_x_runs_interval_is_the_paired_ratios_median_interval() -> None:
+    case = _case(1, 2)
+    kv = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    runs = [0.90, 0.92, 0.94, 0.95, 0.96, 0.98, 1.30]
+    first = {"bytes": tc.expected_bytes(case), "descriptors": 7, "bad": 0, "s": 1.0}
+    times = {"kvxfer": kv, "nixl": runs, "nixl_runs": runs, "memcpy": kv}
+    row = tc.assemble(case, first, dict(first), dict(first), times, {})
+    assert row["kvxfer_vs_nixl_runs"] == 0.95
+    assert row["kvxfer_vs_nixl_runs_ci"] == bc.median_ci(runs) == (0.90, 1.30)
+    assert "0.90-1.30" in tc.format_tp_table([row])
+    assert bc.settled(kv, runs) is False
+    assert bc.settled(kv, [0.95, 0.96, 0.96, 0.97, 0.97, 0.98, 0.99]) is True
+
+
 @pytest.mark.parametrize("argv", [["--netns"], ["--backends", "host_bounce"], ["--tp", "2:2"]])
 def test_options_tp_does_not_take_are_refused(argv: list[str]) -> None:
     assert bench_main(["--tp", *argv]) == 2
@@ -90,6 +104,10 @@ def test_tiny_tp_cases_through_real_processes() -> None:
             "40",
             "--reps",
             "1",
+            # Below 5 reps no interval exists, so the ratio is never settled: every
+            # case takes the extra rep it may take.
+            "--max-reps",
+            "2",
             "--json",
         ],
         capture_output=True,
@@ -115,7 +133,9 @@ def test_tiny_tp_cases_through_real_processes() -> None:
         assert r["descriptors_nhd_strided"] == blocks * regions * p * 16
         assert r["verified"] is True
         assert r["mismatches"] == {"kvxfer": 0, "nixl": 0, "nixl_runs": 0}
-        assert r["reps"] == 1 and r["handshakes_in_timed_reps"] == 0
+        assert r["reps"] == 2 and r["handshakes_in_timed_reps"] == 0
+        assert r["kvxfer_vs_nixl_runs_ci"] is None
+        assert all(len(v) == 2 for v in r["samples"].values())
         # A pull's decode rank connects to each prefill rank; a push's prefill ranks
         # connect to the decode rank.
         hs = (

@@ -114,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="reps a noisy case may take until the kvxfer/NIXL ratio is within ±0.04 "
-        "(3x --reps; quick: no extra reps)",
+        "(3x --reps; quick: no extra reps, except with --tp: its x runs)",
     )
     p.add_argument(
         "--netns",

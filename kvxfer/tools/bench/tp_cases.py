@@ -305,6 +305,8 @@ def assemble(
         # t_other / t_kvxfer per back-to-back rep: above 1, kvxfer was faster
         "kvxfer_vs_nixl": _paired(raw, kv),
         "kvxfer_vs_nixl_runs": _paired(runs, kv),
+        # Its ~95% confidence interval (order statistics; None under 5 reps).
+        "kvxfer_vs_nixl_runs_ci": bc.median_ci([r / k for r, k in zip(runs, kv) if k > 0]),
         "kvxfer_vs_memcpy": _paired(memcpy, kv),
         "nixl_vs_memcpy": _paired(memcpy, raw),
         "first_transfer_s": first["s"],
@@ -320,19 +322,25 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _interval(ci: Sequence[float] | None) -> str:
+    return "-" if not ci else f"{ci[0]:.2f}-{ci[1]:.2f}"
+
+
 def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
     """One line per TP case: descriptors, bytes, GB/s of the three, the ratios."""
     head = (
         f"{'case':<50} {'ranks':>5} {'descs':>7} {'posted':>6} {'nixl u':>6} {'runs':>6} "
         f"{'NHD descs':>9} {'MB':>6} "
         f"{'kvxfer':>6} {'nixl':>6} {'n.runs':>6} {'memcpy':>6} {'x nixl':>6} {'x runs':>6} "
-        f"{'x mcpy':>6} {'1st/st':>6}"
+        f"{'runs 95%':>9} {'x mcpy':>6} {'1st/st':>6}"
     )
     lines = [
         "transfers across TP sizes into one decode rank, pulled by it or pushed by the",
         "prefill ranks; GB/s (decimal), medians; x: kvxfer over raw NIXL posting the",
         "planner's ids on prepared lists (nixl: READs, or WRITEs from each prefill rank),",
         "its merged runs as per-request lists (n.runs), and memcpy, paired per rep;",
+        "runs 95%: the x runs median's ~95% interval (more reps while it is wider than",
+        "0.08, up to --max-reps);",
         "descs: planned pairs (one per head per block, HND); posted: transfer units",
         "kvxfer's backend posts; nixl u: units NIXL merges the prepared ids into; runs:",
         "the fewest that cover the bytes; NHD descs: a token-major cache's strided head",
@@ -351,6 +359,7 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
             f"{r['bytes_moved'] / 1e6:>6.1f} {_f(r['kvxfer_gbps']):>6} {_f(r['nixl_gbps']):>6} "
             f"{_f(r['nixl_runs_gbps']):>6} {_f(r['memcpy_gbps']):>6} "
             f"{_f(r['kvxfer_vs_nixl']):>6} {_f(r['kvxfer_vs_nixl_runs']):>6} "
+            f"{_interval(r.get('kvxfer_vs_nixl_runs_ci')):>9} "
             f"{_f(r['kvxfer_vs_memcpy']):>6} {_f(r.get('first_vs_steady')):>6}"
         )
     return "\n".join(lines)

@@ -35,10 +35,20 @@ __all__ = ["TPRunner", "main_tp", "plan_tp_cases"]
 
 
 class TPRunner:
-    """Runs TP cases, each with its own set of processes."""
+    """Runs TP cases, each with its own set of processes.
 
-    def __init__(self, *, reps: int, timeout_s: float) -> None:
+    Args:
+        reps: Timed reps per case.
+        timeout_s: How long one step may take before it counts as hung.
+        max_reps: Reps a case may take while kvxfer over raw NIXL's merged runs (the
+            issue-27 target's ratio) is not yet known to within ±0.04 (95%): three
+            processes share two cores here, and five reps left it 0.78-0.99 between
+            runs of one case.
+    """
+
+    def __init__(self, *, reps: int, timeout_s: float, max_reps: int | None = None) -> None:
         self.reps, self.timeout_s = reps, timeout_s
+        self.max_reps = max(reps, max_reps if max_reps is not None else reps)
         self._children = Children(timeout_s)
         self._rid = itertools.count()
 
@@ -143,7 +153,10 @@ class TPRunner:
             ("nixl", reps.raw),
             ("nixl_runs", lambda verify: reps.raw(verify, True)),
         ]
-        for i in range(self.reps):
+        i = 0
+        while i < self.reps or (
+            i < self.max_reps and not bc.settled(times["kvxfer"], times["nixl_runs"])
+        ):
             for name, fn in steps if i % 2 == 0 else steps[::-1]:
                 got = fn(False)
                 times[name].append(got["s"])
@@ -151,6 +164,7 @@ class TPRunner:
                     holds.append(got["hold_s"])
                     hs.append(got["handshakes"])
             times["memcpy"].append(self.call("decode", "memcpy", first["bytes"]))
+            i += 1
         extra = {
             "runs": raw_first["runs"],
             "units_posted": raw_first["units_posted"],
@@ -332,7 +346,9 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
         print(f"kvxfer bench: {exc}", file=sys.stderr)
         return 2
     header = {**header, "tp": args.tp}
-    runner = TPRunner(reps=header["reps"], timeout_s=args.timeout)
+    reps = header["reps"]
+    max_reps = args.max_reps if args.max_reps is not None else 3 * reps
+    runner = TPRunner(reps=reps, timeout_s=args.timeout, max_reps=max_reps)
     measured: list[dict[str, Any]] = []
     try:
         for case in cases:
@@ -351,7 +367,8 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
         print(
             f"kvxfer bench --tp {args.tp} — {header.get('date', '?')}, {header.get('cpus', '?')} "
             f"CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), loopback, "
-            f"{header['reps']} timed reps per case"
+            f"{reps} timed reps per case (up to {runner.max_reps} until x runs is known "
+            "to ±0.04)"
         )
         print(tc.format_tp_table(results))
     return 1 if any(r.get("status") == "failed" for r in results) else 0
