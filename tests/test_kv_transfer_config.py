@@ -356,6 +356,15 @@ def test_connect_ahead_parses_to_peer_addresses() -> None:
     assert parse_kv_transfer_config(cfg()).connect_ahead == ()
 
 
+def test_connect_ahead_refresh_s_names_a_set_of_instances() -> None:
+    peers = [{"host": "prefill.ns.svc", "port": 5600, "refresh_s": 10}]
+    (got,) = parse_kv_transfer_config(cfg(connect_ahead=peers)).connect_ahead
+    assert got == PeerAddress(host="prefill.ns.svc", port=5600, refresh_s=10.0)
+    assert type(got.refresh_s) is float
+    zero = [{"host": "p", "port": 5600, "refresh_s": 0, "engine_id": "p"}]
+    assert parse_kv_transfer_config(cfg(connect_ahead=zero)).connect_ahead[0].refresh_s == 0.0
+
+
 @pytest.mark.parametrize(
     ("item", "key", "rule"),
     [
@@ -368,6 +377,21 @@ def test_connect_ahead_parses_to_peer_addresses() -> None:
         ({"host": "h", "port": 5, "tp_size": 0}, "connect_ahead[0].tp_size", "int > 0"),
         ({"host": "h", "port": 5, "engine_id": ""}, "connect_ahead[0].engine_id", "non-empty"),
         ({"host": "h", "port": 5, "tp": 2}, "connect_ahead[0].tp", "unknown key"),
+        ({"host": "h", "port": 5, "refresh_s": 0.5}, "connect_ahead[0].refresh_s", "[1, 3600]"),
+        ({"host": "h", "port": 5, "refresh_s": -1}, "connect_ahead[0].refresh_s", "[1, 3600]"),
+        ({"host": "h", "port": 5, "refresh_s": 7200}, "connect_ahead[0].refresh_s", "[1, 3600]"),
+        (
+            {"host": "h", "port": 5, "refresh_s": float("nan")},
+            "connect_ahead[0].refresh_s",
+            "[1, 3600]",
+        ),
+        ({"host": "h", "port": 5, "refresh_s": True}, "connect_ahead[0].refresh_s", "[1, 3600]"),
+        ({"host": "h", "port": 5, "refresh_s": "10"}, "connect_ahead[0].refresh_s", "[1, 3600]"),
+        (
+            {"host": "h", "port": 5, "refresh_s": 10, "engine_id": "p"},
+            "connect_ahead[0].engine_id",
+            "must be null with refresh_s",
+        ),
         ("h:5600", "connect_ahead[0]", "{host, port, tp_size} object"),
     ],
 )

@@ -1,18 +1,22 @@
 """``connect_ahead`` (the vLLM adapter's worker side, :mod:`kvxfer.adapters.vllm.ahead`)
 with in-process Agents on the fake backend: a decode rank connects to a prefill group
 that comes up after it, to exactly the ranks it reads; it stops when told, and gives
-up on a peer it can never connect to, saying why."""
+up on a peer it can never connect to, saying why. A peer with ``refresh_s`` is a name
+for several instances (real side channels on 127.0.0.1 and 127.0.0.2): each address
+it resolves to is connected, those it gains later too, those it loses are forgotten."""
 
 from __future__ import annotations
 
 import logging
 import random
+import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
 from kvxfer.adapters.vllm import ahead
-from kvxfer.adapters.vllm.ahead import ConnectAhead
+from kvxfer.adapters.vllm.ahead import ConnectAhead, resolve_addresses
 from kvxfer.adapters.vllm.kv_transfer_config import PeerAddress
 from kvxfer.core.heads import HeadLayout
 from kvxfer.types import Direction, Role
@@ -101,3 +105,102 @@ def test_nothing_to_connect_starts_no_thread(closing: list[Rank]) -> None:
     connecting.start()
     assert connecting.done(0)
     connecting.stop()
+
+
+def _prefill_tp1(port: int, host: str) -> Rank:
+    rank = make_rank(
+        f"prefill-{host}",
+        Role.PRODUCER,
+        HeadLayout(num_kv_heads=HEADS, tp_size=1),
+        0,
+        port,
+        seed=5,
+        direction=Direction.PULL,
+        timeout_s=1.0,
+        host=host,
+    )
+    rank.agent.serve()
+    return rank
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_name_connects_each_instance_it_resolves_to_as_they_come_and_go(
+    closing: list[Rank], caplog: pytest.LogCaptureFixture
+) -> None:
+    (decode,) = _decode(1)
+    closing.append(decode)
+    port = random.randrange(20000, 60000)
+    a, b = "127.0.0.1", "127.0.0.2"
+    closing.append(_prefill_tp1(port, a))
+    pods = [a]  # what the headless Service's name resolves to now
+    asked: list[tuple[str, int]] = []
+
+    def resolve(host: str, at: int) -> list[str]:
+        asked.append((host, at))
+        return list(pods)
+
+    # refresh_s below the config's 1 s floor: the thread takes any positive pace.
+    service = PeerAddress(host="prefill.ns.svc", port=port, refresh_s=0.05)
+    connecting = ConnectAhead(decode.agent, [service], resolve=resolve)
+    with caplog.at_level(logging.INFO, logger="kvxfer.adapters.vllm"):
+        connecting.start()
+        assert _until(lambda: connecting.connected == {(a, port): [port]})
+        assert decode.agent.stats().handshakes == 1
+        # A second pod joins behind the name: connected by its address, once.
+        closing.append(_prefill_tp1(port, b))
+        pods.append(b)
+        assert _until(lambda: connecting.connected == {(a, port): [port], (b, port): [port]})
+        time.sleep(0.2)  # several more resolutions: nothing is connected twice
+        assert decode.agent.stats().handshakes == 2
+        # The first pod leaves the name: forgotten, the other stays connected.
+        pods.remove(a)
+        assert _until(lambda: connecting.connected == {(b, port): [port]})
+        assert not connecting.done(0)  # a name is resolved until the worker stops
+    connecting.stop()
+    assert connecting.done(0)
+    assert set(asked) == {("prefill.ns.svc", port)} and len(asked) > 5
+    # Tickets name the pod's address: the request finds the handshake done.
+    decode.agent.connect(b, port)
+    assert decode.agent.stats().handshakes == 2
+    assert f"prefill.ns.svc:{port} resolves to new instance(s) ['{b}']" in caplog.text
+    assert f"prefill.ns.svc:{port} no longer resolves to ['{a}']" in caplog.text
+    assert f"(found under prefill.ns.svc:{port})" in caplog.text
+
+
+def test_a_name_that_resolves_to_nothing_yet_is_resolved_again(
+    closing: list[Rank], caplog: pytest.LogCaptureFixture
+) -> None:
+    (decode,) = _decode(1)
+    closing.append(decode)
+    port = random.randrange(20000, 60000)
+    closing.append(_prefill_tp1(port, "127.0.0.1"))
+    tries: list[int] = []
+
+    def resolve(host: str, at: int) -> list[str]:
+        tries.append(at)
+        if len(tries) < 4:  # no ready pod behind the Service yet
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return ["127.0.0.1"]
+
+    service = PeerAddress(host="prefill.ns.svc", port=port, refresh_s=0.05)
+    connecting = ConnectAhead(decode.agent, [service], resolve=resolve)
+    with caplog.at_level(logging.INFO, logger="kvxfer.adapters.vllm"):
+        connecting.start()
+        assert _until(lambda: connecting.connected == {("127.0.0.1", port): [port]})
+    connecting.stop()
+    said = f"connect_ahead prefill.ns.svc:{port} resolves to nothing yet"
+    assert caplog.text.count(said) == 1  # once per streak, not per try
+
+
+def test_the_resolver_gives_each_address_once() -> None:
+    assert resolve_addresses("127.0.0.1", 5600) == ["127.0.0.1"]
+    local = resolve_addresses("localhost", 5600)
+    assert local and set(local) <= {"127.0.0.1", "::1"} and len(set(local)) == len(local)

@@ -53,11 +53,12 @@ def make_rank(
     stream: bool = False,
     per_head: bool = True,
     bounce: bool = False,
+    host: str = "127.0.0.1",
 ) -> Rank:
     """A registered rank (its cache filled from ``seed``, or empty with None), described
     one region per head or (``per_head=False``) per layer and K/V; with ``bounce`` its
     blocks go through host staging buffers (the vLLM CPU build's backend) over the
-    fake transport (``Rank.backend``, for faults)."""
+    fake transport (``Rank.backend``, for faults). It serves at ``host``."""
     cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
     options = BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}")
     backend = FakeBackend(options)
@@ -75,6 +76,7 @@ def make_rank(
             fingerprint=fingerprint,
             role=role,
             direction=direction,
+            side_channel_host=host,
             side_channel_port=port,
             tp=TPRank(heads=heads, rank=rank),
             transfer_timeout_s=timeout_s,

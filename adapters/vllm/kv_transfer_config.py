@@ -49,12 +49,18 @@ class BufferDevice(enum.Enum):
 class PeerAddress(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A peer instance to connect to at start-up (``connect_ahead``): its rank 0's
     side-channel address (rank *p* at ``port + p``), its TP size and, optionally, the
-    engine id it must have."""
+    engine id it must have.
+
+    With ``refresh_s`` over 0, ``host`` names a set of instances (a headless Service):
+    each address it resolves to is one instance, connected by that address, and the
+    name is resolved again every ``refresh_s`` seconds (:mod:`kvxfer.adapters.vllm.ahead`).
+    """
 
     host: str
     port: int
     tp_size: int = 1
     engine_id: str | None = None
+    refresh_s: float = 0.0
 
 
 #: Connector class names accepted in ``kv_connector`` and the direction each implies.
@@ -66,6 +72,9 @@ CONNECTORS: Final[Mapping[str, Direction]] = {
 }
 
 _EXTRA = "kv_connector_extra_config"
+#: The longest ``connect_ahead[i].refresh_s``: a name resolved less often than hourly
+#: would miss the instances a day of scaling brings.
+_MAX_REFRESH_S = 3600.0
 # Top-level keys this module reads; everything else at the top level is vLLM's.
 _OWN_TOP: Final = frozenset({"kv_connector", "kv_role", "kv_buffer_device", "engine_id", _EXTRA})
 _OWN_EXTRA: Final = (
@@ -111,8 +120,10 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
         connect_ahead: Peer instances this one posts to (a pull's consumer: its
             producers; a push's producer: its consumers), connected at start-up in the
             background so that the first request finds the handshakes done: a list of
-            ``{"host", "port", "tp_size", "engine_id"}`` objects (port: rank 0's
-            side-channel port, the one tickets name; tp_size default 1).
+            ``{"host", "port", "tp_size", "engine_id", "refresh_s"}`` objects (port:
+            rank 0's side-channel port, the one tickets name; tp_size default 1;
+            refresh_s over 0: host names several instances, each address it
+            resolves to connected, the name resolved again that often).
         passthrough: Top-level keys kvxfer does not own (vLLM's), untouched.
         extra_passthrough: ``kv_connector_extra_config`` keys kvxfer does not own
             (the upstream NIXL connector's), untouched.
@@ -239,6 +250,12 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
                     lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= MAX_ENGINE_ID_LEN),
                     f"must be null or a non-empty string of at most {MAX_ENGINE_ID_LEN} characters",
                 ),
+                (
+                    "refresh_s",
+                    lambda v: _is_number(v) and (v == 0 or 1 <= v <= _MAX_REFRESH_S),
+                    f"must be 0 (connect to the host as named) or seconds in [1, "
+                    f"{_MAX_REFRESH_S:.0f}] between resolutions of the name",
+                ),
             ):
                 if field in item and not ok(item[field]):
                     raise ConfigError(f"{where}.{field}", item[field], rule)
@@ -247,12 +264,20 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(
                     f"{where}.{unknown[0]}",
                     item[unknown[0]],
-                    "unknown key; use host, port, tp_size, engine_id",
+                    "unknown key; use host, port, tp_size, engine_id, refresh_s",
+                )
+            if item.get("refresh_s") and item.get("engine_id") is not None:
+                raise ConfigError(
+                    f"{where}.engine_id",
+                    item["engine_id"],
+                    "must be null with refresh_s: the name stands for several instances, "
+                    "each with an engine id of its own",
                 )
             for field in ("host", "port"):
                 if field not in item:
                     raise ConfigError(f"{where}.{field}", None, "is required")
-            out.append(PeerAddress(**item))
+            # JSON `10` means 10.0 s: keep the field a float.
+            out.append(PeerAddress(**{**item, "refresh_s": float(item.get("refresh_s", 0.0))}))
         return tuple(out)
 
     @property
