@@ -10,7 +10,11 @@ processes of one machine have whatever their network namespaces).
 
 The namespaces come from ``kvxfer.tools.bench.netns.netns_pair`` (root and iproute2
 needed); the servers run under ``ip netns exec``, which also gives each its
-namespace's ``/sys``, so UCX lists only that host's devices. The test process stays
+namespace's ``/sys``, so UCX lists only that host's devices, and its
+``/etc/netns/NS/hosts`` as ``/etc/hosts``: there each host resolves the other pod's
+"headless Service" name (:data:`SERVICE`) to that pod's address, and the side that
+posts connects ahead by that name (``connect_ahead`` with ``refresh_s``), as a
+deployment whose router picks the peer per request would. The test process stays
 outside and reaches each server from inside its namespace (tests/e2e/netns_http.py).
 """
 
@@ -33,6 +37,8 @@ from .pd import PD_ENV, kv_config, tokens
 from .servers import F32_ARGS, REPO_ROOT, VllmServer, adopt, start_server, wait_all_healthy
 
 SIDE_CHANNEL_PORT = 5600  # llm-d's
+#: The "headless Service" name of each role's pods, resolved in the other's namespace.
+SERVICE = {"prefill": "prefill.kvxfer-e2e.svc", "decode": "decode.kvxfer-e2e.svc"}
 PREFILL_PORT = 8000
 DECODE_PORT = 8200
 SIDECAR_PORT = 8000
@@ -125,7 +131,34 @@ def two_hosts(tag: str) -> Iterator[Hosts]:
     if why is not None:  # CI runs as root with iproute2: a missing piece is a failure
         raise RuntimeError(f"two-host tests need network namespaces: {why}")
     with netns_pair(f"{tag}{os.getpid() % 10000}") as pair:
-        yield Hosts(pair)
+        hosts = Hosts(pair)
+        files = [
+            _hosts_file(hosts.decode_ns, SERVICE["prefill"], hosts.prefill_addr),
+            _hosts_file(hosts.prefill_ns, SERVICE["decode"], hosts.decode_addr),
+        ]
+        try:
+            yield hosts
+        finally:
+            for path in files:
+                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()
+
+
+def _hosts_file(ns: str, name: str, addr: str) -> Path:
+    """``/etc/hosts`` inside ``ns`` (``ip netns exec`` mounts it there): ``name`` is the
+    other pod's address."""
+    path = Path("/etc/netns") / ns / "hosts"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"127.0.0.1 localhost\n::1 localhost\n{addr} {name}\n")
+    return path
+
+
+def ahead_by_name(mode: str) -> dict[str, Any]:
+    """The posting side's ``connect_ahead``: the other role's Service name, resolved
+    every second (pull: decode names the prefill pods; push: prefill the decode pods)."""
+    other = "prefill" if mode == "pull" else "decode"
+    return {"connect_ahead": [{"host": SERVICE[other], "port": SIDE_CHANNEL_PORT, "refresh_s": 1}]}
 
 
 @dataclasses.dataclass
@@ -211,7 +244,12 @@ def start_site(
                 port=PREFILL_PORT,
                 extra_args=extra_args,
                 kv_transfer_config=kv_config(
-                    "kv_producer", mode, extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S}
+                    "kv_producer",
+                    mode,
+                    extra={
+                        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                        **(ahead_by_name(mode) if mode == "push" else {}),
+                    },
                 ),
                 env=_engine_env(hosts.prefill_addr),
                 wait=False,
@@ -227,7 +265,12 @@ def start_site(
                 port=DECODE_PORT,
                 extra_args=extra_args,
                 kv_transfer_config=kv_config(
-                    "kv_consumer", mode, extra={"transfer_timeout_s": TRANSFER_TIMEOUT_S}
+                    "kv_consumer",
+                    mode,
+                    extra={
+                        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+                        **(ahead_by_name(mode) if mode == "pull" else {}),
+                    },
                 ),
                 env=_engine_env(hosts.decode_addr),
                 wait=False,

@@ -41,6 +41,8 @@ import pytest
 
 from . import netns_http
 from .hosts import (
+    SERVICE,
+    SIDE_CHANNEL_PORT,
     TRANSFER_TIMEOUT_S,
     Site,
     start_site,
@@ -141,6 +143,14 @@ def test_sidecar_output_equals_unified_and_the_kv_crossed_the_veth(
     assert re.search(
         rf"remote descriptor\(s\) for engine \S+ at {re.escape(peer_addr)}:", initiator.log_text()
     ), initiator.log_text()[-3000:]
+    # It connected ahead to the other pod found under its Service name (hosts.py).
+    service = SERVICE["prefill" if site.mode == "pull" else "decode"]
+    ahead = (
+        rf"kvxfer: connected ahead to {re.escape(peer_addr)}:{SIDE_CHANNEL_PORT} \(tp_size 1\), "
+        rf"ranks at ports \[{SIDE_CHANNEL_PORT}\], after [\d.]+ s "
+        rf"\(found under {re.escape(service)}:{SIDE_CHANNEL_PORT}\)"
+    )
+    assert re.search(ahead, initiator.log_text()), initiator.log_text()[-3000:]
     print(f"{site.mode}: {moved / 1e3:.0f} kB of KV, {crossed / 1e3:.0f} kB over the veth")
 
 
