@@ -77,8 +77,8 @@ class Puller:
         """:meth:`Agent.pull <kvxfer.agent.Agent.pull>` (its docstring says what it
         raises)."""
         across_tp = self._group.wants(ticket)
-        if across_tp:
-            self._group.ranks(ticket)  # a ticket tp_size the heads do not allow: raise now
+        # A ticket tp_size the heads do not allow raises here, before anything is checked.
+        sources = self._group.sources(ticket) if across_tp else None
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
         try:
             pairing = blocks.pair(
@@ -97,8 +97,8 @@ class Puller:
             else:
                 self.abort(ticket)
             raise
-        if across_tp:
-            return self._tp.pull(ticket, pairing)
+        if sources is not None:
+            return self._tp.pull(ticket, pairing, sources)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(pairing.local))
         meta = transfer.meta

@@ -106,14 +106,21 @@ class TPPuller:
         """How many consumer ranks read ``ticket`` from producer rank ``rank``."""
         return self._group.readers(ticket, producer, rank)
 
-    def pull(self, ticket: Ticket, pairing: Pairing) -> Transfer:
+    def pull(
+        self,
+        ticket: Ticket,
+        pairing: Pairing,
+        heads_from: tuple[HeadLayout, dict[int, int]],
+    ) -> Transfer:
         """Start the pull of ``ticket`` into ``pairing.local``, checked already
-        (:func:`kvxfer.core.blocks.pair`).
+        (:func:`kvxfer.core.blocks.pair`), as ``heads_from`` says
+        (:meth:`ProducerGroup.sources <kvxfer._agent.tp_producers.ProducerGroup.sources>`
+        of the ticket: the producer's head layout and the rank each head is read from).
 
         Raises:
             ConfigError: the ticket's TP size or ports cannot be used (nothing posted).
         """
-        producer, sources = self._group.sources(ticket)
+        producer, sources = heads_from
         ranks = tuple(sorted(set(sources.values())))
         tickets = {p: rank_ticket(ticket, p) for p in ranks}
         runtime = self._runtime
