@@ -237,7 +237,8 @@ class _PushReps:
 
     def kvxfer(self, verify: bool) -> dict[str, Any]:
         """The decode rank's ``expect_push()`` (it registers with each prefill rank),
-        then every prefill rank's ``hold()`` under the router's shared capability."""
+        then, once every prefill rank has its registration, every prefill rank's
+        ``hold()`` under the router's shared capability."""
         rid, cap = f"tp-{self.runner.request_id()}", secrets.token_hex(16)
         self.runner.send(
             "decode",
@@ -251,6 +252,13 @@ class _PushReps:
             },
         )
         self.runner.recv("decode")  # registered
+        # Every prefill rank has the registration before any holds, as in a deployment,
+        # where the decode registers while the prompt is computed: a rank whose copy
+        # came a little later would otherwise start its write later, on the clock.
+        for p in self.ranks:
+            self.runner.send(f"prefill{p}", "registered", {"rid": rid})
+        for p in self.ranks:
+            self.runner.recv(f"prefill{p}")
         for p in self.ranks:
             self.runner.send(f"prefill{p}", "hold", {"rid": rid, "capability": cap})
         # Read the decode rank's result first, so this process sleeps through the write.

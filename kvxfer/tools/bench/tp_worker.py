@@ -214,11 +214,7 @@ class TPRankProc:
         returns at once: the write runs on the agent's writer."""
         assert self.case is not None
         if self.case.direction == "push":
-            deadline = time.monotonic() + 60
-            while payload["rid"] not in self.agent.holding():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the decode rank never registered {payload['rid']}")
-                time.sleep(0.0005)
+            self.cmd_registered(payload)
         guard = tuple(payload["guard"]) if payload.get("guard") else None
         self.before = self.agent.stats()
         t0 = time.perf_counter()
@@ -231,6 +227,15 @@ class TPRankProc:
         )
         t1 = time.perf_counter()
         return {"ticket": msgspec.to_builtins(ticket), "t0": t0, "hold_s": t1 - t0}
+
+    def cmd_registered(self, payload: dict[str, Any]) -> bool:
+        """Push: wait until the decode rank's registration of ``rid`` is here."""
+        deadline = time.monotonic() + 60
+        while payload["rid"] not in self.agent.holding():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the decode rank never registered {payload['rid']}")
+            time.sleep(0.0005)
+        return True
 
     def cmd_freed(self, payload: dict[str, Any]) -> bool:
         """Wait until the request is freed. ``release``: other decode ranks read this
