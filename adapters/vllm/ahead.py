@@ -41,7 +41,8 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 5.0
 
-#: ``resolve(host, port)``: the addresses ``host`` names now (OSError: none).
+#: ``resolve(host, port)``: the addresses ``host`` names now (OSError or ValueError:
+#: none).
 Resolve = Callable[[str, int], list[str]]
 
 
@@ -51,6 +52,7 @@ def resolve_addresses(host: str, port: int) -> list[str]:
 
     Raises:
         OSError: the name does not resolve (``socket.gaierror``).
+        ValueError: a name IDNA cannot encode (``UnicodeError``, e.g. an empty label).
     """
     out: list[str] = []
     for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
@@ -170,7 +172,7 @@ class ConnectAhead:
         name.due = time.monotonic() + peer.refresh_s
         try:
             found = tuple(self._resolve(peer.host, peer.port))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a name IDNA cannot encode
             if not name.said:  # once per streak: the Service may have no ready pod yet
                 log.info(
                     "kvxfer: connect_ahead %s:%d resolves to nothing yet (%s); again every %.0f s",
