@@ -162,6 +162,24 @@ def test_wrong_engine_id_is_refused() -> None:
         assert prod.close() == 0
 
 
+def test_a_ticket_naming_no_possible_host_fails_at_once_by_name() -> None:
+    prod = AgentProc(ProcSpec(engine_id="p-host", role="kv_producer"))
+    cons = AgentProc(ProcSpec(engine_id="d-host", role="kv_consumer", transfer_timeout_s=30.0))
+    try:
+        ticket = prod.call("hold", "h1", [1], 16)
+        ticket["host"] = "prefill..svc"  # an empty label: no resolver can take it
+        t0 = time.monotonic()
+        cons.call("pull", ticket, [2], None)
+        result = cons.call("wait", "h1", 20)
+        assert not result["ok"] and result["failure"] == "handshake", result
+        assert "host='prefill..svc': not a host name" in result["error"], result
+        assert result["invalid_blocks"] == [2]
+        assert time.monotonic() - t0 < 10  # not the transfer's 30 s deadline
+    finally:
+        assert cons.close() == 0
+        assert prod.close() == 0
+
+
 def test_incompatible_model_and_block_size_are_refused() -> None:
     prod = AgentProc(ProcSpec(engine_id="p-compat", role="kv_producer"))
     other_model = AgentProc(ProcSpec(engine_id="d-model", role="kv_consumer", model="other/model"))

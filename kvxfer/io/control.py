@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from kvxfer.errors import HandshakeError, HandshakeTimeout, missing_dependency
+from kvxfer.errors import ConfigError, HandshakeError, HandshakeTimeout, missing_dependency
 
 __all__ = [
     "PROBE_TIMEOUT_S",
@@ -119,11 +119,18 @@ def dead(exc: OSError) -> bool:
 
 
 def probe_port(host: str, port: int) -> socket.socket | OSError:
-    """A TCP connection to the peer's side-channel port, or why there is none."""
+    """A TCP connection to the peer's side-channel port, or why there is none.
+
+    Raises:
+        ConfigError: ``host`` can never name a host (IDNA cannot encode it: an empty
+            label, a label over 63 characters), so no retry could reach it.
+    """
     try:
         return socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S)
     except OSError as exc:
         return exc
+    except UnicodeError as exc:  # getaddrinfo encodes the name first
+        raise ConfigError("host", host, f"not a host name ({exc})") from None
 
 
 class SideChannelServer:
