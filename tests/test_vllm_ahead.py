@@ -208,3 +208,26 @@ def test_the_resolver_gives_each_address_once() -> None:
         resolve_addresses("bad..name", 5600)
     local = resolve_addresses("localhost", 5600)
     assert local and set(local) <= {"127.0.0.1", "::1"} and len(set(local)) == len(local)
+
+
+def test_an_address_also_listed_by_itself_stays_when_the_name_loses_it(
+    closing: list[Rank], caplog: pytest.LogCaptureFixture
+) -> None:
+    (decode,) = _decode(1)
+    closing.append(decode)
+    port = random.randrange(20000, 60000)
+    closing.append(_prefill_tp1(port, "127.0.0.1"))
+    pods = ["127.0.0.1"]
+    listed = PeerAddress(host="127.0.0.1", port=port)
+    service = PeerAddress(host="prefill.ns.svc", port=port, refresh_s=0.05)
+    connecting = ConnectAhead(decode.agent, [listed, service], resolve=lambda h, p: list(pods))
+    with caplog.at_level(logging.INFO, logger="kvxfer.adapters.vllm"):
+        connecting.start()
+        assert _until(lambda: connecting.connected == {("127.0.0.1", port): [port]})
+        pods.clear()  # the name no longer lists it; the static entry still does
+        assert _until(lambda: "no longer resolves to ['127.0.0.1']" in caplog.text)
+        time.sleep(0.2)
+    connecting.stop()
+    assert connecting.connected == {("127.0.0.1", port): [port]}
+    assert decode.agent.stats().handshakes == 1
+    assert "(found under" not in caplog.text  # connected as listed, not as found
