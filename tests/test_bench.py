@@ -303,7 +303,8 @@ def test_relate_and_bars() -> None:
         _case(model="gpt-oss-20b", block_size=1024, backend="nixl_rbln", mode="window")
     )
     window["kvxfer_s"] = 0.15
-    results = [direct, bounce, whole, window, failed(_case(tokens=7), "x")]
+    pushed = _fake_run(_case(block_size=16, direction="push"))  # as fast as direct's pull
+    results = [direct, pushed, bounce, whole, window, failed(_case(tokens=7), "x")]
     report.relate(results)
     assert bounce["bounce_vs_direct"] == pytest.approx(1.5)
     assert bounce["bounce_floor"] == pytest.approx(1 + 2 * direct["kvxfer_vs_memcpy"])
@@ -330,6 +331,32 @@ def test_relate_and_bars() -> None:
     note = bars["host_bounce time vs direct ucx"]["note"]
     assert "floor" in note and "median 3.00x direct" in note and "in 1 of 1 cases" in note
     assert note in text
+
+
+def test_push_is_set_against_the_same_case_pulled_beside_raw_nixls_write_over_read() -> None:
+    pull = _fake_run(_case())
+    push = _fake_run(_case(direction="push"))
+    lone = _fake_run(_case(direction="push", block_size=1024))  # no pull of its own
+    push["kvxfer_s"], push["nixl_s"] = 0.25, 0.125  # pull's are 0.2 and 0.1
+    results = [pull, push, lone]
+    report.relate(results)
+    assert push["push_vs_pull"] == pytest.approx(0.8) and push["pull_s"] == 0.2
+    assert push["nixl_write_vs_read"] == pytest.approx(0.8)
+    assert "push_vs_pull" not in lone and "push_vs_pull" not in pull
+    small = {"write_over_read": 1.09, "read_gbps": 6.4, "write_gbps": 7.0}
+    cma = {"thp": "madvise", "huge": {"error": "errno 1"}, "small": small}
+    bars = {b["bar"]: b for b in report.check_bars(results, cma)}
+    bar = bars["push vs pull, same case (GB/s)"]
+    assert bar["holds"] is False and bar["worst"] == pytest.approx(0.8)
+    assert bar["worst_case"] == push["label"]
+    assert "WRITE over its READ in the same cases: median 0.80" in bar["note"]
+    assert "process_vm_writev over readv" in bar["note"]
+    assert "huge pages not measured: errno 1, 1.09 on 4 KiB pages (7.0 / 6.4 GB/s)" in bar["note"]
+    text = report.format_table(results, list(bars.values()))
+    assert "push against pull" in text and f"{push['label']:<58} 0.80  raw NIXL 0.80" in text
+    push["kvxfer_s"] = 0.21  # 0.952: at the bar
+    report.relate(results)
+    assert report.check_bars(results)[-2]["holds"] is True
 
 
 def test_plot_without_matplotlib_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

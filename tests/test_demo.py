@@ -42,6 +42,15 @@ def test_demo_json_reports_verified_pull_and_push() -> None:
         for key in ("seconds", "gbps", "memcpy_ratio"):
             assert r[key] > 0
     assert report["memcpy_gbps"] > 0
+    assert report["push_over_pull"] == pytest.approx(
+        report["push"]["gbps"] / report["pull"]["gbps"]
+    )
+    # The kernel's own copy into and out of another process, measured in the same run.
+    for pages in ("huge", "small"):
+        rates = report["cma"][pages]
+        assert rates["read_gbps"] > 0 and rates["write_gbps"] > 0, rates
+        assert rates["write_over_read"] > 0 and rates["huge_pages"] is (pages == "huge")
+    assert report["cache_pages"] in ("huge", "small")
 
 
 def test_demo_host_bounce_backend() -> None:
@@ -79,3 +88,17 @@ def test_demo_rejects_bad_arguments() -> None:
         text=True,
     )
     assert out.returncode == 2 and "--tokens" in out.stderr
+
+
+def test_demo_text_sets_push_over_pull_beside_the_kernels_write_over_read() -> None:
+    from kvxfer.tools import demo
+
+    huge = {"write_over_read": 0.72, "write_gbps": 12.4, "read_gbps": 17.2}
+    rates = {"thp": "madvise", "huge": huge, "small": {"error": "errno 1"}}
+    both = {"push_over_pull": 0.7, "cma": rates, "cache_pages": "huge"}
+    text = "\n".join(demo._push_lines(both))
+    assert "push over pull: 0.70 (caches on huge pages)" in text
+    assert "process_vm_writev over readv" in text
+    assert "0.72 on huge pages (12.4 / 17.2 GB/s)" in text
+    assert "4 KiB pages not measured: errno 1" in text
+    assert demo._push_lines({"cma": rates}) == []  # one direction only: nothing to set beside

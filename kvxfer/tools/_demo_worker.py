@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.testing.kvcache import QWEN3_0_6B, HostKVCache
+from kvxfer.tools import cma
 from kvxfer.types import Direction, Role
 
 __all__ = ["DemoParams", "consumer", "coordinate", "producer"]
@@ -268,5 +269,11 @@ def coordinate(
             "failures": rounds[-1]["failures"],
         }
     out["memcpy_gbps"] = memcpy_gbps
+    if "pull" in out and "push" in out and out["pull"]["gbps"]:
+        out["push_over_pull"] = out["push"]["gbps"] / out["pull"]["gbps"]
+        # The kernel's own write-over-read between two processes: where push trails
+        # pull on one host, this says how much of it is the transport's (UCX over CMA).
+        out["cma"] = cma.by_page_size()
+        out["cache_pages"] = cma.numpy_pages()
     out["ok"] = total_ok
     return out

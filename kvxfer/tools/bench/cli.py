@@ -275,13 +275,16 @@ def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
         return count, (lambda: print(file=sys.stderr))
 
 
-def run(args: argparse.Namespace, results: list[Result]) -> None:
+def run(args: argparse.Namespace, results: list[Result], header: Result | None = None) -> None:
     """Run the bench, appending result objects in matrix order, planning last (an
-    interrupted run keeps what it measured)."""
+    interrupted run keeps what it measured). Where a case runs both ways, ``header``
+    gets ``cma``: the kernel's write over read between two processes, taken first."""
     from kvxfer.tools.bench.netns import netns_pair
     from kvxfer.tools.bench.runner import Runner
 
     cases, skipped = plan_cases(args)
+    if header is not None and {"pull", "push"} <= {c.direction for c in cases}:
+        header["cma"] = kernel_copy_rates()
     planning: list[bc.Case] = []
     if not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
         patterns = ("contiguous",) if args.quick else bc.PATTERNS
@@ -343,6 +346,13 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
     return header, results
 
 
+def kernel_copy_rates() -> dict[str, Any]:
+    """The kernel's write over read between two processes (the push bar's reference)."""
+    from kvxfer.tools import cma
+
+    return cma.by_page_size()
+
+
 def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
     """The run's JSON header: when, where, how many reps, the command line."""
     return {
@@ -393,14 +403,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         header = _header(args, argv)
         results = []
         try:
-            run(args, results)
+            run(args, results, header)
         except (ValueError, RuntimeError) as exc:
             print(f"kvxfer bench: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("kvxfer bench: interrupted; reporting the cases measured", file=sys.stderr)
         report.relate(results)
-    bars = report.check_bars(results)
+    bars = report.check_bars(results, header.get("cma"))
     if args.json:
         for r in [header, *results, *bars]:
             print(json.dumps(r, sort_keys=True))

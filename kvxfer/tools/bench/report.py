@@ -14,6 +14,8 @@ Result = dict[str, Any]
 NIXL_BAR = 0.95
 MEMCPY_BAR_BS16 = 0.6
 BOUNCE_BAR = 2.0
+#: Issue 27: push at pull's speed.
+PUSH_BAR = 0.95
 
 
 def _key(r: Result, **override: Any) -> tuple[Any, ...]:
@@ -41,12 +43,22 @@ def relate(results: Sequence[Result]) -> None:
     (against the same case on ucx), with two floors: ``bounce_floor`` (the two extra
     copies one after the other at single-thread memcpy speed) and ``bounce_bw_floor``
     (perfect overlap at the two-thread copy rate of the case's reps), and
-    ``bounce_vs_floor`` (the ratio over the latter).
+    ``bounce_vs_floor`` (the ratio over the latter); ``push_vs_pull`` (GB/s) and
+    ``nixl_write_vs_read`` (raw NIXL's WRITE over its READ) for a push against the same
+    case pulled.
     """
     index = {_key(r): r for r in results if _ok(r)}
     for r in results:
         if not _ok(r):
             continue
+        if r["direction"] == "push":
+            pull = index.get(_key(r, direction="pull"))
+            if pull is not None and r["kvxfer_s"] and r["nixl_s"]:
+                # Same bytes, same descriptors, the other way round: push over pull in
+                # GB/s, beside raw NIXL's own WRITE over its READ (the transport's).
+                r["pull_s"] = pull["kvxfer_s"]
+                r["push_vs_pull"] = pull["kvxfer_s"] / r["kvxfer_s"]
+                r["nixl_write_vs_read"] = pull["nixl_s"] / r["nixl_s"]
         if r["mode"] != "whole":
             whole = index.get(_key(r, mode="whole"))
             if whole is not None:
@@ -78,8 +90,12 @@ def _worst(rows: list[tuple[float, str]], lowest: bool = True) -> tuple[float, s
     return min(rows) if lowest else max(rows)
 
 
-def check_bars(results: Sequence[Result]) -> list[Result]:
-    """The issue's targets, each with the worst value of this run and whether it holds."""
+def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Result]:
+    """The issue's targets, each with the worst value of this run and whether it holds.
+
+    ``cma``: the run header's measurement of the kernel's copy between two processes
+    (:mod:`kvxfer.tools.cma`), quoted beside the push bar.
+    """
     ok = [r for r in results if _ok(r)]
     checks: list[Result] = []
 
@@ -147,6 +163,15 @@ def check_bars(results: Sequence[Result]) -> list[Result]:
         bounce is not None and bounce[0] < BOUNCE_BAR,
         _floor_note([r for r in ok if "bounce_bw_floor" in r]),
     )
+    pushes = [r for r in ok if "push_vs_pull" in r]
+    push = _worst([(r["push_vs_pull"], r["label"]) for r in pushes])
+    add(
+        "push vs pull, same case (GB/s)",
+        f">= {PUSH_BAR}",
+        push,
+        push is not None and push[0] >= PUSH_BAR,
+        _transport_note(pushes, cma),
+    )
     again = _worst(
         [(float(r["handshakes_in_timed_reps"] or 0), r["label"]) for r in ok], lowest=False
     )
@@ -166,6 +191,26 @@ def _floor_note(rows: Sequence[Result]) -> str:
         f"{statistics.median(floors):.2f}x direct, >= {BOUNCE_BAR}x in {above} of "
         f"{len(rows)} cases; bounce / floor median {statistics.median(over):.2f}"
     )
+
+
+def _transport_note(rows: Sequence[Result], cma: Result | None) -> str:
+    """What the transport itself reaches writing against reading, on this run."""
+    if not rows:
+        return ""
+    wr = [r["nixl_write_vs_read"] for r in rows]
+    note = (
+        f"raw NIXL's WRITE over its READ in the same cases: median "
+        f"{statistics.median(wr):.2f}, worst {min(wr):.2f}"
+    )
+    if cma:
+        from kvxfer.tools.cma import describe
+
+        note += (
+            "; this kernel's process_vm_writev over readv (UCX's copy between two processes"
+            f" on one host; the bench's caches on {cma.get('numpy_pages', '?')} pages):"
+            f" {describe(cma)}"
+        )
+    return note
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
@@ -229,6 +274,17 @@ def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
             f"(+{r['bounce_cost_s'] * 1e3:.1f} ms; floors: copies in sequence "
             f"{_f(r.get('bounce_floor'))}x, overlapped {_f(r.get('bounce_bw_floor'))}x)"
             for r in bounce
+        ]
+    pushes = [r for r in results if "push_vs_pull" in r]
+    if pushes:
+        lines += [
+            "",
+            "push against pull (same case; GB/s over GB/s): kvxfer, then raw NIXL's WRITE over"
+            " its READ",
+        ]
+        lines += [
+            f"  {r['label']:<58} {r['push_vs_pull']:.2f}  raw NIXL {r['nixl_write_vs_read']:.2f}"
+            for r in pushes
         ]
     saved = [r for r in results if "time_saved_s" in r]
     if saved:
