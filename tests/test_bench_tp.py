@@ -87,6 +87,52 @@ def test_the_x_runs_interval_is_the_paired_ratios_median_interval() -> None:
     assert bc.settled(kv, [0.95, 0.96, 0.96, 0.97, 0.97, 0.98, 0.99]) is True
 
 
+def _tp_row(label: str, **kw: Any) -> dict[str, Any]:
+    row = {
+        "kind": "tp",
+        "status": "ok",
+        "label": label,
+        "units_posted": 10,
+        "runs": 10,
+        "kvxfer_vs_nixl_runs": 0.97,
+        "kvxfer_vs_nixl_runs_ci": (0.95, 0.99),
+        "first_vs_steady": 1.1,
+        "nixl_first_transfer_s": 0.012,
+        "nixl_s": 0.010,
+    }
+    return {**row, **kw}
+
+
+def test_tp_bars_hold_and_miss_on_the_worst_case() -> None:
+    from kvxfer.tools.bench.tp_bars import format_tp_bars, tp_bars
+
+    rows = [_tp_row("a"), _tp_row("b", first_vs_steady=0.9, nixl_first_transfer_s=0.02)]
+    bars = {b["bar"]: b for b in tp_bars([*rows, tc.tp_failed(_case(1, 2), "x")])}
+    assert [b["holds"] for b in bars.values()] == [True, True, True]
+    first = bars["first request over the steady median"]
+    assert first["worst"] == 1.1 and first["worst_case"] == "a"
+    # raw NIXL's own first over steady: 1.2 and 2.0
+    assert "median 1.60, worst 2.00" in first["note"]
+    rows = [
+        _tp_row("a", units_posted=11),
+        _tp_row("b", kvxfer_vs_nixl_runs=0.94, kvxfer_vs_nixl_runs_ci=(0.90, 0.96)),
+        _tp_row("c", kvxfer_vs_nixl_runs=0.93, kvxfer_vs_nixl_runs_ci=(0.88, 0.94)),
+        _tp_row("d", first_vs_steady=1.25),
+    ]
+    bars = {b["bar"]: b for b in tp_bars(rows)}
+    assert [b["holds"] for b in bars.values()] == [False, False, False]
+    assert bars["units posted over the fewest runs of the bytes"]["worst_case"] == "a"
+    runs = bars["kvxfer vs raw NIXL on the merged runs"]
+    assert (runs["worst"], runs["worst_case"]) == (0.93, "c")
+    assert runs["note"] == "3 of 4 cases' 95% intervals reach 0.95"
+    assert bars["first request over the steady median"]["worst_case"] == "d"
+    text = format_tp_bars(list(bars.values()))
+    assert text.count("MISSED") == 3 and "(3 of 4 cases' 95% intervals reach 0.95)" in text
+    none = tp_bars([tc.tp_failed(_case(1, 2), "x")])
+    assert [b["holds"] for b in none] == [None, None, None]
+    assert "n/a" in format_tp_bars(none)
+
+
 @pytest.mark.parametrize("argv", [["--netns"], ["--backends", "host_bounce"], ["--tp", "2:2"]])
 def test_options_tp_does_not_take_are_refused(argv: list[str]) -> None:
     assert bench_main(["--tp", *argv]) == 2
@@ -155,6 +201,14 @@ def test_tiny_tp_cases_through_real_processes() -> None:
             "first_transfer_s",
         ):
             assert r[key] > 0, key
+    bars = [o for o in objs if o["kind"] == "bar"]
+    assert [b["bar"] for b in bars] == [
+        "units posted over the fewest runs of the bytes",
+        "kvxfer vs raw NIXL on the merged runs",
+        "first request over the steady median",
+    ]
+    # Every case posts exactly its fewest runs: that bar does not depend on timing.
+    assert bars[0]["holds"] is True and bars[0]["worst"] == 1
     table = tc.format_tp_table(list(rows.values()))
     for label in ("TP1->TP2 r0 pull", "TP1->TP2 r0 push", "TP2->TP1 r0 pull", "TP2->TP1 r0 push"):
         assert label in table

@@ -29,6 +29,7 @@ import msgspec
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.tp_cases as tc
 from kvxfer.tools.bench.procs import BenchError, Children
+from kvxfer.tools.bench.tp_bars import format_tp_bars, tp_bars
 from kvxfer.tools.bench.tp_main import tp_worker_main
 
 __all__ = ["TPRunner", "main_tp", "plan_tp_cases"]
@@ -339,7 +340,7 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
     """``kvxfer bench --tp``: run the TP cases and print their table (or JSON lines)."""
     other = [
         f"--{k.replace('_', '-')}"
-        for k in ("backends", "modes", "netns", "from_json", "plot", "check")
+        for k in ("backends", "modes", "netns", "from_json", "plot")
         if getattr(args, k)
     ]
     if other:
@@ -367,8 +368,9 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
     except KeyboardInterrupt:
         print("kvxfer bench: interrupted; reporting the cases measured", file=sys.stderr)
     results = measured + results
+    bars = tp_bars(results)
     if args.json:
-        for r in [header, *results]:
+        for r in [header, *results, *bars]:
             print(json.dumps(r, sort_keys=True))
     else:
         load = header.get("load") or ()
@@ -379,4 +381,8 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
             "to ±0.04)"
         )
         print(tc.format_tp_table(results))
-    return 1 if any(r.get("status") == "failed" for r in results) else 0
+        print()
+        print(format_tp_bars(bars))
+    if any(r.get("status") == "failed" for r in results):
+        return 1
+    return 3 if args.check and any(b["holds"] is False for b in bars) else 0

@@ -1,0 +1,114 @@
+"""The targets of ``kvxfer bench --tp`` (issue 27), checked on one run's TP cases.
+
+Each bar carries the worst value of the run, the case it came from, whether it holds,
+and a note with what puts it in context: how many of the ratio's intervals reach the
+bar (a median just under it may be noise), and raw NIXL's own first transfer over its
+steady one (what the transport itself pays once).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["FIRST_BAR", "RUNS_BAR", "format_tp_bars", "tp_bars"]
+
+Result = dict[str, Any]
+
+#: kvxfer over raw NIXL posting the fewest runs of the same bytes.
+RUNS_BAR = 0.95
+#: The first transfer after the handshake over the steady median.
+FIRST_BAR = 1.2
+
+
+def _bar(
+    name: str, target: str, worst: tuple[float, str] | None, holds: bool, note: str = ""
+) -> Result:
+    return {
+        "kind": "bar",
+        "bar": name,
+        "target": target,
+        "worst": None if worst is None else round(worst[0], 4),
+        "worst_case": None if worst is None else worst[1],
+        "holds": None if worst is None else holds,
+        "note": note,
+    }
+
+
+def tp_bars(results: Sequence[Result]) -> list[Result]:
+    """Posted units against the fewest runs, kvxfer against raw NIXL's merged runs, and
+    the first request against the steady ones, over the cases that ran."""
+    ok = [r for r in results if r.get("kind") == "tp" and r.get("status") == "ok"]
+    bars: list[Result] = []
+
+    posted = [
+        (r["units_posted"] / r["runs"], r["label"])
+        for r in ok
+        if r.get("units_posted") and r.get("runs")
+    ]
+    worst = max(posted) if posted else None
+    bars.append(
+        _bar(
+            "units posted over the fewest runs of the bytes",
+            "== 1",
+            worst,
+            worst is not None and worst[0] == 1,
+        )
+    )
+
+    ratios = [(r["kvxfer_vs_nixl_runs"], r["label"]) for r in ok if r.get("kvxfer_vs_nixl_runs")]
+    worst = min(ratios) if ratios else None
+    cis = [r["kvxfer_vs_nixl_runs_ci"] for r in ok if r.get("kvxfer_vs_nixl_runs_ci")]
+    note = ""
+    if cis:
+        reach = sum(ci[1] >= RUNS_BAR for ci in cis)
+        note = f"{reach} of {len(cis)} cases' 95% intervals reach {RUNS_BAR}"
+    bars.append(
+        _bar(
+            "kvxfer vs raw NIXL on the merged runs",
+            f">= {RUNS_BAR}",
+            worst,
+            worst is not None and worst[0] >= RUNS_BAR,
+            note,
+        )
+    )
+
+    firsts = [(r["first_vs_steady"], r["label"]) for r in ok if r.get("first_vs_steady")]
+    worst = max(firsts) if firsts else None
+    raw = [
+        r["nixl_first_transfer_s"] / r["nixl_s"]
+        for r in ok
+        if r.get("nixl_first_transfer_s") and r.get("nixl_s")
+    ]
+    note = (
+        f"raw NIXL's own first transfer over its steady median in the same cases: median "
+        f"{statistics.median(raw):.2f}, worst {max(raw):.2f}"
+        if raw
+        else ""
+    )
+    bars.append(
+        _bar(
+            "first request over the steady median",
+            f"<= {FIRST_BAR}",
+            worst,
+            worst is not None and worst[0] <= FIRST_BAR,
+            note,
+        )
+    )
+    return bars
+
+
+def format_tp_bars(bars: Sequence[Result]) -> str:
+    """The bars as the matrix bench prints them."""
+    lines = ["bar:"]
+    for b in bars:
+        verdict = {True: "holds", False: "MISSED", None: "n/a"}[b["holds"]]
+        worst = "-" if b["worst"] is None else f"{b['worst']:.3f}"
+        lines.append(
+            f"  {b['bar']:<50} {b['target']:>7}  worst {worst:>7}  {verdict}  "
+            f"{b['worst_case'] or ''}"
+        )
+        if b["note"]:
+            lines.append(f"    ({b['note']})")
+    return "\n".join(lines)
