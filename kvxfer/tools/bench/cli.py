@@ -284,7 +284,7 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
 
     cases, skipped = plan_cases(args)
     if header is not None and {"pull", "push"} <= {c.direction for c in cases}:
-        header["cma"] = kernel_copy_rates()
+        header["cma"] = _kernel_copy_rates()
     planning: list[bc.Case] = []
     if not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
         patterns = ("contiguous",) if args.quick else bc.PATTERNS
@@ -346,7 +346,7 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
     return header, results
 
 
-def kernel_copy_rates() -> dict[str, Any]:
+def _kernel_copy_rates() -> dict[str, Any]:
     """The kernel's write over read between two processes (the push bar's reference)."""
     from kvxfer.tools import cma
 
