@@ -29,7 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CmaRates", "by_page_size", "describe", "measure", "numpy_pages", "thp_mode"]
+__all__ = [
+    "PAGE_NAMES",
+    "CmaRates",
+    "by_page_size",
+    "describe",
+    "measure",
+    "numpy_pages",
+    "thp_mode",
+]
 
 #: The child: map and touch a buffer, print its address, hold it until stdin closes.
 _CHILD = """
@@ -41,6 +49,8 @@ print(ctypes.addressof(ctypes.c_char.from_buffer(m)), flush=True)
 sys.stdin.read()
 """
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+#: The page kinds :func:`by_page_size` measures, as reports name them.
+PAGE_NAMES = {"huge": "huge pages", "small": "4 KiB pages"}
 
 #: iovecs per call: the kernel's IOV_MAX.
 _IOV_MAX = 1024
@@ -133,12 +143,12 @@ def measure(
         line = child.stdout.readline().strip()
         if not line:
             return f"the child process exited ({child.wait(timeout_s)}) before its buffer was up"
-        far = int(line)
+        batches = _iovecs(base, int(line), nbytes, segment)  # built once, off the clock
         times: list[list[float]] = [[], []]
         for _ in range(reps):
             for k, fn in enumerate(calls):
                 t0 = time.perf_counter()
-                err = _copy(fn, child.pid, base, far, nbytes, segment)
+                err = _copy(fn, child.pid, batches)
                 if err:
                     return err
                 times[k].append(time.perf_counter() - t0)
@@ -196,7 +206,7 @@ def by_page_size(nbytes: int = 128 << 20) -> dict[str, Any]:
 def describe(rates: dict[str, Any]) -> str:
     """One line for a report: the kernel's write over read on each page kind."""
     parts = []
-    for key, name in (("huge", "huge pages"), ("small", "4 KiB pages")):
+    for key, name in PAGE_NAMES.items():
         r = rates.get(key) or {}
         if "write_over_read" in r:
             parts.append(
@@ -208,19 +218,28 @@ def describe(rates: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _copy(fn: Callable[..., int], pid: int, here: int, far: int, nbytes: int, seg: int) -> str:
-    """One pass over the buffer, at most IOV_MAX segments a call; '' or why it failed."""
-    count = nbytes // seg
-    done = 0
+_Batch = tuple[ctypes.Array[_Iovec], ctypes.Array[_Iovec], int]
+
+
+def _iovecs(here: int, far: int, nbytes: int, seg: int) -> list[_Batch]:
+    """The buffer as (local, remote, bytes) iovec arrays of at most IOV_MAX segments."""
+    count, done, batches = nbytes // seg, 0, []
     while done < count:
         k = min(_IOV_MAX, count - done)
         local = (_Iovec * k)(*[_Iovec(here + (done + i) * seg, seg) for i in range(k)])
         remote = (_Iovec * k)(*[_Iovec(far + (done + i) * seg, seg) for i in range(k)])
-        moved = fn(pid, local, k, remote, k, 0)
-        if moved != k * seg:
-            name = getattr(fn, "__name__", "copy")
-            return f"{name} moved {moved} of {k * seg} bytes (errno {ctypes.get_errno()})"
+        batches.append((local, remote, k * seg))
         done += k
+    return batches
+
+
+def _copy(fn: Callable[..., int], pid: int, batches: list[_Batch]) -> str:
+    """One pass over the buffer; '' or why it failed."""
+    for local, remote, size in batches:
+        moved = fn(pid, local, len(local), remote, len(remote), 0)
+        if moved != size:
+            name = getattr(fn, "__name__", "copy")
+            return f"{name} moved {moved} of {size} bytes (errno {ctypes.get_errno()})"
     return ""
 
 

@@ -73,7 +73,7 @@ def _push_lines(result: dict[str, Any]) -> list[str]:
     ratio = result.get("push_over_pull")
     if ratio is None:
         return []
-    pages = {"huge": "huge pages", "small": "4 KiB pages"}.get(result.get("cache_pages", ""), "?")
+    pages = cma.PAGE_NAMES.get(result.get("cache_pages", ""), "?")
     return [
         f"  push over pull: {ratio:.2f} (caches on {pages}); this kernel's process_vm_writev "
         "over readv,",

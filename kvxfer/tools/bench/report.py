@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_bars", "format_summary", "format_table", "plot", "relate"]
+__all__ = ["bar", "check_bars", "format_bars", "format_summary", "format_table", "plot", "relate"]
 
 Result = dict[str, Any]
 
@@ -90,6 +90,36 @@ def _worst(rows: list[tuple[float, str]], lowest: bool = True) -> tuple[float, s
     return min(rows) if lowest else max(rows)
 
 
+def bar(
+    name: str, target: str, worst: tuple[float, str] | None, holds: bool | None, note: str = ""
+) -> Result:
+    """One bar's JSON object: the worst value of the run and its case, whether the
+    target holds (None when no case measured it), and a note that puts it in context."""
+    return {
+        "kind": "bar",
+        "bar": name,
+        "target": target,
+        "worst": None if worst is None else round(worst[0], 4),
+        "worst_case": None if worst is None else worst[1],
+        "holds": holds if worst is not None else None,
+        "note": note,
+    }
+
+
+def format_bars(bars: Sequence[Result], width: int = 56) -> list[str]:
+    """The ``bar:`` section of a report, one line per bar (and its note)."""
+    lines = ["bar:"]
+    for b in bars:
+        verdict = {True: "holds", False: "MISSED", None: "n/a"}[b["holds"]]
+        lines.append(
+            f"  {b['bar']:<{width}} {b['target']:>11}  worst {_f(b['worst'], '{:.3f}'):>7}"
+            f"  {verdict}  {b['worst_case'] or ''}"
+        )
+        if b.get("note"):
+            lines.append(f"    ({b['note']})")
+    return lines
+
+
 def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Result]:
     """The issue's targets, each with the worst value of this run and whether it holds.
 
@@ -106,17 +136,7 @@ def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Res
         holds: bool | None,
         note: str = "",
     ) -> None:
-        checks.append(
-            {
-                "kind": "bar",
-                "bar": name,
-                "target": target,
-                "worst": None if worst is None else round(worst[0], 4),
-                "worst_case": None if worst is None else worst[1],
-                "holds": holds if worst is not None else None,
-                "note": note,
-            }
-        )
+        checks.append(bar(name, target, worst, holds, note))
 
     nixl = _worst([(r["kvxfer_vs_nixl"], r["label"]) for r in ok if r["kvxfer_vs_nixl"]])
     add(
@@ -297,15 +317,7 @@ def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
     summary = format_summary(results)
     if summary:
         lines += ["", summary]
-    lines += ["", "bar:"]
-    for b in bars:
-        verdict = {True: "holds", False: "MISSED", None: "n/a"}[b["holds"]]
-        lines.append(
-            f"  {b['bar']:<56} {b['target']:>11}  worst {_f(b['worst'], '{:.3f}'):>7}"
-            f"  {verdict}  {b['worst_case'] or ''}"
-        )
-        if b.get("note"):
-            lines.append(f"    ({b['note']})")
+    lines += ["", *format_bars(bars)]
     return "\n".join(lines)
 
 

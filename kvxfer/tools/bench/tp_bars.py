@@ -12,6 +12,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from kvxfer.tools.bench.report import bar, format_bars
+
 __all__ = ["FIRST_BAR", "RUNS_BAR", "format_tp_bars", "tp_bars"]
 
 Result = dict[str, Any]
@@ -20,20 +22,6 @@ Result = dict[str, Any]
 RUNS_BAR = 0.95
 #: The first transfer after the handshake over the steady median.
 FIRST_BAR = 1.2
-
-
-def _bar(
-    name: str, target: str, worst: tuple[float, str] | None, holds: bool, note: str = ""
-) -> Result:
-    return {
-        "kind": "bar",
-        "bar": name,
-        "target": target,
-        "worst": None if worst is None else round(worst[0], 4),
-        "worst_case": None if worst is None else worst[1],
-        "holds": None if worst is None else holds,
-        "note": note,
-    }
 
 
 def tp_bars(results: Sequence[Result]) -> list[Result]:
@@ -49,7 +37,7 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
     ]
     worst = max(posted) if posted else None
     bars.append(
-        _bar(
+        bar(
             "units posted over the fewest runs of the bytes",
             "== 1",
             worst,
@@ -65,7 +53,7 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
         reach = sum(ci[1] >= RUNS_BAR for ci in cis)
         note = f"{reach} of {len(cis)} cases' 95% intervals reach {RUNS_BAR}"
     bars.append(
-        _bar(
+        bar(
             "kvxfer vs raw NIXL on the merged runs",
             f">= {RUNS_BAR}",
             worst,
@@ -88,7 +76,7 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
         else ""
     )
     bars.append(
-        _bar(
+        bar(
             "first request over the steady median",
             f"<= {FIRST_BAR}",
             worst,
@@ -101,14 +89,4 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
 
 def format_tp_bars(bars: Sequence[Result]) -> str:
     """The bars as the matrix bench prints them."""
-    lines = ["bar:"]
-    for b in bars:
-        verdict = {True: "holds", False: "MISSED", None: "n/a"}[b["holds"]]
-        worst = "-" if b["worst"] is None else f"{b['worst']:.3f}"
-        lines.append(
-            f"  {b['bar']:<50} {b['target']:>7}  worst {worst:>7}  {verdict}  "
-            f"{b['worst_case'] or ''}"
-        )
-        if b["note"]:
-            lines.append(f"    ({b['note']})")
-    return "\n".join(lines)
+    return "\n".join(format_bars(bars, width=50))
