@@ -140,8 +140,8 @@ class Lifecycle(RuleBasedStateMachine):
     @invariant()
     def leases_match(self) -> None:
         # Settlement travels as a notification or a side-channel message: let it arrive.
-        # "At once" is told from the lease's fallback (30 s) with room for a loaded CI
-        # host, where one took over the 1 s this loop used to allow.
+        # "At once" is told from the lease's fallback (30 s), with room for a loaded CI
+        # host, where settling has taken over a second.
         deadline = time.monotonic() + 10.0
         while True:
             self._drain()
