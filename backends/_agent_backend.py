@@ -278,7 +278,11 @@ class AgentBackend(Backend):
                     agent.release_descs(old)
                 self._peer_guards[peer] = agent.prep_descs(peer, MemKind.DRAM, descs)
 
-    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+    def post_guard_read(
+        self, peer: PeerHandle, slot: int, notification: bytes = b"", *, copies: int = 1
+    ) -> XferHandle:
+        if copies < 1:
+            raise BackendError(f"guard read copies={copies}: must be at least 1")
         with self._lock:
             agent = self._live()
             remote = self._peer_guards.get(peer)
@@ -292,9 +296,9 @@ class AgentBackend(Backend):
                 xfer = agent.post(
                     XferOp.READ,
                     self._landing,
-                    np.array([word], dtype=np.int64),
+                    np.full(copies, word, dtype=np.int64),
                     remote,
-                    np.array([slot], dtype=np.int64),
+                    np.full(copies, slot, dtype=np.int64),
                     notification,
                 )
             except KvxferError:

@@ -525,8 +525,10 @@ class HostBounceBackend(Backend):
     def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
         self._transport.add_peer_guard(peer, guard)
 
-    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
-        return self._transport.post_guard_read(peer, slot, notification)
+    def post_guard_read(
+        self, peer: PeerHandle, slot: int, notification: bytes = b"", *, copies: int = 1
+    ) -> XferHandle:
+        return self._transport.post_guard_read(peer, slot, notification, copies=copies)
 
     def guard_word(self, handle: XferHandle) -> int:
         return self._transport.guard_word(handle)

@@ -258,10 +258,15 @@ class Backend(ABC):
         """Prepare reads of a connected peer's guard table (from its handshake)."""
         raise BackendError(f"backend {type(self).__name__} cannot read guard words")
 
-    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+    def post_guard_read(
+        self, peer: PeerHandle, slot: int, notification: bytes = b"", *, copies: int = 1
+    ) -> XferHandle:
         """Post one 8-byte READ of ``slot`` of the peer's guard table; :meth:`status`
         and :meth:`release` take its handle like any transfer's. ``notification``
-        reaches the peer only after the word was read."""
+        reaches the peer only after the word was read. ``copies``: post the read as
+        that many descriptors, every one of the same word into the same landing word
+        (the agent's warm-up, sized like a large request: see
+        :attr:`~kvxfer.agent.AgentConfig.warm_up_descriptors`)."""
         raise BackendError(f"backend {type(self).__name__} cannot read guard words")
 
     def guard_word(self, handle: XferHandle) -> int:

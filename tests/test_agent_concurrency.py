@@ -25,6 +25,7 @@ import pytest
 from kvxfer._agent import progress as _progress
 from kvxfer._agent.progress import RECEPTION_TICK_S, WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
+from kvxfer.agent_config import MAX_WARM_UP_DESCRIPTORS
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import ConfigError, TransferTimeout
@@ -457,8 +458,9 @@ def test_a_handshake_speeds_both_sides_progress_up_for_a_while(
 def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direction) -> None:
     """``Agent.connect`` from the side that posts (a pull's consumer reads, a push's
     producer writes) uses the new connection once before any request: one read of the
-    peer's guard word and one WARM notice, which the peer ignores. Once per peer; a
-    transfer after it is DONE."""
+    peer's guard word (the agent's first, as ``warm_up_descriptors`` descriptors) and
+    one WARM notice, which the peer ignores. Once per peer; a transfer after it is
+    DONE."""
     prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
     cons_cache = HostKVCache(SHAPE, 16, 16)
     prod, prod_be = _agent(Role.PRODUCER, direction, prod_cache)
@@ -470,9 +472,11 @@ def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direct
     for be in (poster_be, passive_be):
         real_read, real_notify = be.post_guard_read, be.notify
 
-        def read(peer: Any, slot: int, notification: bytes = b"", _r: Any = real_read) -> Any:
-            used.append(("read", slot))
-            return _r(peer, slot, notification)
+        def read(
+            peer: Any, slot: int, notification: bytes = b"", *, copies: int = 1, _r: Any = real_read
+        ) -> Any:
+            used.append(("read", slot, copies))
+            return _r(peer, slot, notification, copies=copies)
 
         def notify(peer: Any, payload: bytes, _n: Any = real_notify) -> None:
             used.append(("notice", b"warm" in payload))
@@ -483,7 +487,8 @@ def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direct
     try:
         for _ in range(2):
             poster.connect(*passive.address, passive.config.engine_id)
-        assert used == [("read", 0), ("notice", True)]
+        # The agent's first warm-up: its read as warm_up_descriptors descriptors.
+        assert used == [("read", 0, poster.config.warm_up_descriptors), ("notice", True)]
         _start(direction, prod, cons, "after-warm", [3], [5]).wait(10)
         assert cons_cache.mismatches([5], [3], SEED) == 0
         assert passive.stats().notices_failed == 0  # the WARM notice was not taken for bad
@@ -670,6 +675,18 @@ def test_a_write_queued_on_the_writer_is_never_overtaken_by_the_engine() -> None
         prod_be.gate.set()
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize("value", [0, -1, MAX_WARM_UP_DESCRIPTORS + 1])
+def test_warm_up_descriptors_out_of_range_is_refused_naming_key_value_rule(value: int) -> None:
+    with pytest.raises(ConfigError) as err:
+        AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), warm_up_descriptors=value)
+    assert str(err.value) == (
+        f"warm_up_descriptors={value}: must be an integer from 1 to {MAX_WARM_UP_DESCRIPTORS}"
+    )
+    for ok in (1, MAX_WARM_UP_DESCRIPTORS):
+        config = AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), warm_up_descriptors=ok)
+        assert config.warm_up_descriptors == ok
 
 
 def test_push_post_must_be_a_push_post() -> None:

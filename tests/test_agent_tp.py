@@ -191,18 +191,20 @@ def test_connecting_ahead_uses_each_connection_once_before_the_first_pull(
     """``Agent.connect`` uses each producer rank's new connection once, ahead of any
     request: one read of its guard word and one WARM notice, which the producer ignores
     (issue 27: the first pull across TP sizes paid 0.4-1.1 ms for its first guard read
-    and ~1.8 ms for its first notice). Connecting again does neither; a pull is DONE."""
+    and ~1.8 ms for its first notice). The agent's first read is posted as
+    ``warm_up_descriptors`` descriptors (its first large post grew the heap inside the
+    first pull). Connecting again does neither; a pull is DONE."""
     p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
     producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
     closing += [*producers, consumer]
     backend = consumer.backend
-    reads: list[int] = []
+    reads: list[tuple[int, int]] = []
     notices: list[bytes] = []
     real_read, real_notify = backend.post_guard_read, backend.notify
 
-    def read(peer: Any, slot: int, notification: bytes = b"") -> Any:
-        reads.append(slot)
-        return real_read(peer, slot, notification)
+    def read(peer: Any, slot: int, notification: bytes = b"", *, copies: int = 1) -> Any:
+        reads.append((slot, copies))
+        return real_read(peer, slot, notification, copies=copies)
 
     def notify(peer: Any, payload: bytes) -> None:
         notices.append(payload)
@@ -213,7 +215,9 @@ def test_connecting_ahead_uses_each_connection_once_before_the_first_pull(
     for _ in range(2):
         for p in producers:
             consumer.agent.connect(*p.agent.address, p.agent.config.engine_id)
-    assert reads == [0, 0]  # once per rank, however often it connects
+    # Once per rank, however often it connects; the agent's first read as many
+    # descriptors as a large request (the heap and pools grow there), the next as one.
+    assert reads == [(0, consumer.agent.config.warm_up_descriptors), (0, 1)]
     assert len(notices) == 2 and all(b"warm" in n for n in notices), notices
     remote, local = [1, 2], [3, 4]
     t = consumer.agent.pull(_hold(producers, "after-warm", remote, 8), local)

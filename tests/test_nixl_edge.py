@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -394,3 +395,40 @@ def test_the_metadata_blob_is_read_from_nixl_once_per_registration_change(
         assert backend.metadata() != after and len(reads) == 3
     finally:
         backend.close()
+
+
+def test_a_guard_read_of_many_copies_reads_the_peers_word() -> None:
+    """The agent's first warm-up posts its guard read as many descriptors, all of one
+    remote word into one landing word (``copies``): real NIXL over UCX, between two
+    agents in this process, completes it with the peer's word; fewer than one copy
+    is refused before anything is posted."""
+    from kvxfer.backends.ucx import UcxBackend
+
+    reader = UcxBackend(BackendOptions(agent_name=f"edge-reader-{os.getpid()}-{next(_names)}"))
+    owner = UcxBackend(BackendOptions(agent_name=f"edge-owner-{os.getpid()}-{next(_names)}"))
+    caches = [PatternCache(CacheShape(num_blocks=4)) for _ in range(2)]
+    try:
+        layout = owner.register(caches[0].layout)
+        words = owner.register_guard(4)
+        words[2] = 0x5EED_0000_0000_0042
+        reader.register(caches[1].layout)
+        reader.register_guard(4)
+        peer = reader.add_peer(owner.metadata(), DescriptorTable.build(layout))
+        guard = owner.guard_table()
+        assert guard is not None
+        reader.add_peer_guard(peer, guard)
+        with pytest.raises(BackendError, match=r"copies=0: must be at least 1"):
+            reader.post_guard_read(peer, 2, copies=0)
+        for copies in (4096, 1):
+            handle = reader.post_guard_read(peer, 2, copies=copies)
+            deadline = time.monotonic() + 30
+            while (state := reader.status(handle)) is XferStatus.PENDING:
+                assert time.monotonic() < deadline, f"{copies} copies still pending"
+                owner.drain_notifications()  # progresses the owner's worker (wire-up)
+                time.sleep(0.001)
+            assert state is XferStatus.DONE
+            assert reader.guard_word(handle) == 0x5EED_0000_0000_0042
+            reader.release(handle)
+    finally:
+        reader.close()
+        owner.close()

@@ -121,6 +121,7 @@ class Runtime:
             self._config, self._tick, self._settler.transfers, leases, lambda: self.closed
         )
         self._liveness: Liveness | None = None  # probes quiet transfers
+        self._grown = False  # a warm-up of warm_up_descriptors was posted (see warm_up)
         if ping is not None:
             self._liveness = Liveness(ping, io.submit, ProbeVerdicts(self), self._count_probe)
         # A producer's FAILED notice says its writes ended: quiet (R-SAFE-5).
@@ -334,7 +335,13 @@ class Runtime:
         finishes wiring an endpoint up and picks each operation's protocol on first
         use: the first pull across TP sizes after a connect paid 0.4-1.1 ms more for
         its guard read and ~1.8 ms more for its first notice than later ones (issue
-        27). Once per peer; a failure is only logged (the first request then pays the
+        27). The agent's first warm-up posts that read as
+        :attr:`~kvxfer.agent.AgentConfig.warm_up_descriptors` descriptors: the first
+        post of many descriptors grows the process's heap (2,700-3,100 page faults for
+        a TP pull of 14,000-28,000 units, against 0-350 later) and the transport's
+        pools, and it paid up to 34 ms (up to 1.74x a steady pull) for that on the
+        2-core development host. Both stay grown, so later peers get one descriptor.
+        Once per peer; a failure is only logged (the first request then pays the
         set-up, and fails closed if the peer is gone)."""
         if peer.warmed or not self._local.posts:
             return
@@ -352,7 +359,10 @@ class Runtime:
         until = time.monotonic() + self._config.handshake_timeout_s
         try:
             if backend.capabilities.guard and peer.info.guard is not None:
-                handle = backend.post_guard_read(peer.handle, 0)
+                copies = 1 if self._grown else config.warm_up_descriptors
+                handle = backend.post_guard_read(peer.handle, 0, copies=copies)
+                # Grown by the post (two racing first warm-ups: two large reads).
+                self._grown = True
                 while backend.status(handle) is XferStatus.PENDING:
                     if time.monotonic() > until:
                         # Not released: its landing word must not be reused while the

@@ -246,6 +246,8 @@ class FakeBackend(Backend):
         )
         self.faults = faults if faults is not None else Faults()
         self.staged: list[tuple[str, tuple[IntArray, ...]]] = []
+        #: ``copies`` of every guard read posted, in order (the warm-up's is the first).
+        self.guard_read_copies: list[int] = []
         self._layout: KVLayout | None = None
         self._spans: tuple[UIntArray, UIntArray] | None = None
         self._table: DescriptorTable | None = None
@@ -512,11 +514,16 @@ class FakeBackend(Backend):
                 raise PeerError(f"fake fabric: unknown peer {peer!r}")
             self._peer_guards[peer] = guard
 
-    def post_guard_read(self, peer: PeerHandle, slot: int, notification: bytes = b"") -> XferHandle:
+    def post_guard_read(
+        self, peer: PeerHandle, slot: int, notification: bytes = b"", *, copies: int = 1
+    ) -> XferHandle:
         """Post an 8-byte READ of ``slot`` of the peer's guard table; ``notification``
-        reaches the peer after the word was read (the DONE notice of a pull)."""
+        reaches the peer after the word was read (the DONE notice of a pull). The fake
+        reads the word once whatever ``copies`` says, and records ``copies``."""
         with _LOCK:
             self._require_open()
+            if copies < 1:
+                raise BackendError(f"guard read copies={copies}: must be at least 1")
             guard = self._peer_guards.get(peer)
             if guard is None or self._live(peer) is None:
                 raise PeerError(f"fake fabric: no guard table of peer {peer!r}")
@@ -525,6 +532,7 @@ class FakeBackend(Backend):
             if self.faults.fail_post:
                 raise BackendError("fake fabric: post refused (injected fault)")
             handle = XferHandle(next(self._ids))
+            self.guard_read_copies.append(copies)
             self._guard_reads[handle] = _GuardRead(
                 peer=peer,
                 slot=slot,
