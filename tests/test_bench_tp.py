@@ -8,6 +8,7 @@ real processes and NIXL. No timing is asserted: timings only have to exist.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -87,6 +88,25 @@ def test_the_x_runs_interval_is_the_paired_ratios_median_interval() -> None:
     assert bc.settled(kv, [0.95, 0.96, 0.96, 0.97, 0.97, 0.98, 0.99]) is True
 
 
+def test_later_first_requests_are_verified_and_their_median_reported() -> None:
+    case = _case(2, 1)
+    moved = tc.expected_bytes(case)
+    first = {"bytes": moved, "descriptors": 7, "bad": 0, "s": 3.0}
+    times = {"kvxfer": [2.0] * 5, "nixl": [4.0] * 5, "nixl_runs": [2.0] * 5, "memcpy": [1.0] * 5}
+    row = tc.assemble(case, first, {**first, "s": 8.0}, dict(first), times, {})
+    assert row["first_samples_s"] == [3.0] and row["first_vs_steady"] == 1.5
+    row = tc.add_first(row, {**first, "s": 2.0}, {**first, "s": 4.0})
+    row = tc.add_first(row, {**first, "s": 2.2}, {**first, "s": 6.0})
+    assert row["status"] == "ok" and row["first_samples_s"] == [3.0, 2.0, 2.2]
+    assert row["first_transfer_s"] == 2.2 and row["first_vs_steady"] == pytest.approx(1.1)
+    assert row["nixl_first_samples_s"] == [8.0, 4.0, 6.0] and row["nixl_first_transfer_s"] == 6.0
+    assert "1.10 1.00-1.50" in tc.format_tp_table([row])
+    wrong = tc.add_first(row, {**first, "bad": 3}, dict(first))
+    assert wrong["status"] == "failed" and "wrong rows: kvxfer 3, nixl 0" in wrong["reason"]
+    short = tc.add_first(row, {**first, "bytes": moved - 2}, dict(first))
+    assert short["status"] == "failed" and f"moved {moved - 2} bytes" in short["reason"]
+
+
 def _tp_row(label: str, **kw: Any) -> dict[str, Any]:
     row = {
         "kind": "tp",
@@ -133,9 +153,17 @@ def test_tp_bars_hold_and_miss_on_the_worst_case() -> None:
     assert "n/a" in format_tp_bars(none)
 
 
-@pytest.mark.parametrize("argv", [["--netns"], ["--backends", "host_bounce"], ["--tp", "2:2"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--netns"], ["--backends", "host_bounce"], ["--tp", "2:2"], ["--firsts", "0"]],
+)
 def test_options_tp_does_not_take_are_refused(argv: list[str]) -> None:
     assert bench_main(["--tp", *argv]) == 2
+
+
+def test_firsts_is_refused_without_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["--quick", "--firsts", "2"]) == 2
+    assert "--firsts applies to --tp only" in capsys.readouterr().err
 
 
 def test_tiny_tp_cases_through_real_processes() -> None:
@@ -154,6 +182,9 @@ def test_tiny_tp_cases_through_real_processes() -> None:
             # case takes the extra rep it may take.
             "--max-reps",
             "2",
+            # A second first request per case, from a fresh start of its processes.
+            "--firsts",
+            "2",
             "--json",
         ],
         capture_output=True,
@@ -163,6 +194,7 @@ def test_tiny_tp_cases_through_real_processes() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     objs = [json.loads(line) for line in out.stdout.splitlines()]
     assert objs[0]["kind"] == "run" and objs[0]["tp"] == tc.DEFAULT_PAIRS
+    assert objs[0]["firsts"] == 2
     rows = {(o["prefill_tp"], o["decode_tp"], o["direction"]): o for o in objs if o["kind"] == "tp"}
     assert sorted(rows) == [(1, 2, "pull"), (1, 2, "push"), (2, 1, "pull"), (2, 1, "push")]
     blocks, regions = 3, 2 * QWEN.layers  # ceil(40 / 16)
@@ -182,6 +214,10 @@ def test_tiny_tp_cases_through_real_processes() -> None:
         assert r["reps"] == 2 and r["handshakes_in_timed_reps"] == 0
         assert r["kvxfer_vs_nixl_runs_ci"] is None
         assert all(len(v) == 2 for v in r["samples"].values())
+        assert len(r["first_samples_s"]) == len(r["nixl_first_samples_s"]) == 2
+        assert r["first_vs_steady"] == pytest.approx(
+            statistics.median(r["first_samples_s"]) / r["kvxfer_s"]
+        )
         # A pull's decode rank connects to each prefill rank; a push's prefill ranks
         # connect to the decode rank.
         hs = (

@@ -139,6 +139,14 @@ def parser() -> argparse.ArgumentParser:
         "(qwen3-0.6b, 16, 4000 (quick 1000), contiguous, pull and push)",
     )
     p.add_argument(
+        "--firsts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --tp: first requests per case, each after a fresh start of the case's "
+        "processes, their median over the steady median reported (3; quick 1)",
+    )
+    p.add_argument(
         "--hybrid",
         action="store_true",
         help="print what vLLM's hybrid KV cache manager, swa_window_mode and chunk_mode "
@@ -377,15 +385,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvxfer.tools.bench.hybrid import main as print_hybrid
 
         return print_hybrid([])
-    if args.reps is not None and args.reps < 1:
-        print("kvxfer bench: --reps must be >= 1", file=sys.stderr)
-        return 2
+    for key in ("reps", "firsts"):
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            print(f"kvxfer bench: --{key} {value}: must be 1 or more", file=sys.stderr)
+            return 2
     if not 0 <= args.engine_busy_ms < 60_000:
         print(
             f"kvxfer bench: --engine-busy-ms {args.engine_busy_ms:g}: must be 0 or more "
             "and under 60000",
             file=sys.stderr,
         )
+        return 2
+    if args.firsts is not None and not args.tp:
+        print("kvxfer bench: --firsts applies to --tp only", file=sys.stderr)
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.tp:

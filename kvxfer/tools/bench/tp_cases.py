@@ -309,13 +309,52 @@ def assemble(
         "kvxfer_vs_nixl_runs_ci": bc.median_ci([r / k for r, k in zip(runs, kv) if k > 0]),
         "kvxfer_vs_memcpy": _paired(memcpy, kv),
         "nixl_vs_memcpy": _paired(memcpy, raw),
+        # The first request after the handshake: one per start of the case's
+        # processes (add_first adds the later starts'), their median over the steady
+        # median (issue 27: <= 1.2), and raw NIXL's the same way.
+        "first_samples_s": [first["s"]],
         "first_transfer_s": first["s"],
-        # The first request after the handshake over the steady median (issue 27: 1.2).
         "first_vs_steady": first["s"] / kv_s if kv_s else None,
+        "nixl_first_samples_s": [raw_first["s"]],
         "nixl_first_transfer_s": raw_first["s"],
         **extra,
         "samples": {k: list(v) for k, v in times.items()},
     }
+
+
+def add_first(
+    result: dict[str, Any], first: dict[str, Any], raw_first: dict[str, Any]
+) -> dict[str, Any]:
+    """``result`` with one more first request of kvxfer and of raw NIXL (verified,
+    from a fresh start of the case's processes) among its first samples; a first
+    whose bytes do not verify, or that moved other bytes, fails the case."""
+    bad = {"kvxfer": first["bad"], "nixl": raw_first["bad"]}
+    if any(b != 0 for b in bad.values()):
+        rows = ", ".join(f"{k} {v}" for k, v in bad.items())
+        why = f"a later first request's bytes did not verify (wrong rows: {rows})"
+        return {**result, "status": "failed", "reason": why}
+    if first["bytes"] != result["bytes_moved"]:
+        why = f"a later first request moved {first['bytes']} bytes, not {result['bytes_moved']}"
+        return {**result, "status": "failed", "reason": why}
+    firsts = [*result["first_samples_s"], first["s"]]
+    raws = [*result["nixl_first_samples_s"], raw_first["s"]]
+    kv_s = result["kvxfer_s"]
+    return {
+        **result,
+        "first_samples_s": firsts,
+        "first_transfer_s": bc.median(firsts),
+        "first_vs_steady": bc.median(firsts) / kv_s if kv_s else None,
+        "nixl_first_samples_s": raws,
+        "nixl_first_transfer_s": bc.median(raws),
+    }
+
+
+def _first_range(r: dict[str, Any]) -> tuple[float, float] | None:
+    """The lowest and highest first transfer over the steady median."""
+    firsts, kv_s = r.get("first_samples_s"), r.get("kvxfer_s")
+    if not firsts or not kv_s:
+        return None
+    return min(firsts) / kv_s, max(firsts) / kv_s
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
@@ -332,7 +371,7 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
         f"{'case':<50} {'ranks':>5} {'descs':>7} {'posted':>6} {'nixl u':>6} {'runs':>6} "
         f"{'NHD descs':>9} {'MB':>6} "
         f"{'kvxfer':>6} {'nixl':>6} {'n.runs':>6} {'memcpy':>6} {'x nixl':>6} {'x runs':>6} "
-        f"{'runs 95%':>9} {'x mcpy':>6} {'1st/st':>6}"
+        f"{'runs 95%':>9} {'x mcpy':>6} {'1st/st':>6} {'1st range':>9}"
     )
     lines = [
         "transfers across TP sizes into one decode rank, pulled by it or pushed by the",
@@ -345,7 +384,8 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
         "kvxfer's backend posts; nixl u: units NIXL merges the prepared ids into; runs:",
         "the fewest that cover the bytes; NHD descs: a token-major cache's strided head",
         "slices (refused by kvxfer); 1st/st: the first transfer after the handshake over",
-        "the steady median",
+        "the steady median (with --firsts N, the median of N first transfers, each from",
+        "a fresh start of the case's processes; 1st range: the lowest and highest of them)",
         head,
     ]
     for r in results:
@@ -360,6 +400,7 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
             f"{_f(r['nixl_runs_gbps']):>6} {_f(r['memcpy_gbps']):>6} "
             f"{_f(r['kvxfer_vs_nixl']):>6} {_f(r['kvxfer_vs_nixl_runs']):>6} "
             f"{_interval(r.get('kvxfer_vs_nixl_runs_ci')):>9} "
-            f"{_f(r['kvxfer_vs_memcpy']):>6} {_f(r.get('first_vs_steady')):>6}"
+            f"{_f(r['kvxfer_vs_memcpy']):>6} {_f(r.get('first_vs_steady')):>6} "
+            f"{_interval(_first_range(r)):>9}"
         )
     return "\n".join(lines)
