@@ -25,6 +25,7 @@ import msgspec
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_transfer_config
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
+from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS, MAX_WARM_UP_DESCRIPTORS
 from kvxfer.backend import Backend, BackendOptions
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank, place_heads, region_heads
@@ -37,6 +38,7 @@ __all__ = [
     "LEASE_KEY",
     "PUSH_POST_KEY",
     "TIMEOUT_KEY",
+    "WARM_UP_KEY",
     "KVGroups",
     "agent_factory",
     "check_model_support",
@@ -46,6 +48,7 @@ __all__ = [
     "positive_seconds",
     "push_post",
     "require_nixl_rbln",
+    "warm_up_descriptors",
 ]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
@@ -70,6 +73,7 @@ _CONFIG_FIELDS = (
 LEASE_KEY = "kv_lease_duration"  # seconds a producer holds blocks (default 30, as upstream)
 TIMEOUT_KEY = "transfer_timeout_s"  # seconds before a pending load fails (default 30)
 PUSH_POST_KEY = "push_post"  # which thread posts a push producer's writes (PushPost)
+WARM_UP_KEY = "warm_up_descriptors"  # AgentConfig.warm_up_descriptors (default 65536)
 
 
 def parse_vllm_config(vllm_config: Any) -> TransferConfig:
@@ -100,6 +104,20 @@ def push_post(cfg: TransferConfig) -> PushPost:
         raise ConfigError(
             f"kv_connector_extra_config.{PUSH_POST_KEY}", value, f"must be one of {choices}"
         ) from None
+
+
+def warm_up_descriptors(cfg: TransferConfig) -> int:
+    """``kv_connector_extra_config.warm_up_descriptors``: how many descriptors the
+    worker's first warm-up read posts (:attr:`AgentConfig.warm_up_descriptors
+    <kvxfer.agent.AgentConfig.warm_up_descriptors>`); raise it to the most units one
+    request of yours posts (long prompts at small block sizes across TP sizes)."""
+    value = cfg.extra_passthrough.get(WARM_UP_KEY, DEFAULT_WARM_UP_DESCRIPTORS)
+    top = MAX_WARM_UP_DESCRIPTORS
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+        raise ConfigError(
+            f"kv_connector_extra_config.{WARM_UP_KEY}", value, f"must be an integer from 1 to {top}"
+        )
+    return value
 
 
 class KVGroups(msgspec.Struct, frozen=True, kw_only=True):
@@ -313,12 +331,13 @@ def agent_factory(
         rails: The data-plane rails (:func:`data_plane_rails`).
 
     Raises:
-        ConfigError: a bad ``kv_lease_duration``, ``transfer_timeout_s`` or
-            ``push_post``.
+        ConfigError: a bad ``kv_lease_duration``, ``transfer_timeout_s``,
+            ``push_post`` or ``warm_up_descriptors``.
     """
     lease_s = positive_seconds(cfg, LEASE_KEY, 30.0)
     timeout_s = positive_seconds(cfg, TIMEOUT_KEY, 30.0)
     post = push_post(cfg)
+    warm_up = warm_up_descriptors(cfg)
     engine_id = str(vllm_config.kv_transfer_config.engine_id)
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     rail_names = tuple(r.name for r in rails)
@@ -348,6 +367,7 @@ def agent_factory(
             rails=rail_names,
             stripe_width=cfg.stripe_width,
             push_post=post,
+            warm_up_descriptors=warm_up,
             tp=_tp_for(layout, tp),
         )
         backend: Backend | None = None

@@ -35,9 +35,11 @@ from kvxfer.adapters.vllm.startup import (
     kv_groups,
     positive_seconds,
     push_post,
+    warm_up_descriptors,
 )
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
+from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS
 from kvxfer.errors import ConfigError, KvxferError, RailError
 from kvxfer.types import Direction, Role
 from tests.railfakes import FakeNic, build_sysfs
@@ -721,6 +723,18 @@ def test_adapter_keys_are_type_checked(value: Any) -> None:
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config.transfer_timeout_s"):
         positive_seconds(cfg, "transfer_timeout_s", 30.0)
     assert positive_seconds(_cfg(transfer_timeout_s=2), "transfer_timeout_s", 30.0) == 2.0
+
+
+def test_warm_up_descriptors_is_read_from_the_extra_config() -> None:
+    assert warm_up_descriptors(_cfg()) == DEFAULT_WARM_UP_DESCRIPTORS == 65536
+    assert warm_up_descriptors(_cfg(warm_up_descriptors=250_000)) == 250_000
+    for bad in (0, -5, 2**20 + 1, True, 1.5, "4096", None):
+        with pytest.raises(ConfigError) as err:
+            warm_up_descriptors(_cfg(warm_up_descriptors=bad))
+        assert str(err.value) == (
+            f"kv_connector_extra_config.warm_up_descriptors={bad!r}: "
+            "must be an integer from 1 to 1048576"
+        )
 
 
 def test_push_post_is_read_from_the_extra_config() -> None:
