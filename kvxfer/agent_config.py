@@ -82,9 +82,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         warm_up_descriptors: How many descriptors the agent's first warm-up read posts
             (:meth:`~kvxfer.agent.Agent.connect` of an agent that posts to the peer;
             1 to 1,048,576). A process's first post of many descriptors grows the
-            allocator's heap and the transport's pools, and the first TP pull of a
-            4,000-token prompt at block size 16 paid up to 1.74x a steady one for
-            it; a warm-up at least as large as a request moves that to the connect.
+            allocator's heap and the transport's pools, and first TP pulls of a
+            4,000-token prompt took up to 1.74x a steady one for it; a warm-up at
+            least as large as a request moves that to the connect.
             For scale: such a pull of a Qwen3-0.6B-shaped cache posts 14,000 units
             from one producer rank, 28,000 from two. The default adds ~0.14 s to the
             first connect on the 2-core development host.
