@@ -23,6 +23,7 @@ __all__ = [
     "AgentConfig",
     "AgentStats",
     "PushPost",
+    "check_warm_up_descriptors",
 ]
 
 #: :attr:`AgentConfig.warm_up_descriptors` unless set: a 4,000-token TP pull of a
@@ -32,6 +33,15 @@ DEFAULT_WARM_UP_DESCRIPTORS = 1 << 16
 #: The largest :attr:`AgentConfig.warm_up_descriptors`: about 2 s of connect time at
 #: the ~2 µs a descriptor the warm-up costs on one host.
 MAX_WARM_UP_DESCRIPTORS = 1 << 20
+
+
+def check_warm_up_descriptors(key: str, value: object) -> int:
+    """``value`` if it is a valid :attr:`AgentConfig.warm_up_descriptors` (an int from 1
+    to :data:`MAX_WARM_UP_DESCRIPTORS`, not a bool); else a ConfigError naming ``key``."""
+    top = MAX_WARM_UP_DESCRIPTORS
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+        raise ConfigError(key, value, f"must be an integer from 1 to {top}")
+    return value
 
 
 class PushPost(enum.Enum):
@@ -136,12 +146,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, key)
             if not value > 0:
                 raise ConfigError(key, value, "must be a positive number of seconds")
-        if not 1 <= self.warm_up_descriptors <= MAX_WARM_UP_DESCRIPTORS:
-            raise ConfigError(
-                "warm_up_descriptors",
-                self.warm_up_descriptors,
-                f"must be an integer from 1 to {MAX_WARM_UP_DESCRIPTORS}",
-            )
+        check_warm_up_descriptors("warm_up_descriptors", self.warm_up_descriptors)
         if not 0 <= self.side_channel_port <= 65535:
             raise ConfigError("side_channel_port", self.side_channel_port, "must be 0..65535")
         if self.fingerprint.direction is not self.direction:

@@ -677,12 +677,12 @@ def test_a_write_queued_on_the_writer_is_never_overtaken_by_the_engine() -> None
         prod.close()
 
 
-@pytest.mark.parametrize("value", [0, -1, MAX_WARM_UP_DESCRIPTORS + 1])
+@pytest.mark.parametrize("value", [0, -1, MAX_WARM_UP_DESCRIPTORS + 1, True, 1.5, "4096"])
 def test_warm_up_descriptors_out_of_range_is_refused_naming_key_value_rule(value: int) -> None:
     with pytest.raises(ConfigError) as err:
         AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), warm_up_descriptors=value)
     assert str(err.value) == (
-        f"warm_up_descriptors={value}: must be an integer from 1 to {MAX_WARM_UP_DESCRIPTORS}"
+        f"warm_up_descriptors={value!r}: must be an integer from 1 to {MAX_WARM_UP_DESCRIPTORS}"
     )
     for ok in (1, MAX_WARM_UP_DESCRIPTORS):
         config = AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), warm_up_descriptors=ok)

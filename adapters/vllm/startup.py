@@ -25,7 +25,7 @@ import msgspec
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_transfer_config
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
-from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS, MAX_WARM_UP_DESCRIPTORS
+from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS, check_warm_up_descriptors
 from kvxfer.backend import Backend, BackendOptions
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank, place_heads, region_heads
@@ -112,12 +112,7 @@ def warm_up_descriptors(cfg: TransferConfig) -> int:
     <kvxfer.agent.AgentConfig.warm_up_descriptors>`); raise it to the most units one
     request of yours posts (long prompts at small block sizes across TP sizes)."""
     value = cfg.extra_passthrough.get(WARM_UP_KEY, DEFAULT_WARM_UP_DESCRIPTORS)
-    top = MAX_WARM_UP_DESCRIPTORS
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-        raise ConfigError(
-            f"kv_connector_extra_config.{WARM_UP_KEY}", value, f"must be an integer from 1 to {top}"
-        )
-    return value
+    return check_warm_up_descriptors(f"kv_connector_extra_config.{WARM_UP_KEY}", value)
 
 
 class KVGroups(msgspec.Struct, frozen=True, kw_only=True):

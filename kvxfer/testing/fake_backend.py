@@ -246,8 +246,6 @@ class FakeBackend(Backend):
         )
         self.faults = faults if faults is not None else Faults()
         self.staged: list[tuple[str, tuple[IntArray, ...]]] = []
-        #: ``copies`` of every guard read posted, in order (the warm-up's is the first).
-        self.guard_read_copies: list[int] = []
         self._layout: KVLayout | None = None
         self._spans: tuple[UIntArray, UIntArray] | None = None
         self._table: DescriptorTable | None = None
@@ -519,7 +517,7 @@ class FakeBackend(Backend):
     ) -> XferHandle:
         """Post an 8-byte READ of ``slot`` of the peer's guard table; ``notification``
         reaches the peer after the word was read (the DONE notice of a pull). The fake
-        reads the word once whatever ``copies`` says, and records ``copies``."""
+        reads the word once whatever ``copies`` says."""
         with _LOCK:
             self._require_open()
             if copies < 1:
@@ -532,7 +530,6 @@ class FakeBackend(Backend):
             if self.faults.fail_post:
                 raise BackendError("fake fabric: post refused (injected fault)")
             handle = XferHandle(next(self._ids))
-            self.guard_read_copies.append(copies)
             self._guard_reads[handle] = _GuardRead(
                 peer=peer,
                 slot=slot,

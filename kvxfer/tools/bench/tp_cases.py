@@ -312,11 +312,7 @@ def assemble(
         # The first request after the handshake: one per start of the case's
         # processes (add_first adds the later starts'), their median over the steady
         # median (issue 27: <= 1.2), and raw NIXL's the same way.
-        "first_samples_s": [first["s"]],
-        "first_transfer_s": first["s"],
-        "first_vs_steady": first["s"] / kv_s if kv_s else None,
-        "nixl_first_samples_s": [raw_first["s"]],
-        "nixl_first_transfer_s": raw_first["s"],
+        **_first_fields([first["s"]], [raw_first["s"]], kv_s),
         **extra,
         "samples": {k: list(v) for k, v in times.items()},
     }
@@ -338,13 +334,20 @@ def add_first(
         return {**result, "status": "failed", "reason": why}
     firsts = [*result["first_samples_s"], first["s"]]
     raws = [*result["nixl_first_samples_s"], raw_first["s"]]
-    kv_s = result["kvxfer_s"]
+    return {**result, **_first_fields(firsts, raws, result["kvxfer_s"])}
+
+
+def _first_fields(
+    firsts: Sequence[float], raws: Sequence[float], kv_s: float | None
+) -> dict[str, Any]:
+    """A case's first-request samples (kvxfer's, raw NIXL's) and their medians, and
+    kvxfer's median over the steady one ``kv_s``."""
+    first_s = bc.median(firsts)
     return {
-        **result,
-        "first_samples_s": firsts,
-        "first_transfer_s": bc.median(firsts),
-        "first_vs_steady": bc.median(firsts) / kv_s if kv_s else None,
-        "nixl_first_samples_s": raws,
+        "first_samples_s": list(firsts),
+        "first_transfer_s": first_s,
+        "first_vs_steady": first_s / kv_s if kv_s and first_s else None,
+        "nixl_first_samples_s": list(raws),
         "nixl_first_transfer_s": bc.median(raws),
     }
 
