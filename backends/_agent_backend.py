@@ -156,6 +156,8 @@ class AgentBackend(Backend):
         self._landing: object | None = None
         self._landing_free: deque[int] = deque()
         self._peer_guards: dict[PeerHandle, object] = {}
+        # Peers that announced a sink word: its row in their prepared guard list.
+        self._peer_sinks: dict[PeerHandle, int] = {}
         self._guard_reads: dict[XferHandle, int] = {}  # handle -> landing word
         self._failed: dict[XferHandle, str] = {}  # what NIXL said of a failed transfer
         # atexit holds only a weak reference: a backend dropped early is closed by GC.
@@ -237,8 +239,9 @@ class AgentBackend(Backend):
                 raise RegistrationError("this backend already registered a guard table")
             if slots < 1:
                 raise RegistrationError(f"a guard table needs at least one slot, not {slots}")
-            # One host array: the table peers read, then our own landing words.
-            words = np.zeros(slots + LANDING_WORDS, dtype=np.uint64)
+            # One host array: the table peers read, our own landing words, then the sink
+            # word peers may write (and the source of our own sink writes).
+            words = np.zeros(slots + LANDING_WORDS + 1, dtype=np.uint64)
             base = int(words.ctypes.data)
             what = f"{self._description} refused the guard table ({words.nbytes} B of DRAM)"
             self._metadata = None
@@ -247,7 +250,8 @@ class AgentBackend(Backend):
             self._registrations.append(reg)
             landing = base + slots * _WORD
             descs = np.array(
-                [(landing + i * _WORD, _WORD, 0) for i in range(LANDING_WORDS)], dtype=np.uint64
+                [(landing + i * _WORD, _WORD, 0) for i in range(LANDING_WORDS + 1)],
+                dtype=np.uint64,
             )
             with map_nixl_errors(NixlCall.REGISTER, "preparing the guard landing words"):
                 self._landing = agent.prep_descs(None, MemKind.DRAM, descs)
@@ -259,7 +263,9 @@ class AgentBackend(Backend):
         with self._lock:
             if self._words is None:
                 return None
-            return GuardTable(base=int(self._words.ctypes.data), slots=self._guard_slots)
+            base = int(self._words.ctypes.data)
+            sink = base + (self._guard_slots + LANDING_WORDS) * _WORD
+            return GuardTable(base=base, slots=self._guard_slots, sink=sink)
 
     def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
         with self._lock:
@@ -269,14 +275,19 @@ class AgentBackend(Backend):
             addr = guard.base + np.arange(guard.slots, dtype=np.uint64) * np.uint64(
                 guard.slot_bytes
             )
+            if guard.sink is not None:  # one more row: the sink word, after the slots
+                addr = np.append(addr, np.uint64(guard.sink))
             descs = np.stack([addr, np.full_like(addr, _WORD), np.zeros_like(addr)], axis=1).astype(
                 np.uint64
             )
             with map_nixl_errors(NixlCall.PEER, f"preparing the guard table of peer {peer}"):
                 old = self._peer_guards.pop(peer, None)
+                self._peer_sinks.pop(peer, None)
                 if old is not None:
                     agent.release_descs(old)
                 self._peer_guards[peer] = agent.prep_descs(peer, MemKind.DRAM, descs)
+                if guard.sink is not None:
+                    self._peer_sinks[peer] = guard.slots
 
     def post_guard_read(
         self, peer: PeerHandle, slot: int, notification: bytes = b"", *, copies: int = 1
@@ -310,6 +321,33 @@ class AgentBackend(Backend):
             handle = XferHandle(next(self._ids))
             self._xfers[handle] = (xfer, peer)
             self._guard_reads[handle] = word
+            return handle
+
+    def post_sink_write(self, peer: PeerHandle, *, copies: int = 1) -> XferHandle:
+        if copies < 1:
+            raise BackendError(f"sink write copies={copies}: must be at least 1")
+        with self._lock:
+            agent = self._live()
+            remote = self._peer_guards.get(peer)
+            row = self._peer_sinks.get(peer)
+            if remote is None or row is None or self._landing is None:
+                raise PeerError(f"peer {peer!r} announced no sink word")
+            try:
+                # Our own sink word (the landing list's last row) into theirs.
+                xfer = agent.post(
+                    XferOp.WRITE,
+                    self._landing,
+                    np.full(copies, LANDING_WORDS, dtype=np.int64),
+                    remote,
+                    np.full(copies, row, dtype=np.int64),
+                    b"",
+                )
+            except KvxferError:
+                raise
+            except Exception as exc:
+                raise nixl_error(exc, NixlCall.POST, f"sink write of {peer}") from exc
+            handle = XferHandle(next(self._ids))
+            self._xfers[handle] = (xfer, peer)
             return handle
 
     def guard_word(self, handle: XferHandle) -> int:
@@ -366,6 +404,7 @@ class AgentBackend(Backend):
                 # connection, and status()/cancel() must keep saying whether its bytes
                 # can still land (R-SAFE-5) until it ends.
             guard = self._peer_guards.pop(peer, None)
+            self._peer_sinks.pop(peer, None)
             if guard is not None:
                 self._quietly(
                     NixlCall.RELEASE,

@@ -533,6 +533,9 @@ class HostBounceBackend(Backend):
     def guard_word(self, handle: XferHandle) -> int:
         return self._transport.guard_word(handle)
 
+    def post_sink_write(self, peer: PeerHandle, *, copies: int = 1) -> XferHandle:
+        return self._transport.post_sink_write(peer, copies=copies)
+
     def failure_detail(self, handle: XferHandle) -> str:
         return self._transport.failure_detail(handle)
 

@@ -187,11 +187,11 @@ class Agent:
         of a producer group of another TP size also gets its pulls' planners built
         once the last rank it reads is connected; a push's producer connecting to a
         consumer rank of another TP size, the planners of its writes into it. An
-        agent that posts to the peer (a
-        pull's consumer, a push's producer) also uses the new connection once, so that
-        the first request does not pay for its set-up (:meth:`Runtime.warm_up
-        <kvxfer._agent.runtime.Runtime.warm_up>`: one guard-word read, waited for
-        within ``handshake_timeout_s``, and one notice the peer ignores)."""
+        agent that posts to the peer (a pull's consumer, a push's producer) also uses
+        the new connection once, so that the first request does not pay for its
+        set-up (:meth:`Runtime.warm_up <kvxfer._agent.runtime.Runtime.warm_up>`: a
+        read of the peer's guard word, or a push producer's write of its sink word,
+        waited for within ``handshake_timeout_s``, and one notice the peer ignores)."""
         peer = self._peers.get(host, port, expected_engine_id, None)
         self._puller.connected(peer)
         self._push.connected(peer)

@@ -89,9 +89,10 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
             producer's lease expiry: clock skew between hosts must stay below it.
         progress_interval_s: Sleep of the progress thread while transfers are in flight.
-        warm_up_descriptors: How many descriptors the agent's first warm-up read posts
-            (:meth:`~kvxfer.agent.Agent.connect` of an agent that posts to the peer;
-            1 to 1,048,576). A process's first post of many descriptors grows the
+        warm_up_descriptors: How many descriptors the agent's first warm-up transfer
+            posts (:meth:`~kvxfer.agent.Agent.connect` of an agent that posts to the
+            peer: a read of its guard word, or a push producer's write of its sink
+            word; 1 to 1,048,576). A process's first post of many descriptors grows the
             allocator's heap and the transport's pools, and first TP pulls of a
             4,000-token prompt took up to 1.74x a steady one for it; a warm-up at
             least as large as a request moves that to the connect.

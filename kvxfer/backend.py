@@ -273,6 +273,19 @@ class Backend(ABC):
         """The word a guard read read, once its :meth:`status` is DONE."""
         raise BackendError(f"backend {type(self).__name__} cannot read guard words")
 
+    def post_sink_write(self, peer: PeerHandle, *, copies: int = 1) -> XferHandle:
+        """Post a WRITE of one word of ours into the peer's sink word
+        (:attr:`GuardTable.sink <kvxfer.core.wire.GuardTable.sink>`, from its handshake)
+        as ``copies`` descriptors, every one the same word: a push producer's warm-up,
+        which uses the write path before a request does. Nobody reads the sink.
+        :meth:`status` and :meth:`release` take its handle like any transfer's.
+
+        Raises:
+            PeerError: the peer announced no sink (or is unknown).
+            BackendError: ``copies`` below 1, or a backend without sinks.
+        """
+        raise BackendError(f"backend {type(self).__name__} cannot write a peer's sink word")
+
     def stage_out(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:  # noqa: B027
         """Make device blocks readable by peers before they READ them (host staging
         copies them out; a WRITE's own blocks are staged by :meth:`post_engine`)."""

@@ -11,6 +11,7 @@ lock, as its copy holds it), and the engine's calls must answer while it is shut
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import threading
 import time
@@ -457,10 +458,11 @@ def test_a_handshake_speeds_both_sides_progress_up_for_a_while(
 @pytest.mark.parametrize("direction", [Direction.PULL, Direction.PUSH], ids=["pull", "push"])
 def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direction) -> None:
     """``Agent.connect`` from the side that posts (a pull's consumer reads, a push's
-    producer writes) uses the new connection once before any request: one read of the
-    peer's guard word (the agent's first, as ``warm_up_descriptors`` descriptors) and
-    one WARM notice, which the peer ignores. Once per peer; a transfer after it is
-    DONE."""
+    producer writes) uses the new connection once before any request: a transfer of the
+    operation its requests post (a puller reads the peer's guard word, a push producer
+    writes the peer's sink word; the agent's first as ``warm_up_descriptors``
+    descriptors) and one WARM notice, which the peer ignores. Once per peer; a transfer
+    after it is DONE, and the sink write landed."""
     prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
     cons_cache = HostKVCache(SHAPE, 16, 16)
     prod, prod_be = _agent(Role.PRODUCER, direction, prod_cache)
@@ -470,7 +472,7 @@ def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direct
     poster_be, passive_be = (cons_be, prod_be) if pull else (prod_be, cons_be)
     used: list[tuple[str, object]] = []
     for be in (poster_be, passive_be):
-        real_read, real_notify = be.post_guard_read, be.notify
+        real_read, real_write, real_notify = be.post_guard_read, be.post_sink_write, be.notify
 
         def read(
             peer: Any, slot: int, notification: bytes = b"", *, copies: int = 1, _r: Any = real_read
@@ -478,17 +480,30 @@ def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direct
             used.append(("read", slot, copies))
             return _r(peer, slot, notification, copies=copies)
 
+        def write(peer: Any, *, copies: int = 1, _w: Any = real_write) -> Any:
+            used.append(("write", copies))
+            return _w(peer, copies=copies)
+
         def notify(peer: Any, payload: bytes, _n: Any = real_notify) -> None:
             used.append(("notice", b"warm" in payload))
             _n(peer, payload)
 
         be.post_guard_read = read  # type: ignore[method-assign]
+        be.post_sink_write = write  # type: ignore[method-assign]
         be.notify = notify  # type: ignore[method-assign]
+    marker = 0x5EED_0F_5111C
+    poster_sink, passive_sink = (be.guard_table().sink for be in (poster_be, passive_be))
+    assert poster_sink is not None and passive_sink is not None
+    ctypes.c_uint64.from_address(poster_sink).value = marker
     try:
         for _ in range(2):
             poster.connect(*passive.address, passive.config.engine_id)
-        # The agent's first warm-up: its read as warm_up_descriptors descriptors.
-        assert used == [("read", 0, poster.config.warm_up_descriptors), ("notice", True)]
+        # The agent's first warm-up, as warm_up_descriptors descriptors.
+        n = poster.config.warm_up_descriptors
+        first = ("read", 0, n) if pull else ("write", n)
+        assert used == [first, ("notice", True)]
+        landed = ctypes.c_uint64.from_address(passive_sink).value
+        assert landed == (0 if pull else marker)
         _start(direction, prod, cons, "after-warm", [3], [5]).wait(10)
         assert cons_cache.mismatches([5], [3], SEED) == 0
         assert passive.stats().notices_failed == 0  # the WARM notice was not taken for bad

@@ -8,6 +8,7 @@ then with failures provoked from a real NIXL agent, then through a backend's hot
 from __future__ import annotations
 
 import ast
+import ctypes
 import importlib.machinery
 import importlib.util
 import itertools
@@ -431,4 +432,51 @@ def test_a_guard_read_of_many_copies_reads_the_peers_word() -> None:
             reader.release(handle)
     finally:
         reader.close()
+        owner.close()
+
+
+def test_a_sink_write_lands_in_the_peers_sink_word_only() -> None:
+    """A push producer's warm-up writes its own sink word into the peer's, as many
+    descriptors (``copies``): real NIXL over UCX, between two agents in this process,
+    lands the writer's word in the sink the owner announced, and leaves the owner's
+    guard slots and landing words as they were. A peer that announced no sink, or
+    fewer than one copy, is refused before anything is posted."""
+    from kvxfer.backends.ucx import UcxBackend
+    from kvxfer.core.wire import GuardTable
+
+    writer = UcxBackend(BackendOptions(agent_name=f"edge-writer-{os.getpid()}-{next(_names)}"))
+    owner = UcxBackend(BackendOptions(agent_name=f"edge-owner-{os.getpid()}-{next(_names)}"))
+    caches = [PatternCache(CacheShape(num_blocks=4)) for _ in range(2)]
+    try:
+        layout = owner.register(caches[0].layout)
+        words = owner.register_guard(4)
+        words[:] = 0x5EED_0000_0000_0042
+        writer.register(caches[1].layout)
+        writer.register_guard(4)
+        guard, mine = owner.guard_table(), writer.guard_table()
+        assert guard is not None and guard.sink is not None
+        assert mine is not None and mine.sink is not None
+        # The sink lies past the table and the landing words, in the same registration.
+        assert guard.sink >= guard.base + guard.slots * guard.slot_bytes
+        peer = writer.add_peer(owner.metadata(), DescriptorTable.build(layout))
+        writer.add_peer_guard(peer, GuardTable(base=guard.base, slots=guard.slots))
+        with pytest.raises(PeerError, match=r"announced no sink word"):
+            writer.post_sink_write(peer)
+        writer.add_peer_guard(peer, guard)
+        with pytest.raises(BackendError, match=r"copies=0: must be at least 1"):
+            writer.post_sink_write(peer, copies=0)
+        for copies, value in ((4096, 0xC0FFEE), (1, 0xBEEF)):
+            ctypes.c_uint64.from_address(mine.sink).value = value
+            handle = writer.post_sink_write(peer, copies=copies)
+            deadline = time.monotonic() + 30
+            while (state := writer.status(handle)) is XferStatus.PENDING:
+                assert time.monotonic() < deadline, f"{copies} copies still pending"
+                owner.drain_notifications()  # progresses the owner's worker (wire-up)
+                time.sleep(0.001)
+            assert state is XferStatus.DONE
+            writer.release(handle)
+            assert ctypes.c_uint64.from_address(guard.sink).value == value
+            assert (words == 0x5EED_0000_0000_0042).all()
+    finally:
+        writer.close()
         owner.close()

@@ -48,7 +48,11 @@ rails = st.lists(short, max_size=4).map(tuple)
 block_ids = st.lists(st.lists(counts, max_size=6).map(tuple), max_size=3).map(tuple)
 capabilities = st.just("") | st.builds(wire.new_capability)
 guards = st.none() | st.builds(
-    wire.GuardTable, base=counts, slots=st.integers(1, 1 << 20), slot_bytes=st.integers(8, 64)
+    wire.GuardTable,
+    base=counts,
+    slots=st.integers(1, 1 << 20),
+    slot_bytes=st.integers(8, 64),
+    sink=st.none() | counts,
 )
 small_layouts = kst.layouts(max_layers=2)
 options = st.builds(PlanOptions, swa_window_mode=st.booleans(), coalesce=st.booleans()) | st.builds(
@@ -236,7 +240,12 @@ def test_a_pong_answers_about_one_hold() -> None:
 
 
 def test_guard_table_bounds() -> None:
-    for bad in ({"base": 0, "slots": 0}, {"base": -1, "slots": 1}, {"base": 0, "slots": 1 << 21}):
+    for bad in (
+        {"base": 0, "slots": 0},
+        {"base": -1, "slots": 1},
+        {"base": 0, "slots": 1 << 21},
+        {"base": 0, "slots": 1, "sink": -8},
+    ):
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, wire.GuardTable)
 

@@ -108,7 +108,7 @@ def push_post(cfg: TransferConfig) -> PushPost:
 
 def warm_up_descriptors(cfg: TransferConfig) -> int:
     """``kv_connector_extra_config.warm_up_descriptors``: how many descriptors the
-    worker's first warm-up read posts (:attr:`AgentConfig.warm_up_descriptors
+    worker's first warm-up transfer posts (:attr:`AgentConfig.warm_up_descriptors
     <kvxfer.agent.AgentConfig.warm_up_descriptors>`); raise it to the most units one
     request of yours posts (long prompts at small block sizes across TP sizes)."""
     value = cfg.extra_passthrough.get(WARM_UP_KEY, DEFAULT_WARM_UP_DESCRIPTORS)

@@ -40,6 +40,7 @@ from kvxfer.core.blocks import Pairing
 from kvxfer.core.descriptors import Plan, plan_pairing
 from kvxfer.errors import KvxferError, PeerError, TransferError, TransferTimeout
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
+from kvxfer.types import Direction
 
 __all__ = ["ProbeVerdicts", "Runtime"]
 
@@ -329,20 +330,24 @@ class Runtime:
 
     def warm_up(self, peer: Peer) -> None:
         """Use ``peer``'s new connection once before any request does, when this agent
-        posts to it (:meth:`Agent.connect <kvxfer.agent.Agent.connect>`): one read of
-        its guard word (waited for, within the handshake timeout) and one
-        :attr:`~kvxfer.core.wire.NoticeKind.WARM` notice, which the peer ignores. UCX
-        finishes wiring an endpoint up and picks each operation's protocol on first
-        use: the first pull across TP sizes after a connect paid 0.4-1.1 ms more for
-        its guard read and ~1.8 ms more for its first notice than later ones (issue
-        27). The agent's first warm-up posts that read as
-        :attr:`~kvxfer.agent.AgentConfig.warm_up_descriptors` descriptors: the first
-        post of many descriptors grows the process's heap (2,700-3,100 page faults for
-        a TP pull of 14,000-28,000 units, against 0-350 later) and the transport's
-        pools, and it paid up to 34 ms (up to 1.74x a steady pull) for that on the
-        2-core development host. Both stay grown, so later peers get one descriptor.
-        Once per peer; a failure is only logged (the first request then pays the
-        set-up, and fails closed if the peer is gone)."""
+        posts to it (:meth:`Agent.connect <kvxfer.agent.Agent.connect>`): one transfer
+        of the operation its requests will post (waited for, within the handshake
+        timeout) and one :attr:`~kvxfer.core.wire.NoticeKind.WARM` notice, which the
+        peer ignores. A puller reads the peer's guard word; a push producer writes the
+        peer's sink word (:attr:`~kvxfer.core.wire.GuardTable.sink`; a read of its guard
+        word from a peer that announces none). UCX finishes wiring an endpoint up and
+        picks each operation's protocol on first use: the first pull across TP sizes
+        after a connect paid 0.4-1.1 ms more for its guard read and ~1.8 ms more for its
+        first notice than later ones (issue 27). The agent's first warm-up posts its
+        transfer as :attr:`~kvxfer.agent.AgentConfig.warm_up_descriptors` descriptors:
+        the first post of many descriptors grows the process's heap (2,700-3,100 page
+        faults for a TP pull of 14,000-28,000 units, against 0-350 later) and the
+        transport's pools, and it paid up to 34 ms (up to 1.74x a steady pull) for that
+        on the 2-core development host; a first push, warmed by a read, still took
+        1.15-1.38x its steady median with two writers, against 1.07-1.08x warmed by a
+        write. Both stay grown, so later peers get one descriptor. Once per peer; a
+        failure is only logged (the first request then pays the set-up, and fails
+        closed if the peer is gone)."""
         if peer.warmed or not self._local.posts:
             return
         peer.warmed = True
@@ -358,16 +363,20 @@ class Runtime:
         backend = self._backend
         until = time.monotonic() + self._config.handshake_timeout_s
         try:
-            if backend.capabilities.guard and peer.info.guard is not None:
+            guard = peer.info.guard
+            if backend.capabilities.guard and guard is not None:
                 copies = 1 if self._grown else config.warm_up_descriptors
-                handle = backend.post_guard_read(peer.handle, 0, copies=copies)
-                # Grown by the post (two racing first warm-ups: two large reads).
+                if config.direction is Direction.PUSH and guard.sink is not None:
+                    handle = backend.post_sink_write(peer.handle, copies=copies)
+                else:
+                    handle = backend.post_guard_read(peer.handle, 0, copies=copies)
+                # Grown by the post (two racing first warm-ups: two large posts).
                 self._grown = True
                 while backend.status(handle) is XferStatus.PENDING:
                     if time.monotonic() > until:
                         # Not released: its landing word must not be reused while the
                         # read can still land in it. One word of many, kept until close.
-                        log.info("warming %r up: its guard word's read still pending", peer)
+                        log.info("warming %r up: its warm-up transfer still pending", peer)
                         break
                     time.sleep(_WARM_POLL_S)
                 else:

@@ -173,6 +173,10 @@ class GuardTable(msgspec.Struct, frozen=True, kw_only=True):
     base: Count  # address of slot 0, as the backend's metadata addresses it
     slots: Annotated[int, Meta(ge=1, le=1 << 20)]
     slot_bytes: Annotated[int, Meta(ge=8, le=64)] = 8
+    #: Address of one more registered word that any peer may WRITE and nobody reads: a
+    #: push producer's warm-up writes there (issue 27). None from a backend without one
+    #: or from a peer that predates it (the producer then warms up with a read).
+    sink: Count | None = None
 
 
 class WireMessage(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

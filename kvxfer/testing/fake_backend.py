@@ -27,6 +27,8 @@ need (docs/RELIABILITY.md, section 3; not yet part of :class:`~kvxfer.backend.Ba
 :meth:`~FakeBackend.register_guard` registers a table of 64-bit words,
 :meth:`~FakeBackend.guard_table` describes it for the handshake, and a peer reads one
 word with :meth:`~FakeBackend.post_guard_read` then :meth:`~FakeBackend.guard_word`.
+With the table it registers a sink word that peers write with
+:meth:`~FakeBackend.post_sink_write` (a push producer's warm-up).
 
 Capabilities are configurable so the agent's mode rules can be exercised:
 ``FakeBackend(options, device_to_device=False)``, or
@@ -150,7 +152,7 @@ class _Xfer:
 @dataclasses.dataclass
 class _GuardRead:
     peer: str
-    slot: int
+    slot: int  # -1: a write of our sink word into the peer's
     notification: bytes
     faults: Faults
     polls: int = 0
@@ -252,6 +254,7 @@ class FakeBackend(Backend):
         self._peers: dict[PeerHandle, _Peer] = {}
         self._xfers: dict[XferHandle, _Xfer] = {}
         self._guard: npt.NDArray[np.uint64] | None = None
+        self._sink = np.zeros(1, dtype=np.uint64)  # announced with the guard table
         self._peer_guards: dict[PeerHandle, GuardTable] = {}
         self._guard_reads: dict[XferHandle, _GuardRead] = {}
         self._inbox: list[_Inbound] = []
@@ -502,7 +505,11 @@ class FakeBackend(Backend):
         with _LOCK:
             if self._guard is None:
                 return None
-            return GuardTable(base=int(self._guard.ctypes.data), slots=len(self._guard))
+            return GuardTable(
+                base=int(self._guard.ctypes.data),
+                slots=len(self._guard),
+                sink=int(self._sink.ctypes.data),
+            )
 
     def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
         """Prepare reads of a connected peer's guard table (from its handshake)."""
@@ -538,6 +545,24 @@ class FakeBackend(Backend):
             )
             return handle
 
+    def post_sink_write(self, peer: PeerHandle, *, copies: int = 1) -> XferHandle:
+        """Post a WRITE of our sink word into the peer's; it lands when :meth:`status`
+        is asked, once whatever ``copies`` says."""
+        with _LOCK:
+            self._require_open()
+            if copies < 1:
+                raise BackendError(f"sink write copies={copies}: must be at least 1")
+            guard = self._peer_guards.get(peer)
+            if guard is None or guard.sink is None or self._live(peer) is None:
+                raise PeerError(f"fake fabric: peer {peer!r} announced no sink word")
+            if self.faults.fail_post:
+                raise BackendError("fake fabric: post refused (injected fault)")
+            handle = XferHandle(next(self._ids))
+            self._guard_reads[handle] = _GuardRead(
+                peer=peer, slot=-1, notification=b"", faults=msgspec.structs.replace(self.faults)
+            )
+            return handle
+
     def guard_word(self, handle: XferHandle) -> int:
         """The word a completed :meth:`post_guard_read` read.
 
@@ -565,6 +590,13 @@ class FakeBackend(Backend):
         # The address the handshake announced must be the owner's registered table.
         if table is None or guard.base != int(table.ctypes.data) or guard.slots != len(table):
             read.state = XferStatus.FAILED
+            return read.state
+        if read.slot < 0:  # a sink write: into the word the owner announced
+            if guard.sink != int(owner._sink.ctypes.data):
+                read.state = XferStatus.FAILED
+                return read.state
+            owner._sink[0] = self._sink[0]
+            read.state = XferStatus.DONE
             return read.state
         read.word = int(table[read.slot])
         read.state = XferStatus.DONE
