@@ -258,6 +258,47 @@ def test_a_pull_across_tp_sizes_tells_each_rank_done_over_the_side_channel(
     assert notices == []
 
 
+def test_a_pull_across_tp_sizes_tells_no_rank_done_while_another_rank_posts(
+    closing: list[Rank], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' DONEs go once every rank's part settled, not as each part does: an
+    io worker telling the first rank while the engine's thread posts the next rank's
+    read took the GIL from that post (0.4-0.6 ms of a 10 ms pull, issue 27). While
+    the second rank's read is posted (held here for up to a second), the first rank,
+    whose part is already DONE, still holds the request; afterwards both free it."""
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    for p in producers:
+        consumer.agent.connect(*p.agent.address, p.agent.config.engine_id)
+    posts: list[Any] = []
+    held_during: list[list[bool]] = []
+    real_post = consumer.backend.post_engine
+
+    def holding() -> list[bool]:
+        return ["req-late" in p.agent.holding() for p in producers]
+
+    def post(*args: Any, **kwargs: Any) -> Any:
+        if posts:  # the second rank's read: a DONE told early has a second to arrive
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and all(holding()):
+                time.sleep(0.01)
+            held_during.append(holding())
+        posts.append(args[0])
+        return real_post(*args, **kwargs)
+
+    monkeypatch.setattr(consumer.backend, "post_engine", post)
+    remote, local = [1, 2], [3, 4]
+    t = consumer.agent.pull(_hold(producers, "req-late", remote, 8), local)
+    t.wait(5)
+    assert t.state is TransferState.DONE, t.error
+    assert len(posts) == 2 and held_during == [[True, True]], (posts, held_during)
+    deadline = time.monotonic() + 5
+    while any("req-late" in p.agent.holding() for p in producers):
+        assert time.monotonic() < deadline, "a producer rank never freed the request"
+        time.sleep(0.01)
+
+
 def test_a_pull_across_tp_sizes_of_blocks_a_rank_freed_fails_closed(
     closing: list[Rank],
 ) -> None:

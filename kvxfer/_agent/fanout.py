@@ -39,6 +39,8 @@ class Fanout:
         subs: The sub-transfer of each producer rank (tracked by the runtime).
         on_failed: Called once, when the aggregate failed, with the ranks whose
             sub-transfer failed (under the agent lock: it must only queue work).
+        on_all_settled: Called once, when every sub-transfer settled, before the
+            aggregate settles either way (under the agent lock, like ``on_failed``).
     """
 
     def __init__(
@@ -46,10 +48,12 @@ class Fanout:
         transfer: Transfer,
         subs: Mapping[int, Transfer],
         on_failed: Callable[[tuple[int, ...]], None],
+        on_all_settled: Callable[[], None] | None = None,
     ) -> None:
         self.transfer = transfer
         self.subs = dict(subs)
         self._on_failed = on_failed
+        self._on_all_settled = on_all_settled
         everything = tuple(sorted({b for g in transfer.local_blocks for b in g}))
         # Until a rank is planned, all local blocks are what it would write into.
         self._blocks: dict[int, tuple[int, ...]] = dict.fromkeys(self.subs, everything)
@@ -76,6 +80,8 @@ class Fanout:
                 return
             failed = tuple(sorted(r for r, good in self._settled.items() if not good))
             invalid = tuple(sorted({b for r in failed for b in self._blocks[r]}))
+        if self._on_all_settled is not None:
+            self._on_all_settled()
         agg = self.transfer
         stats = agg.stats
         subs = [self.subs[r] for r in sorted(self.subs)]
