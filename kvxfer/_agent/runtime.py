@@ -343,9 +343,9 @@ class Runtime:
         the first post of many descriptors grows the process's heap (2,700-3,100 page
         faults for a TP pull of 14,000-28,000 units, against 0-350 later) and the
         transport's pools, and it paid up to 34 ms (up to 1.74x a steady pull) for that
-        on the 2-core development host; a first push, warmed by a read, still took
-        1.15-1.38x its steady median with two writers, against 1.07-1.08x warmed by a
-        write. Both stay grown, so later peers get one descriptor. Once per peer; a
+        on the 2-core development host; a first push from two writers, warmed by a
+        read, still took a median 1.16-1.37x its steady time, against 1.09x warmed by
+        a write. Both stay grown, so later peers get one descriptor. Once per peer; a
         failure is only logged (the first request then pays the set-up, and fails
         closed if the peer is gone)."""
         if peer.warmed or not self._local.posts:
