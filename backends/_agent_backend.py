@@ -304,22 +304,13 @@ class AgentBackend(Backend):
             word = self._landing_free.popleft()
             self._words[self._guard_slots + word] = 0
             try:
-                xfer = agent.post(
-                    XferOp.READ,
-                    self._landing,
-                    np.full(copies, word, dtype=np.int64),
-                    remote,
-                    np.full(copies, slot, dtype=np.int64),
-                    notification,
+                what = f"guard read of {peer}"
+                handle = self._post_word(
+                    agent, peer, XferOp.READ, word, remote, slot, copies, notification, what
                 )
-            except KvxferError:
+            except BaseException:
                 self._landing_free.append(word)
                 raise
-            except Exception as exc:
-                self._landing_free.append(word)
-                raise nixl_error(exc, NixlCall.POST, f"guard read of {peer}") from exc
-            handle = XferHandle(next(self._ids))
-            self._xfers[handle] = (xfer, peer)
             self._guard_reads[handle] = word
             return handle
 
@@ -332,23 +323,42 @@ class AgentBackend(Backend):
             row = self._peer_sinks.get(peer)
             if remote is None or row is None or self._landing is None:
                 raise PeerError(f"peer {peer!r} announced no sink word")
-            try:
-                # Our own sink word (the landing list's last row) into theirs.
-                xfer = agent.post(
-                    XferOp.WRITE,
-                    self._landing,
-                    np.full(copies, LANDING_WORDS, dtype=np.int64),
-                    remote,
-                    np.full(copies, row, dtype=np.int64),
-                    b"",
-                )
-            except KvxferError:
-                raise
-            except Exception as exc:
-                raise nixl_error(exc, NixlCall.POST, f"sink write of {peer}") from exc
-            handle = XferHandle(next(self._ids))
-            self._xfers[handle] = (xfer, peer)
-            return handle
+            # Our own sink word (the landing list's last row) into theirs.
+            what = f"sink write of {peer}"
+            return self._post_word(
+                agent, peer, XferOp.WRITE, LANDING_WORDS, remote, row, copies, b"", what
+            )
+
+    def _post_word(
+        self,
+        agent: NixlEndpoint,
+        peer: PeerHandle,
+        op: XferOp,
+        mine: int,
+        remote: object,
+        theirs: int,
+        copies: int,
+        notification: bytes,
+        what: str,
+    ) -> XferHandle:
+        """Post ``copies`` descriptors, every one row ``mine`` of our landing list
+        against row ``theirs`` of the peer's prepared guard list (under the lock)."""
+        try:
+            xfer = agent.post(
+                op,
+                self._landing,
+                np.full(copies, mine, dtype=np.int64),
+                remote,
+                np.full(copies, theirs, dtype=np.int64),
+                notification,
+            )
+        except KvxferError:
+            raise
+        except Exception as exc:
+            raise nixl_error(exc, NixlCall.POST, what) from exc
+        handle = XferHandle(next(self._ids))
+        self._xfers[handle] = (xfer, peer)
+        return handle
 
     def guard_word(self, handle: XferHandle) -> int:
         with self._lock:

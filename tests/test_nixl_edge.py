@@ -398,16 +398,34 @@ def test_the_metadata_blob_is_read_from_nixl_once_per_registration_change(
         backend.close()
 
 
+def _guarded_pair(role: str) -> tuple[AgentBackend, AgentBackend, list[PatternCache]]:
+    """Two UCX backends in this process, the one that posts (named after ``role``) and
+    the owner of the word it moves, with a 4-block cache for each (registered by the
+    caller; kept alive by it for as long as the backends live)."""
+    from kvxfer.backends.ucx import UcxBackend
+
+    poster = UcxBackend(BackendOptions(agent_name=f"edge-{role}-{os.getpid()}-{next(_names)}"))
+    owner = UcxBackend(BackendOptions(agent_name=f"edge-owner-{os.getpid()}-{next(_names)}"))
+    return poster, owner, [PatternCache(CacheShape(num_blocks=4)) for _ in range(2)]
+
+
+def _ended(poster: AgentBackend, owner: AgentBackend, handle: Any) -> XferStatus:
+    """The state ``handle`` ends in (30 s at most), progressing the owner's worker
+    meanwhile (UCX wires an endpoint up only as both workers progress)."""
+    deadline = time.monotonic() + 30
+    while (state := poster.status(handle)) is XferStatus.PENDING:
+        assert time.monotonic() < deadline, "still pending after 30 s"
+        owner.drain_notifications()
+        time.sleep(0.001)
+    return state
+
+
 def test_a_guard_read_of_many_copies_reads_the_peers_word() -> None:
     """The agent's first warm-up posts its guard read as many descriptors, all of one
     remote word into one landing word (``copies``): real NIXL over UCX, between two
     agents in this process, completes it with the peer's word; fewer than one copy
     is refused before anything is posted."""
-    from kvxfer.backends.ucx import UcxBackend
-
-    reader = UcxBackend(BackendOptions(agent_name=f"edge-reader-{os.getpid()}-{next(_names)}"))
-    owner = UcxBackend(BackendOptions(agent_name=f"edge-owner-{os.getpid()}-{next(_names)}"))
-    caches = [PatternCache(CacheShape(num_blocks=4)) for _ in range(2)]
+    reader, owner, caches = _guarded_pair("reader")
     try:
         layout = owner.register(caches[0].layout)
         words = owner.register_guard(4)
@@ -422,12 +440,7 @@ def test_a_guard_read_of_many_copies_reads_the_peers_word() -> None:
             reader.post_guard_read(peer, 2, copies=0)
         for copies in (4096, 1):
             handle = reader.post_guard_read(peer, 2, copies=copies)
-            deadline = time.monotonic() + 30
-            while (state := reader.status(handle)) is XferStatus.PENDING:
-                assert time.monotonic() < deadline, f"{copies} copies still pending"
-                owner.drain_notifications()  # progresses the owner's worker (wire-up)
-                time.sleep(0.001)
-            assert state is XferStatus.DONE
+            assert _ended(reader, owner, handle) is XferStatus.DONE, f"{copies} copies"
             assert reader.guard_word(handle) == 0x5EED_0000_0000_0042
             reader.release(handle)
     finally:
@@ -441,12 +454,9 @@ def test_a_sink_write_lands_in_the_peers_sink_word_only() -> None:
     lands the writer's word in the sink the owner announced, and leaves the owner's
     guard slots and landing words as they were. A peer that announced no sink, or
     fewer than one copy, is refused before anything is posted."""
-    from kvxfer.backends.ucx import UcxBackend
     from kvxfer.core.wire import GuardTable
 
-    writer = UcxBackend(BackendOptions(agent_name=f"edge-writer-{os.getpid()}-{next(_names)}"))
-    owner = UcxBackend(BackendOptions(agent_name=f"edge-owner-{os.getpid()}-{next(_names)}"))
-    caches = [PatternCache(CacheShape(num_blocks=4)) for _ in range(2)]
+    writer, owner, caches = _guarded_pair("writer")
     try:
         layout = owner.register(caches[0].layout)
         words = owner.register_guard(4)
@@ -468,12 +478,7 @@ def test_a_sink_write_lands_in_the_peers_sink_word_only() -> None:
         for copies, value in ((4096, 0xC0FFEE), (1, 0xBEEF)):
             ctypes.c_uint64.from_address(mine.sink).value = value
             handle = writer.post_sink_write(peer, copies=copies)
-            deadline = time.monotonic() + 30
-            while (state := writer.status(handle)) is XferStatus.PENDING:
-                assert time.monotonic() < deadline, f"{copies} copies still pending"
-                owner.drain_notifications()  # progresses the owner's worker (wire-up)
-                time.sleep(0.001)
-            assert state is XferStatus.DONE
+            assert _ended(writer, owner, handle) is XferStatus.DONE, f"{copies} copies"
             writer.release(handle)
             assert ctypes.c_uint64.from_address(guard.sink).value == value
             assert (words == 0x5EED_0000_0000_0042).all()
