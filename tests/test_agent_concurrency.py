@@ -512,6 +512,41 @@ def test_connect_uses_the_connection_once_when_this_side_posts(direction: Direct
         prod.close()
 
 
+def test_a_push_producer_warms_up_with_a_read_where_the_peer_announces_no_sink() -> None:
+    """A consumer that predates the sink word (its Welcome's guard table has none) is
+    warmed up as before: the push producer reads its guard word, writes nothing, and
+    the push after it is DONE."""
+    prod_cache = HostKVCache(SHAPE, 16, 16, fill_seed=SEED)
+    cons_cache = HostKVCache(SHAPE, 16, 16)
+    prod, prod_be = _agent(Role.PRODUCER, Direction.PUSH, prod_cache)
+    cons, cons_be = _agent(Role.CONSUMER, Direction.PUSH, cons_cache)
+    table = cons_be.guard_table()
+    assert table is not None and table.sink is not None
+    old_table = msgspec.structs.replace(table, sink=None)
+    cons_be.guard_table = lambda: old_table  # type: ignore[method-assign]
+    used: list[str] = []
+    real_read, real_write = prod_be.post_guard_read, prod_be.post_sink_write
+
+    def read(peer: Any, slot: int, notification: bytes = b"", *, copies: int = 1) -> Any:
+        used.append("read")
+        return real_read(peer, slot, notification, copies=copies)
+
+    def write(peer: Any, *, copies: int = 1) -> Any:
+        used.append("write")
+        return real_write(peer, copies=copies)
+
+    prod_be.post_guard_read = read  # type: ignore[method-assign]
+    prod_be.post_sink_write = write  # type: ignore[method-assign]
+    try:
+        prod.connect(*cons.address, cons.config.engine_id)
+        assert used == ["read"]
+        _start(Direction.PUSH, prod, cons, "no-sink", [3], [5]).wait(10)
+        assert cons_cache.mismatches([5], [3], SEED) == 0
+    finally:
+        cons.close()
+        prod.close()
+
+
 def test_polling_many_transfers_runs_one_round_of_progress() -> None:
     """An engine polls each transfer in flight once a step; a round of progress (every
     notice, status and deadline) serves all of them, so polling 40 transfers in one
