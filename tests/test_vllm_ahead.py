@@ -158,7 +158,10 @@ def test_a_name_connects_each_instance_it_resolves_to_as_they_come_and_go(
         closing.append(_prefill_tp1(port, b))
         pods.append(b)
         assert _until(lambda: connecting.connected == {(a, port): [port], (b, port): [port]})
-        time.sleep(0.2)  # several more resolutions: nothing is connected twice
+        # Several more resolutions (waited for, not slept on: each connect's warm-up
+        # holds the thread a while on a loaded host): nothing is connected twice.
+        seen = len(asked)
+        assert _until(lambda: len(asked) >= seen + 3)
         assert decode.agent.stats().handshakes == 2
         # The first pod leaves the name: forgotten, the other stays connected.
         pods.remove(a)
@@ -166,7 +169,7 @@ def test_a_name_connects_each_instance_it_resolves_to_as_they_come_and_go(
         assert not connecting.done(0)  # a name is resolved until the worker stops
     connecting.stop()
     assert connecting.done(0)
-    assert set(asked) == {("prefill.ns.svc", port)} and len(asked) > 5
+    assert set(asked) == {("prefill.ns.svc", port)} and len(asked) >= 5
     # Tickets name the pod's address: the request finds the handshake done.
     decode.agent.connect(b, port)
     assert decode.agent.stats().handshakes == 2

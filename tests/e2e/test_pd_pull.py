@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -132,6 +133,25 @@ def _wait_metric(server: VllmServer, name: str, ok: Callable[[float], bool], wha
 _BUSY = 8  # decode's --max-num-seqs: these fill it
 
 
+def _all_answered(socks: list[socket.socket]) -> bool:
+    """Every request on ``socks`` has its response coming back (it finished)."""
+    readable, _, _ = select.select(socks, [], [], 0)
+    return len(readable) == len(socks)
+
+
+def _decode_full(server: VllmServer, busy: list[socket.socket]) -> bool:
+    """Wait until decode runs the ``_BUSY`` requests; False when they all finished
+    before a poll saw them running together (on a fast host 8 x 400 tokens of the
+    tiny model take ~1.5 s, and a poll of the metrics under load can take longer)."""
+    deadline = time.monotonic() + 60  # generous: only a hang takes this long
+    while server.metric("vllm:num_requests_running") < _BUSY:
+        if _all_answered(busy):
+            return False
+        assert time.monotonic() < deadline, "not 8 running"
+        time.sleep(0.05)
+    return True
+
+
 def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
     pull_pair: PDPair,
 ) -> None:
@@ -147,19 +167,27 @@ def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
 
     On a quiet host the busy requests can finish their tokens before vLLM acts on the
     hang-up: the P/D request is then scheduled and pulled (the producer's lease is
-    released, not aborted), which tests nothing here, so that round is tried again."""
+    released, not aborted), which tests nothing here, so that round is tried again.
+    On a fast host they can also all finish before a poll sees decode full: that round
+    is tried again with the same prefilled request (still held)."""
     p, d = pull_pair.prefill, pull_pair.decode
     expired0 = p.metric("vllm:kvxfer_leases_expired_total")
     outcomes: list[str] = []
-    for round_ in range(3):
-        prompt = f"a request nobody waits for, round {round_}"
-        params = prefill(p, prompt)
+    held: tuple[str, dict[str, Any]] | None = None  # a prefilled prompt, its params
+    for round_ in range(5):
+        if held is None:  # the last one was pulled or aborted: a new request
+            prompt = f"a request nobody waits for, round {round_}"
+            held = (prompt, prefill(p, prompt))
         aborted0 = p.metric("vllm:kvxfer_leases_aborted_total")
         released0 = p.metric("vllm:kvxfer_leases_released_total")
         busy = [_open_request(d, f"keep decode busy {i}", max_tokens=400) for i in range(_BUSY)]
         try:
-            _wait_metric(d, "vllm:num_requests_running", lambda n: n >= _BUSY, "not 8 running")
+            if not _decode_full(d, busy):
+                outcomes.append("the busy requests finished before decode was seen full")
+                continue
+            prompt, params = held
             late = _open_request(d, prompt, kv_transfer_params=params, max_tokens=4)
+            held = None
             try:
                 _wait_metric(d, "vllm:num_requests_waiting", lambda n: n >= 1, "nothing waiting")
                 assert d.metric("vllm:num_requests_running") == _BUSY
