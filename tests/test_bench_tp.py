@@ -163,7 +163,14 @@ def test_options_tp_does_not_take_are_refused(argv: list[str]) -> None:
 
 def test_firsts_is_refused_without_tp(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["--quick", "--firsts", "2"]) == 2
-    assert "--firsts applies to --tp only" in capsys.readouterr().err
+    assert "--firsts 2: applies to --tp only" in capsys.readouterr().err
+
+
+def test_a_runner_refuses_fewer_than_one_first() -> None:
+    from kvxfer.tools.bench.tp_runner import TPRunner
+
+    with pytest.raises(ValueError, match=r"firsts=0: must be 1 or more"):
+        TPRunner(reps=1, timeout_s=1.0, firsts=0)
 
 
 def test_tiny_tp_cases_through_real_processes() -> None:

@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     if args.firsts is not None and not args.tp:
-        print("kvxfer bench: --firsts applies to --tp only", file=sys.stderr)
+        print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.tp:

@@ -53,7 +53,9 @@ class TPRunner:
     ) -> None:
         self.reps, self.timeout_s = reps, timeout_s
         self.max_reps = max(reps, max_reps if max_reps is not None else reps)
-        self.firsts = max(1, firsts)
+        if firsts < 1:
+            raise ValueError(f"firsts={firsts}: must be 1 or more")
+        self.firsts = firsts
         self._children = Children(timeout_s)
         self._rid = itertools.count()
 
