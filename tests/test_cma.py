@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvxfer.tools import cma
@@ -16,7 +18,46 @@ def test_measure_copies_real_bytes_both_ways_against_a_child(huge: bool) -> None
     assert rates.read_gbps > 0 and rates.write_gbps > 0
     assert rates.write_over_read > 0
     assert (rates.nbytes, rates.segment, rates.huge_pages) == (8 << 20, 1 << 20, huge)
+    assert rates.far_huge_pages is huge  # the child's buffer asks as this one does
     assert rates.thp == cma.thp_mode() and rates.thp in ("always", "madvise", "never")
+
+
+@pytest.mark.parametrize(("here", "far"), [(True, False), (False, True)])
+def test_each_side_gets_the_pages_it_asked_for(here: bool, far: bool) -> None:
+    rates = cma.measure(nbytes=8 << 20, reps=1, huge_pages=here, far_huge_pages=far)
+    assert isinstance(rates, cma.CmaRates), rates
+    assert (rates.huge_pages, rates.far_huge_pages) == (here, far)
+    # MADV_NOHUGEPAGE is a refusal the kernel always honours; a huge-page ask is
+    # granted where the THP mode and free memory allow, and the share says how much.
+    small_share = rates.far_huge_share if here else rates.huge_share
+    huge_share = rates.huge_share if here else rates.far_huge_share
+    assert small_share == 0.0
+    assert 0.0 <= huge_share <= 1.0
+    if cma.thp_mode() == "never":
+        assert huge_share == 0.0
+
+
+def test_huge_share_says_unknown_for_what_proc_does_not_show() -> None:
+    assert cma.huge_share(2**22 + 12345, 4096, 4096) == -1.0  # no such process
+    assert cma.huge_share(os.getpid(), 8, 4096) == -1.0  # nothing is mapped at 8
+
+
+def test_by_side_measures_every_pairing_of_page_kinds_and_tabulates_them() -> None:
+    rows = cma.by_side(nbytes=4 << 20)
+    assert [(r["here"], r["far"]) for r in rows] == [
+        ("huge", "huge"),
+        ("huge", "small"),
+        ("small", "huge"),
+        ("small", "small"),
+    ]
+    for r in rows:
+        assert "error" not in r, r
+        assert (r["huge_pages"], r["far_huge_pages"]) == (r["here"] == "huge", r["far"] == "huge")
+    lines = cma.side_table(rows).splitlines()
+    assert len(lines) == 5 and lines[0].startswith("this side")
+    assert lines[2].startswith("huge pages   4 KiB pages")
+    failed = cma.side_table([{"here": "small", "far": "huge", "error": "refused"}])
+    assert failed.splitlines()[1].endswith("not measured: refused")
 
 
 def test_both_page_sizes_as_json_and_one_line() -> None:

@@ -7,11 +7,17 @@ process against how fast it reads out of one is therefore the most a push can re
 against a pull there, whatever posts it. :func:`measure` takes that ratio in one run,
 paired per rep, against a child process holding the far buffer.
 
-The page size matters: on a 2-vCPU AMD VM (kernel 6.18) the kernel read transparent
-huge pages at 16 GB/s and wrote them at 12 (0.77), but on 4 KiB pages read 6 and wrote
-7 (1.1). NumPy asks for huge pages for large arrays (kvxfer's test caches, the bench
-and the demo); torch's CPU allocator does not unless ``THP_MEM_ALLOC_ENABLE=1``; the
-kernel grants them where ``/sys/kernel/mm/transparent_hugepage/enabled`` allows.
+The page size matters, and mostly the far side's: the kernel pins the other process's
+pages as it copies, and pins a huge page's worth of them at once. On a 2-vCPU AMD VM
+(kernel 6.18) it read transparent huge pages at 16 GB/s and wrote them at 12 (0.77),
+but on 4 KiB pages read 6 and wrote 7 (1.1); with only the far buffer on huge pages
+it read and wrote about as fast as with both (:func:`by_side`). So on one host a pull
+runs at the producer's page kind and a push at the consumer's. NumPy asks for huge
+pages for large arrays (kvxfer's test caches, the bench and the demo); torch's CPU
+allocator does not unless ``THP_MEM_ALLOC_ENABLE=1``; the kernel grants them where
+``/sys/kernel/mm/transparent_hugepage/enabled`` allows.
+
+``python -m kvxfer.tools.cma`` prints the four combinations of page kinds.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "PAGE_NAMES",
     "CmaRates",
     "by_page_size",
+    "by_side",
     "describe",
     "measure",
     "numpy_pages",
@@ -70,10 +77,19 @@ class CmaRates:
     write_over_read: float
     nbytes: int
     segment: int
-    #: Both buffers asked the kernel for transparent huge pages (else refused them).
+    #: This process's buffer asked the kernel for transparent huge pages (else
+    #: refused them).
     huge_pages: bool
     #: The kernel's THP mode (``always``, ``madvise``, ``never``; '' if unknown).
     thp: str
+    #: The child's (far) buffer asked for transparent huge pages: the pages a READ
+    #: copies out of and a WRITE copies into, which the kernel pins as it goes.
+    far_huge_pages: bool
+    #: Share of this buffer the kernel backed with huge pages (``AnonHugePages``;
+    #: -1.0 where ``/proc`` does not say): what was granted, not asked.
+    huge_share: float = -1.0
+    #: The same for the child's buffer.
+    far_huge_share: float = -1.0
 
 
 def thp_mode() -> str:
@@ -92,11 +108,14 @@ def measure(
     reps: int = 5,
     huge_pages: bool = True,
     timeout_s: float = 30.0,
+    far_huge_pages: bool | None = None,
 ) -> CmaRates | str:
     """Copy ``nbytes`` into and out of a child process in ``segment``-byte iovecs.
 
-    ``huge_pages``: both buffers ask for transparent huge pages (``MADV_HUGEPAGE``), as
-    NumPy does for large arrays; ``False`` refuses them (``MADV_NOHUGEPAGE``).
+    ``huge_pages``: this process's buffer asks for transparent huge pages
+    (``MADV_HUGEPAGE``), as NumPy does for large arrays; ``False`` refuses them
+    (``MADV_NOHUGEPAGE``). ``far_huge_pages``: the same for the child's buffer (default:
+    as ``huge_pages``).
 
     Returns the rates, or why they could not be taken (not Linux, no
     ``process_vm_readv``, the kernel refused: ptrace rules, seccomp). Each rep reads,
@@ -110,6 +129,7 @@ def measure(
         )
     if not sys.platform.startswith("linux"):
         return f"process_vm_readv is Linux-only (platform {sys.platform})"
+    far_huge = huge_pages if far_huge_pages is None else far_huge_pages
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     calls = []
     for name in ("process_vm_readv", "process_vm_writev"):
@@ -133,7 +153,7 @@ def measure(
     here = ctypes.c_char.from_buffer(mine)
     base = ctypes.addressof(here)
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(nbytes), "1" if huge_pages else "0"],
+        [sys.executable, "-c", _CHILD, str(nbytes), "1" if far_huge else "0"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -143,7 +163,8 @@ def measure(
         line = child.stdout.readline().strip()
         if not line:
             return f"the child process exited ({child.wait(timeout_s)}) before its buffer was up"
-        batches = _iovecs(base, int(line), nbytes, segment)  # built once, off the clock
+        far = int(line)
+        batches = _iovecs(base, far, nbytes, segment)  # built once, off the clock
         times: list[list[float]] = [[], []]
         for _ in range(reps):
             for k, fn in enumerate(calls):
@@ -155,6 +176,7 @@ def measure(
             # A read that reported success must have brought the child's bytes.
             if ctypes.string_at(base, 1) + ctypes.string_at(base + nbytes - 1, 1) != b"ZZ":
                 return "process_vm_readv reported success but the bytes did not arrive"
+        shares = (huge_share(os.getpid(), base, nbytes), huge_share(child.pid, far, nbytes))
     finally:
         del here  # the map's only export: it can close now
         mine.close()
@@ -174,7 +196,29 @@ def measure(
         segment=segment,
         huge_pages=huge_pages,
         thp=thp_mode(),
+        far_huge_pages=far_huge,
+        huge_share=shares[0],
+        far_huge_share=shares[1],
     )
+
+
+def huge_share(pid: int, addr: int, nbytes: int) -> float:
+    """Share of the ``nbytes`` mapped at ``addr`` in process ``pid`` that the kernel
+    backs with transparent huge pages (``AnonHugePages`` of that mapping in
+    ``/proc/<pid>/smaps``), or -1.0 where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
+                if "-" in head and not head.endswith(":"):
+                    lo, _, hi = head.partition("-")
+                    inside = int(lo, 16) <= addr < int(hi, 16)
+                elif inside and head == "AnonHugePages:":
+                    return min(1.0, int(line.split()[1]) * 1024 / nbytes)
+    except (OSError, ValueError):
+        pass
+    return -1.0
 
 
 def numpy_pages() -> str:
@@ -201,6 +245,47 @@ def by_page_size(nbytes: int = 128 << 20) -> dict[str, Any]:
         rates = measure(nbytes=nbytes, huge_pages=huge)
         out[key] = {"error": rates} if isinstance(rates, str) else dataclasses.asdict(rates)
     return out
+
+
+def by_side(nbytes: int = 128 << 20) -> list[dict[str, Any]]:
+    """:func:`measure` for each pairing of page kinds, this process's (``here``, the
+    reader or writer) and the child's (``far``, whose pages the kernel pins), as plain
+    JSON rows: ``{"here": kind, "far": kind, **rates}`` or ``{..., "error": why}``."""
+    rows: list[dict[str, Any]] = []
+    for here in (True, False):
+        for far in (True, False):
+            rates = measure(nbytes=nbytes, huge_pages=here, far_huge_pages=far)
+            row: dict[str, Any] = {"here": _kind(here), "far": _kind(far)}
+            row.update({"error": rates} if isinstance(rates, str) else dataclasses.asdict(rates))
+            rows.append(row)
+    return rows
+
+
+def side_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`by_side`'s rows as a text table, with what the kernel granted."""
+    out = [
+        f"{'this side':<12} {'far side':<12} {'read GB/s':>9} {'write GB/s':>10} "
+        f"{'write/read':>10}  huge-page share here / far"
+    ]
+    for r in rows:
+        head = f"{PAGE_NAMES[r['here']]:<12} {PAGE_NAMES[r['far']]:<12}"
+        if "error" in r:
+            out.append(f"{head} not measured: {r['error']}")
+            continue
+        out.append(
+            f"{head} {r['read_gbps']:>9.1f} {r['write_gbps']:>10.1f} "
+            f"{r['write_over_read']:>10.2f}  {_share(r['huge_share'])} / "
+            f"{_share(r['far_huge_share'])}"
+        )
+    return "\n".join(out)
+
+
+def _kind(huge: bool) -> str:
+    return "huge" if huge else "small"
+
+
+def _share(share: float) -> str:
+    return "?" if share < 0 else f"{share:.2f}"
 
 
 def describe(rates: dict[str, Any]) -> str:
@@ -244,5 +329,12 @@ def _copy(fn: Callable[..., int], pid: int, batches: list[_Batch]) -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick look from a shell
-    print(measure(huge_pages=True))
-    print(measure(huge_pages=False))
+    print(
+        f"process_vm_readv (read) and process_vm_writev (write) of 128 MiB against a "
+        f"child process, THP mode {thp_mode() or '?'}:"
+    )
+    print(side_table(by_side()))
+    print(
+        "A pull's consumer reads the producer's pages and a push's producer writes the "
+        "consumer's: the far side's page kind is the one that counts."
+    )
