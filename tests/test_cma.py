@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 import pytest
 
+from kvxfer.io import pages
 from kvxfer.tools import cma
 
 pytestmark = pytest.mark.proc
@@ -37,9 +40,39 @@ def test_each_side_gets_the_pages_it_asked_for(here: bool, far: bool) -> None:
         assert huge_share == 0.0
 
 
-def test_huge_share_says_unknown_for_what_proc_does_not_show() -> None:
-    assert cma.huge_share(2**22 + 12345, 4096, 4096) == -1.0  # no such process
-    assert cma.huge_share(os.getpid(), 8, 4096) == -1.0  # nothing is mapped at 8
+def test_huge_page_share_reads_what_the_kernel_granted_per_mapping() -> None:
+    n = 8 << 20
+    huge = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+    small = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+    huge.madvise(mmap.MADV_HUGEPAGE)
+    small.madvise(mmap.MADV_NOHUGEPAGE)
+    huge.write(b"h" * n)
+    small.write(b"s" * n)
+    h = ctypes.c_char.from_buffer(huge)
+    s = ctypes.c_char.from_buffer(small)
+    try:
+        at_h, at_s = ctypes.addressof(h), ctypes.addressof(s)
+        assert pages.huge_page_share([(at_s, at_s + n)]) == 0.0
+        share = pages.huge_page_share([(at_h, at_h + n)])
+        assert 0.0 <= share <= 1.0
+        if pages.thp_mode() == "never":
+            assert share == 0.0
+        # Both: each range credited with its own mapping's share, weighted by its bytes.
+        both = pages.huge_page_share([(at_s, at_s + n), (at_h, at_h + n // 2)])
+        assert both == pytest.approx(share / 3)
+        # The same for another process's maps, read by pid.
+        assert pages.huge_page_share([(at_s, at_s + n)], os.getpid()) == 0.0
+    finally:
+        del h, s
+        huge.close()
+        small.close()
+
+
+def test_huge_page_share_says_unknown_for_what_proc_does_not_show() -> None:
+    assert pages.huge_page_share([(4096, 8192)], 2**22 + 12345) == -1.0  # no such process
+    assert pages.huge_page_share([(8, 4096)]) == -1.0  # nothing is mapped there
+    assert pages.huge_page_share([]) == -1.0
+    assert pages.huge_page_share([(4096, 4096)]) == -1.0  # empty ranges say nothing
 
 
 def test_by_side_measures_every_pairing_of_page_kinds_and_tabulates_them() -> None:

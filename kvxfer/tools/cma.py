@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvxfer.io.pages import huge_page_share, thp_mode
+
 __all__ = [
     "PAGE_NAMES",
     "CmaRates",
@@ -55,7 +57,6 @@ m.write(b"Z" * len(m))
 print(ctypes.addressof(ctypes.c_char.from_buffer(m)), flush=True)
 sys.stdin.read()
 """
-_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 #: The page kinds :func:`by_page_size` measures, as reports name them.
 PAGE_NAMES = {"huge": "huge pages", "small": "4 KiB pages"}
 
@@ -90,16 +91,6 @@ class CmaRates:
     huge_share: float = -1.0
     #: The same for the child's buffer.
     far_huge_share: float = -1.0
-
-
-def thp_mode() -> str:
-    """The kernel's transparent huge page mode, '' where it does not say."""
-    try:
-        with open(_THP) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
 
 
 def measure(
@@ -176,7 +167,10 @@ def measure(
             # A read that reported success must have brought the child's bytes.
             if ctypes.string_at(base, 1) + ctypes.string_at(base + nbytes - 1, 1) != b"ZZ":
                 return "process_vm_readv reported success but the bytes did not arrive"
-        shares = (huge_share(os.getpid(), base, nbytes), huge_share(child.pid, far, nbytes))
+        shares = (
+            huge_page_share([(base, base + nbytes)]),
+            huge_page_share([(far, far + nbytes)], child.pid),
+        )
     finally:
         del here  # the map's only export: it can close now
         mine.close()
@@ -200,25 +194,6 @@ def measure(
         huge_share=shares[0],
         far_huge_share=shares[1],
     )
-
-
-def huge_share(pid: int, addr: int, nbytes: int) -> float:
-    """Share of the ``nbytes`` mapped at ``addr`` in process ``pid`` that the kernel
-    backs with transparent huge pages (``AnonHugePages`` of that mapping in
-    ``/proc/<pid>/smaps``), or -1.0 where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split(maxsplit=1)[0] if line.strip() else ""
-                if "-" in head and not head.endswith(":"):
-                    lo, _, hi = head.partition("-")
-                    inside = int(lo, 16) <= addr < int(hi, 16)
-                elif inside and head == "AnonHugePages:":
-                    return min(1.0, int(line.split()[1]) * 1024 / nbytes)
-    except (OSError, ValueError):
-        pass
-    return -1.0
 
 
 def numpy_pages() -> str:
