@@ -5,7 +5,6 @@ cleanly with exact invalid blocks (issue 18)."""
 
 from __future__ import annotations
 
-import random
 import time
 
 import msgspec
@@ -13,6 +12,7 @@ import pytest
 
 from kvxfer.core import wire
 from tests.agent_proc import AgentProc, ProcSpec
+from tests.tp_ranks import free_base_port
 
 pytestmark = pytest.mark.proc
 
@@ -22,7 +22,7 @@ KV_HEADS = 2
 
 def _producers(size: int) -> list[AgentProc]:
     for _ in range(10):
-        base = random.randrange(20000, 60000)
+        base = free_base_port(size)
         procs: list[AgentProc] = []
         try:
             for r in range(size):

@@ -8,7 +8,6 @@ it resolves to is connected, those it gains later too, those it loses are forgot
 from __future__ import annotations
 
 import logging
-import random
 import socket
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from kvxfer.adapters.vllm.ahead import ConnectAhead, resolve_addresses
 from kvxfer.adapters.vllm.kv_transfer_config import PeerAddress
 from kvxfer.core.heads import HeadLayout
 from kvxfer.types import Direction, Role
-from tests.tp_ranks import Rank, consumers, make_rank
+from tests.tp_ranks import Rank, consumers, free_base_port, make_rank
 from tests.tp_ranks import closing as closing  # the fixture, by name
 
 HEADS = 4
@@ -38,7 +37,7 @@ def test_a_decode_rank_connects_to_a_prefill_group_that_starts_later(
     monkeypatch.setattr(ahead, "FIRST_RETRY_S", 0.05)
     (decode,) = _decode(1)
     closing.append(decode)
-    base = random.randrange(20000, 60000)
+    base = free_base_port(2)
     peer = PeerAddress(host="127.0.0.1", port=base, tp_size=2, engine_id="prefill")
     connecting = ConnectAhead(decode.agent, [peer])
     connecting.start()
@@ -73,7 +72,7 @@ def test_it_stops_when_the_worker_closes(
     monkeypatch.setattr(ahead, "FIRST_RETRY_S", 0.05)
     (decode,) = _decode(1)
     closing.append(decode)
-    nobody = PeerAddress(host="127.0.0.1", port=random.randrange(20000, 60000))
+    nobody = PeerAddress(host="127.0.0.1", port=free_base_port())
     connecting = ConnectAhead(decode.agent, [nobody])
     connecting.start()
     time.sleep(0.2)
@@ -137,8 +136,8 @@ def test_a_name_connects_each_instance_it_resolves_to_as_they_come_and_go(
 ) -> None:
     (decode,) = _decode(1)
     closing.append(decode)
-    port = random.randrange(20000, 60000)
     a, b = "127.0.0.1", "127.0.0.2"
+    port = free_base_port(hosts=(a, b))
     closing.append(_prefill_tp1(port, a))
     pods = [a]  # what the headless Service's name resolves to now
     asked: list[tuple[str, int]] = []
@@ -183,7 +182,7 @@ def test_a_name_that_resolves_to_nothing_yet_is_resolved_again(
 ) -> None:
     (decode,) = _decode(1)
     closing.append(decode)
-    port = random.randrange(20000, 60000)
+    port = free_base_port()
     closing.append(_prefill_tp1(port, "127.0.0.1"))
     tries: list[int] = []
 
@@ -218,7 +217,7 @@ def test_an_address_also_listed_by_itself_stays_when_the_name_loses_it(
 ) -> None:
     (decode,) = _decode(1)
     closing.append(decode)
-    port = random.randrange(20000, 60000)
+    port = free_base_port()
     closing.append(_prefill_tp1(port, "127.0.0.1"))
     pods = ["127.0.0.1"]
     listed = PeerAddress(host="127.0.0.1", port=port)

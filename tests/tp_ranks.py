@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -25,6 +26,30 @@ from kvxfer.types import Direction, Role
 
 NUM_BLOCKS = 12
 _names = itertools.count()
+#: Linux's default ephemeral ports start here: an outgoing connection anywhere on the
+#: host may take any port from it up, at any time (a side channel bound to a random
+#: port below 60000 once found it taken in CI).
+_EPHEMERAL = 32768
+
+
+def free_base_port(span: int = 1, hosts: Sequence[str] = ("127.0.0.1",)) -> int:
+    """A base port whose ``span`` ports all bind on every host in ``hosts`` right now,
+    below the ephemeral range, so that only another listener can take one first."""
+    for _ in range(50):
+        base = random.randrange(20000, _EPHEMERAL - span)
+        socks: list[socket.socket] = []
+        try:
+            for host in hosts:
+                for port in range(base, base + span):
+                    socks.append(socket.socket())
+                    socks[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {span} free consecutive port(s) on {list(hosts)}")
 
 
 class Rank:
@@ -105,7 +130,7 @@ def producers(
     with ``role`` and ``engine_id``, any group of ranks serving so (a decode group's
     ranks: ``seed=None`` leaves their caches empty)."""
     for _ in range(20):
-        base = random.randrange(20000, 60000)
+        base = free_base_port(heads.tp_size)
         ranks = [
             make_rank(
                 engine_id,
