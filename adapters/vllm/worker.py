@@ -39,9 +39,8 @@ from kvxfer.adapters.vllm.params import across_tp, pairing_error, release_ticket
 from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
 from kvxfer.agent import Agent
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions
-from kvxfer.core.layout import Group, GroupKind, KVLayout, MemKind
+from kvxfer.core.layout import Group, GroupKind, KVLayout
 from kvxfer.errors import RegistrationError
-from kvxfer.io.pages import huge_page_share, thp_mode
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 
@@ -51,7 +50,6 @@ __all__ = [
     "Interior",
     "WorkerSide",
     "describe_kv_caches",
-    "page_hint",
     "token_major_groups",
     "unique_tensors",
 ]
@@ -75,32 +73,6 @@ _STAGED_KEEP = 4096
 #: when a load settles) turns the loop into a sleep; the cap bounds how long a request
 #: arriving meanwhile waits for the engine to look at it.
 IDLE_WAIT_S = 0.02
-
-
-def page_hint(layout: KVLayout) -> str | None:
-    """What to change when a host-memory KV cache sits mostly on 4 KiB pages, else None.
-
-    A peer process on this host (UCX over CMA) copies out of or into another process's
-    4 KiB pages 2-2.5x slower than its huge pages, the kernel pinning each page as it
-    goes (docs/VLLM_ADAPTER_NOTES.md, section 6); torch's CPU allocator asks for huge
-    pages only with ``THP_MEM_ALLOC_ENABLE=1``. Device memory, or memory ``/proc`` says
-    nothing about, gets no hint.
-    """
-    if not layout.regions or any(r.mem is not MemKind.DRAM for r in layout.regions):
-        return None
-    share = huge_page_share((r.base, r.end) for r in layout.regions)
-    if not 0.0 <= share < 0.5:
-        return None
-    mode = thp_mode()
-    fix = (
-        "the kernel's transparent huge pages are off (mode 'never'); enable 'madvise'"
-        if mode == "never"
-        else "start vLLM with THP_MEM_ALLOC_ENABLE=1"
-    )
-    return (
-        f"the KV cache is {share:.0%} on huge pages: a peer on this host copies its 4 KiB "
-        f"pages 2-2.5x slower (process_vm_readv/writev); {fix}"
-    )
 
 
 def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
@@ -223,9 +195,6 @@ class WorkerSide:
         )
         DescriptorTable.build(layout, options)
         log.info("kvxfer: KV layout %s", layout.summary())
-        hint = page_hint(layout)
-        if hint:
-            log.info("kvxfer: %s", hint)
         tensors = unique_tensors(kv_caches)
         return cls(
             config,
@@ -348,6 +317,8 @@ class WorkerSide:
             # The ticket's blocks are already cut to the local ones (remote_ticket);
             # cached_blocks says which token positions they hold.
             start = agent.expect_push if self.config.direction is Direction.PUSH else agent.pull
+            # Before the call: a pull over UCX on one host copies inside it (CMA).
+            timeline.mark("d_load", load.request_id)
             transfer = start(
                 ticket,
                 load.local_blocks,
@@ -361,7 +332,6 @@ class WorkerSide:
         self._inflight[load.request_id] = transfer
         if self._consumer:
             transfer.add_done_callback(self._on_landed)
-        timeline.mark("d_load", load.request_id)
 
     def _fail_load(self, request_id: str, local_blocks: Groups, why: str) -> None:
         self._failed_recving.add(request_id)

@@ -2,10 +2,11 @@
 
 Between two processes on one host UCX copies with ``process_vm_readv``/``writev``,
 which pin the other process's pages as they go; on huge pages that runs 2-2.5x as
-fast as on 4 KiB ones (docs/PERFORMANCE.md, push against pull). An engine's KV cache
-gets huge pages only where its allocator asks for them (NumPy does for large arrays;
-torch's CPU allocator only with ``THP_MEM_ALLOC_ENABLE=1``) and the kernel's mode
-allows. These read what was granted, from ``/proc``, for reports and start-up hints.
+fast as on 4 KiB ones (docs/PERFORMANCE.md, push against pull). Memory gets huge
+pages only where its allocator asks for them (NumPy does for large arrays; torch's CPU
+allocator only with ``THP_MEM_ALLOC_ENABLE=1``) and the kernel's mode allows. These
+read what was granted, from ``/proc`` (:mod:`kvxfer.tools.cma` reports it beside its
+rates; an embedder can check its own registered memory).
 """
 
 from __future__ import annotations

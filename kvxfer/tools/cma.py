@@ -12,9 +12,11 @@ pages as it copies, and pins a huge page's worth of them at once. On a 2-vCPU AM
 (kernel 6.18) it read transparent huge pages at 16 GB/s and wrote them at 12 (0.77),
 but on 4 KiB pages read 6 and wrote 7 (1.1); with only the far buffer on huge pages
 it read and wrote about as fast as with both (:func:`by_side`). So on one host a pull
-runs at the producer's page kind and a push at the consumer's. NumPy asks for huge
-pages for large arrays (kvxfer's test caches, the bench and the demo); torch's CPU
-allocator does not unless ``THP_MEM_ALLOC_ENABLE=1``; the kernel grants them where
+runs at the page kind of the producer's registered memory and a push at the
+consumer's (the engine's blocks where a backend registers them, host bounce's staging
+buffers otherwise). NumPy asks for huge pages for large arrays (kvxfer's test caches,
+the bench, the demo, host bounce's staging); torch's CPU allocator does not unless
+``THP_MEM_ALLOC_ENABLE=1``; the kernel grants them where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` allows.
 
 ``python -m kvxfer.tools.cma`` prints the four combinations of page kinds.
