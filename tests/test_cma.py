@@ -57,9 +57,11 @@ def test_huge_page_share_reads_what_the_kernel_granted_per_mapping() -> None:
         assert 0.0 <= share <= 1.0
         if pages.thp_mode() == "never":
             assert share == 0.0
-        # Both: each range credited with its own mapping's share, weighted by its bytes.
+        # Both: each range credited with its own mapping's share, weighted by its bytes
+        # (read between two reads of the huge one: khugepaged may change it meanwhile).
         both = pages.huge_page_share([(at_s, at_s + n), (at_h, at_h + n // 2)])
-        assert both == pytest.approx(share / 3)
+        after = pages.huge_page_share([(at_h, at_h + n)])
+        assert min(share, after) / 3 - 1e-9 <= both <= max(share, after) / 3 + 1e-9
         # The same for another process's maps, read by pid.
         assert pages.huge_page_share([(at_s, at_s + n)], os.getpid()) == 0.0
     finally:
