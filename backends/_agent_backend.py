@@ -155,9 +155,9 @@ class AgentBackend(Backend):
         self._guard_slots = 0
         self._landing: object | None = None
         self._landing_free: deque[int] = deque()
-        self._peer_guards: dict[PeerHandle, object] = {}
-        # Peers that announced a sink word: its row in their prepared guard list.
-        self._peer_sinks: dict[PeerHandle, int] = {}
+        # Per peer: its prepared guard list, and the row of its sink word in that list
+        # (None: it announced none).
+        self._peer_guards: dict[PeerHandle, tuple[object, int | None]] = {}
         self._guard_reads: dict[XferHandle, int] = {}  # handle -> landing word
         self._failed: dict[XferHandle, str] = {}  # what NIXL said of a failed transfer
         # atexit holds only a weak reference: a backend dropped early is closed by GC.
@@ -282,12 +282,10 @@ class AgentBackend(Backend):
             )
             with map_nixl_errors(NixlCall.PEER, f"preparing the guard table of peer {peer}"):
                 old = self._peer_guards.pop(peer, None)
-                self._peer_sinks.pop(peer, None)
                 if old is not None:
-                    agent.release_descs(old)
-                self._peer_guards[peer] = agent.prep_descs(peer, MemKind.DRAM, descs)
-                if guard.sink is not None:
-                    self._peer_sinks[peer] = guard.slots
+                    agent.release_descs(old[0])
+                sink_row = None if guard.sink is None else guard.slots
+                self._peer_guards[peer] = (agent.prep_descs(peer, MemKind.DRAM, descs), sink_row)
 
     def post_guard_read(
         self, peer: PeerHandle, slot: int, notification: bytes = b"", *, copies: int = 1
@@ -296,9 +294,10 @@ class AgentBackend(Backend):
             raise BackendError(f"guard read copies={copies}: must be at least 1")
         with self._lock:
             agent = self._live()
-            remote = self._peer_guards.get(peer)
-            if remote is None or self._landing is None or self._words is None:
+            prepared = self._peer_guards.get(peer)
+            if prepared is None or self._landing is None or self._words is None:
                 raise PeerError(f"no guard table of peer {peer!r}")
+            remote = prepared[0]
             if not self._landing_free:
                 raise BackendError(f"{LANDING_WORDS} guard reads in flight already")
             word = self._landing_free.popleft()
@@ -319,8 +318,7 @@ class AgentBackend(Backend):
             raise BackendError(f"sink write copies={copies}: must be at least 1")
         with self._lock:
             agent = self._live()
-            remote = self._peer_guards.get(peer)
-            row = self._peer_sinks.get(peer)
+            remote, row = self._peer_guards.get(peer, (None, None))
             if remote is None or row is None or self._landing is None:
                 raise PeerError(f"peer {peer!r} announced no sink word")
             # Our own sink word (the landing list's last row) into theirs.
@@ -414,12 +412,11 @@ class AgentBackend(Backend):
                 # connection, and status()/cancel() must keep saying whether its bytes
                 # can still land (R-SAFE-5) until it ends.
             guard = self._peer_guards.pop(peer, None)
-            self._peer_sinks.pop(peer, None)
             if guard is not None:
                 self._quietly(
                     NixlCall.RELEASE,
                     f"releasing the guard table of peer {peer}",
-                    partial(agent.release_descs, guard),
+                    partial(agent.release_descs, guard[0]),
                     logging.WARNING,
                 )
             self._quietly(

@@ -152,9 +152,10 @@ class _Xfer:
 @dataclasses.dataclass
 class _GuardRead:
     peer: str
-    slot: int  # -1: a write of our sink word into the peer's
+    slot: int
     notification: bytes
     faults: Faults
+    sink: bool = False  # a write of our sink word into the peer's (``slot`` unused)
     polls: int = 0
     state: XferStatus = XferStatus.PENDING
     word: int | None = None
@@ -559,7 +560,11 @@ class FakeBackend(Backend):
                 raise BackendError("fake fabric: post refused (injected fault)")
             handle = XferHandle(next(self._ids))
             self._guard_reads[handle] = _GuardRead(
-                peer=peer, slot=-1, notification=b"", faults=msgspec.structs.replace(self.faults)
+                peer=peer,
+                slot=0,
+                notification=b"",
+                faults=msgspec.structs.replace(self.faults),
+                sink=True,
             )
             return handle
 
@@ -591,7 +596,7 @@ class FakeBackend(Backend):
         if table is None or guard.base != int(table.ctypes.data) or guard.slots != len(table):
             read.state = XferStatus.FAILED
             return read.state
-        if read.slot < 0:  # a sink write: into the word the owner announced
+        if read.sink:  # into the word the owner announced
             if guard.sink != int(owner._sink.ctypes.data):
                 read.state = XferStatus.FAILED
                 return read.state
