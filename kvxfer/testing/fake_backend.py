@@ -535,16 +535,7 @@ class FakeBackend(Backend):
                 raise PeerError(f"fake fabric: no guard table of peer {peer!r}")
             if not 0 <= slot < guard.slots:
                 raise BackendError(f"guard slot {slot} out of range [0, {guard.slots})")
-            if self.faults.fail_post:
-                raise BackendError("fake fabric: post refused (injected fault)")
-            handle = XferHandle(next(self._ids))
-            self._guard_reads[handle] = _GuardRead(
-                peer=peer,
-                slot=slot,
-                notification=bytes(notification),
-                faults=msgspec.structs.replace(self.faults),
-            )
-            return handle
+            return self._post_word(peer, slot, bytes(notification), sink=False)
 
     def post_sink_write(self, peer: PeerHandle, *, copies: int = 1) -> XferHandle:
         """Post a WRITE of our sink word into the peer's; it lands when :meth:`status`
@@ -556,17 +547,24 @@ class FakeBackend(Backend):
             guard = self._peer_guards.get(peer)
             if guard is None or guard.sink is None or self._live(peer) is None:
                 raise PeerError(f"fake fabric: peer {peer!r} announced no sink word")
-            if self.faults.fail_post:
-                raise BackendError("fake fabric: post refused (injected fault)")
-            handle = XferHandle(next(self._ids))
-            self._guard_reads[handle] = _GuardRead(
-                peer=peer,
-                slot=0,
-                notification=b"",
-                faults=msgspec.structs.replace(self.faults),
-                sink=True,
-            )
-            return handle
+            return self._post_word(peer, 0, b"", sink=True)
+
+    def _post_word(
+        self, peer: PeerHandle, slot: int, notification: bytes, *, sink: bool
+    ) -> XferHandle:
+        """Record a guard read of ``slot`` (or, with ``sink``, a sink write), under the
+        fabric lock; it moves when :meth:`status` is asked."""
+        if self.faults.fail_post:
+            raise BackendError("fake fabric: post refused (injected fault)")
+        handle = XferHandle(next(self._ids))
+        self._guard_reads[handle] = _GuardRead(
+            peer=peer,
+            slot=slot,
+            notification=notification,
+            faults=msgspec.structs.replace(self.faults),
+            sink=sink,
+        )
+        return handle
 
     def guard_word(self, handle: XferHandle) -> int:
         """The word a completed :meth:`post_guard_read` read.
