@@ -41,16 +41,20 @@ from kvxfer.core.wire import GuardTable
 from kvxfer.errors import BackendError, KvxferError, PeerError, RegistrationError
 
 if TYPE_CHECKING:
+    from kvxfer.core.block_lists import ChainLists
     from kvxfer.core.descriptors import DescriptorTable
     from kvxfer.core.layout import KVLayout
 
-__all__ = ["LANDING_WORDS", "AgentBackend", "merged_intervals"]
+__all__ = ["LANDING_WORDS", "MAX_CHAIN_LISTS", "AgentBackend", "merged_intervals"]
 
 log = logging.getLogger("kvxfer.backends")
 
 #: Guard-word reads that can be in flight at once (each lands in its own word).
 LANDING_WORDS = 1024
 _WORD = 8
+#: Chain lists prepared per peer, at most (one per planner of a pull across TP sizes:
+#: one per replica choice, eight at most, unless planners are evicted and rebuilt).
+MAX_CHAIN_LISTS = 32
 
 
 def merged_intervals(
@@ -143,6 +147,10 @@ class AgentBackend(Backend):
         # into far fewer runs than NIXL merges on its own go as per-request run lists.
         self._local_rows: _Rows | None = None
         self._peer_rows: dict[PeerHandle, _Rows] = {}
+        # Chain lists prepared per peer (prepare_lists), by id with the object itself
+        # (held, so that its id is never reused while the entry lives).
+        self._chain_lists: dict[PeerHandle, dict[int, tuple[ChainLists, object, object]]] = {}
+        self.lists_posted = 0  # posts of chain-list rows (stats, tests)
         self.runs_posted = 0  # posts sent as per-request run lists (stats, tests)
         self._xfers: dict[XferHandle, tuple[object, PeerHandle]] = {}
         self._ids = itertools.count(1)
@@ -396,6 +404,7 @@ class AgentBackend(Backend):
         with self._lock:
             prepared = self._peers.pop(peer, None)
             self._peer_rows.pop(peer, None)
+            chains = self._chain_lists.pop(peer, {})
             agent = self._agent
             if prepared is None or agent is None:
                 return
@@ -419,6 +428,14 @@ class AgentBackend(Backend):
                     partial(agent.release_descs, guard[0]),
                     logging.WARNING,
                 )
+            for _, local, remote in chains.values():
+                for lists in (local, remote):
+                    self._quietly(
+                        NixlCall.RELEASE,
+                        f"releasing chain lists of peer {peer}",
+                        partial(agent.release_descs, lists),
+                        logging.WARNING,
+                    )
             self._quietly(
                 NixlCall.RELEASE,
                 f"releasing the descriptors of peer {peer}",
@@ -426,6 +443,54 @@ class AgentBackend(Backend):
                 logging.WARNING,
             )
             self._disconnect(agent, peer)
+
+    # -- chain lists (kvxfer.core.block_lists) ---------------------------------------------
+    def prepare_lists(self, peer: PeerHandle, lists: ChainLists) -> bool:
+        with self._lock:
+            agent = self._live()
+            if peer not in self._peers:
+                raise PeerError(f"unknown or removed peer {peer!r}")
+            held = self._chain_lists.setdefault(peer, {})
+            entry = held.get(id(lists))
+            if entry is not None and entry[0] is lists:
+                return True
+            if len(held) >= MAX_CHAIN_LISTS:
+                # Never released while the peer lives (a transfer may still use them):
+                # past the cap, requests post ids as before.
+                return False
+            with map_nixl_errors(NixlCall.PEER, f"preparing chain lists of peer {peer}"):
+                local = agent.prep_descs(None, lists.local_mem, lists.local)
+                try:
+                    remote = agent.prep_descs(peer, lists.remote_mem, lists.remote)
+                except BaseException:
+                    agent.release_descs(local)
+                    raise
+            held[id(lists)] = (lists, local, remote)
+            return True
+
+    def post_lists(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        lists: ChainLists,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        with self._lock:
+            agent = self._live()
+            entry = self._chain_lists.get(peer, {}).get(id(lists))
+            if entry is None or entry[0] is not lists:
+                raise BackendError(f"chain lists not prepared with peer {peer!r}")
+            try:
+                xfer = agent.post(op, entry[1], local_rows, entry[2], remote_rows, notification)
+            except KvxferError:
+                raise
+            except Exception as exc:
+                what = f"{self._description}: {op.value} of chain rows to {peer}"
+                raise nixl_error(exc, NixlCall.POST, what) from exc
+            self.lists_posted += 1
+            return self._track(xfer, peer)
 
     # -- transfers ------------------------------------------------------------------
     def post(
@@ -459,9 +524,13 @@ class AgentBackend(Backend):
             except Exception as exc:
                 what = f"{self._description}: {op.value} to {peer}"
                 raise nixl_error(exc, NixlCall.POST, what) from exc
-            handle = XferHandle(next(self._ids))
-            self._xfers[handle] = (xfer, peer)
-            return handle
+            return self._track(xfer, peer)
+
+    def _track(self, xfer: object, peer: PeerHandle) -> XferHandle:
+        """The handle of a transfer just posted to ``peer`` (under the lock)."""
+        handle = XferHandle(next(self._ids))
+        self._xfers[handle] = (xfer, peer)
+        return handle
 
     def _runs(
         self,

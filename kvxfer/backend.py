@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
+    from kvxfer.core.block_lists import ChainLists
     from kvxfer.core.descriptors import DescriptorTable
     from kvxfer.core.layout import KVLayout, MemKind
     from kvxfer.core.wire import GuardTable
@@ -201,6 +202,29 @@ class Backend(ABC):
         memory directly inherit this (it is :meth:`post`); staging backends overlap
         their local copy with the transfer here."""
         return self.post(op, peer, local_ids, remote_ids, notification)
+
+    def prepare_lists(self, peer: PeerHandle, lists: ChainLists) -> bool:
+        """Prepare both sides of ``lists`` (:mod:`kvxfer.core.block_lists`) with
+        ``peer`` for :meth:`post_lists`, once: they stay prepared until the peer is
+        removed. False where this backend posts no such lists (the default: a staging
+        backend copies per block id) or holds as many as it keeps for ``peer``; the
+        caller then posts ids as before."""
+        return False
+
+    def post_lists(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        lists: ChainLists,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        """Post rows of ``lists``, prepared with :meth:`prepare_lists`, paired by
+        position: as :meth:`post_engine` (a READ is DONE once its bytes are in the
+        engine's blocks). Raises :class:`~kvxfer.errors.BackendError` where the lists
+        are not prepared with ``peer``."""
+        raise BackendError(f"{type(self).__name__} posts no chain lists")
 
     @abstractmethod
     def status(self, handle: XferHandle) -> XferStatus:

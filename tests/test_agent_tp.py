@@ -51,16 +51,22 @@ def _hold(producers: list[Rank], rid: str, block_ids: list[int], tokens: int) ->
 
 
 PAIRS = [(4, 1, 2), (4, 2, 1), (4, 4, 2), (4, 2, 4), (2, 1, 4), (2, 4, 1), (1, 2, 1)]
+#: Pairs where a decode rank reads two heads or more from one producer rank, which
+#: abut on both sides: each rank's part posts rows of chain lists (core.block_lists).
+CHAINED = {(4, 1, 2), (4, 2, 1)}
 
 
+@pytest.mark.parametrize("lists", [True, False], ids=["chain-lists", "ids"])
 @pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"), PAIRS)
 def test_pull_across_tp_sizes_moves_every_head_exactly(
-    closing: list[Rank], kv_heads: int, p_tp: int, d_tp: int
+    closing: list[Rank], kv_heads: int, p_tp: int, d_tp: int, lists: bool
 ) -> None:
     p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
     d_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=d_tp)
     producers, consumers = _producers(p_heads), _consumers(d_heads)
     closing += producers + consumers
+    for c in consumers:
+        c.backend.chain_lists = lists
     remote, local, tokens = [3, 7, 1, 9], [10, 2, 5, 4], 3 * 4 + 2
     ticket = _hold(producers, "req-a", remote, tokens)
     assert ticket.tp_size == p_tp
@@ -70,6 +76,7 @@ def test_pull_across_tp_sizes_moves_every_head_exactly(
         assert t.state is TransferState.DONE
     for c in consumers:
         assert c.cache.mismatches(local, remote, SEED) == []
+        assert (c.backend.lists_posted > 0) == (lists and (kv_heads, p_tp, d_tp) in CHAINED)
         # untouched blocks stay empty
         assert not any(buf[[0, 6, 11]].any() for buf in c.cache.buffers.values())
     salt = zlib.crc32(b"req-a")
@@ -273,21 +280,25 @@ def test_a_pull_across_tp_sizes_tells_no_rank_done_while_another_rank_posts(
         consumer.agent.connect(*p.agent.address, p.agent.config.engine_id)
     posts: list[Any] = []
     held_during: list[list[bool]] = []
-    real_post = consumer.backend.post_engine
 
     def holding() -> list[bool]:
         return ["req-late" in p.agent.holding() for p in producers]
 
-    def post(*args: Any, **kwargs: Any) -> Any:
-        if posts:  # the second rank's read: a DONE told early has a second to arrive
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline and all(holding()):
-                time.sleep(0.01)
-            held_during.append(holding())
-        posts.append(args[0])
-        return real_post(*args, **kwargs)
+    def held(real: Any) -> Any:
+        def post(*args: Any, **kwargs: Any) -> Any:
+            if posts:  # the second rank's read: a DONE told early has a second to arrive
+                deadline = time.monotonic() + 1.0
+                while time.monotonic() < deadline and all(holding()):
+                    time.sleep(0.01)
+                held_during.append(holding())
+            posts.append(args[0])
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(consumer.backend, "post_engine", post)
+        return post
+
+    # Rows of chain lists (kvxfer.core.block_lists) where the ranks' heads chain, ids else.
+    for name in ("post_engine", "post_lists"):
+        monkeypatch.setattr(consumer.backend, name, held(getattr(consumer.backend, name)))
     remote, local = [1, 2], [3, 4]
     t = consumer.agent.pull(_hold(producers, "req-late", remote, 8), local)
     t.wait(5)

@@ -36,6 +36,7 @@ from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
 from kvxfer.core import wire
+from kvxfer.core.block_lists import ChainLists, ChainPlan
 from kvxfer.core.blocks import Pairing
 from kvxfer.core.descriptors import Plan, plan_pairing
 from kvxfer.errors import KvxferError, PeerError, TransferError, TransferTimeout
@@ -180,7 +181,7 @@ class Runtime:
         transfer: Transfer,
         op: XferOp,
         peer: Peer,
-        work: Pairing | Plan,
+        work: Pairing | Plan | ChainPlan,
         notification: bytes | Callable[[int], bytes],
     ) -> None:
         """Plan and post one transfer. Called without the agent lock: with UCX over CMA
@@ -190,7 +191,8 @@ class Runtime:
         ``work`` is the request's checked block ids (:func:`kvxfer.core.blocks.pair`),
         planned here against ``peer``'s table, or a plan made already (one producer
         rank's part of a request across TP sizes, :mod:`kvxfer._agent.tp_pull`): its ids
-        index the local and ``peer`` tables."""
+        index the local and ``peer`` tables, or, for a :class:`ChainPlan`, the rows of
+        chain lists prepared with ``peer`` (:meth:`prepare_lists`)."""
         table, _ = self._local.require_registered()
         meta = transfer.meta
         with self._lock:
@@ -207,7 +209,11 @@ class Runtime:
             return
         t0 = time.perf_counter()
         try:
-            plan = work if isinstance(work, Plan) else plan_pairing(table, peer.table, work)
+            plan = (
+                work
+                if isinstance(work, Plan | ChainPlan)
+                else plan_pairing(table, peer.table, work)
+            )
         except KvxferError as exc:
             meta.posting = False
             self.fail(transfer, FailureKind.POST, exc)
@@ -220,9 +226,14 @@ class Runtime:
         transfer.stats.descriptors = plan.num_descriptors
         notif = notification(plan.nbytes) if callable(notification) else notification
         try:
-            handle = self._backend.post_engine(
-                op, peer.handle, plan.local_ids, plan.remote_ids, notif
-            )
+            if isinstance(plan, ChainPlan):
+                handle = self._backend.post_lists(
+                    op, peer.handle, plan.lists, plan.local_ids, plan.remote_ids, notif
+                )
+            else:
+                handle = self._backend.post_engine(
+                    op, peer.handle, plan.local_ids, plan.remote_ids, notif
+                )
         except KvxferError as exc:
             meta.posting = False
             self._peers.mark_suspect(peer)
@@ -251,6 +262,16 @@ class Runtime:
             self._guards.landed(transfer)
             return
         self._loop.in_flight()  # wakes the progress thread from a longer nap
+
+    def prepare_lists(self, peer: Peer, lists: ChainLists) -> bool:
+        """Prepare chain lists with ``peer`` for :class:`ChainPlan` posts; False where
+        the backend cannot (the caller plans ids then). A refusal of the transport is
+        logged, not raised: posting ids still works."""
+        try:
+            return self._backend.prepare_lists(peer.handle, lists)
+        except KvxferError as exc:
+            log.info("chain lists not prepared with %r: %s", peer, exc)
+            return False
 
     def arm_guard(
         self,

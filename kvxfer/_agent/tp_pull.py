@@ -44,6 +44,7 @@ from kvxfer._agent.tp_producers import ProducerGroup, rank_ticket
 from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
+from kvxfer.core.block_lists import ChainPlan
 from kvxfer.core.blocks import Pairing
 from kvxfer.core.heads import (
     HeadLayout,
@@ -51,7 +52,7 @@ from kvxfer.core.heads import (
     heads_per_region,
     source_choices,
 )
-from kvxfer.core.tp_plan import TPPlanner
+from kvxfer.core.tp_plan import RankPlan, TPPlanner
 from kvxfer.errors import (
     KvxferError,
     TransferError,
@@ -97,7 +98,9 @@ class TPPuller:
         self._io = io
         self._group = group
         self._lock = lock
-        self._planners: dict[tuple[object, ...], TPPlanner] = {}
+        # Per set of peers and replica choice: its planner, and the producer ranks
+        # whose chain lists the backend prepared (posted as ChainPlans).
+        self._planners: dict[tuple[object, ...], tuple[TPPlanner, frozenset[int]]] = {}
 
     def _tp(self) -> TPRank:
         return self._group.tp()
@@ -238,18 +241,19 @@ class TPPuller:
 
     def _planner(
         self, producer: HeadLayout, sources: dict[int, int], peers: dict[int, Peer], salt: int
-    ) -> TPPlanner:
+    ) -> tuple[TPPlanner, frozenset[int]]:
         """The planner of pulls reading ``sources`` from ``peers`` (cached: built once
-        per set of peers and replica choice, which ``salt`` made)."""
+        per set of peers and replica choice, which ``salt`` made), and the ranks whose
+        chain lists are prepared with their peer (:mod:`kvxfer.core.block_lists`)."""
         key = (
             producer,
             tuple(sorted(sources.items())),
             tuple((p, id(peers[p]), peers[p].incarnation) for p in sorted(peers)),
         )
         with self._lock:
-            planner = self._planners.get(key)
-        if planner is not None:
-            return planner
+            cached = self._planners.get(key)
+        if cached is not None:
+            return cached
         tp = self._tp()
         # The producer ranks' tables were cut at their handshakes to what this rank
         # posts at (kvxfer._agent.peers); ours is the whole table or its one-head section.
@@ -266,11 +270,19 @@ class TPPuller:
             salt=salt,
             local_offset=offset,
         )
+        # Each request then posts each rank's rows of already merged runs instead of
+        # cutting its runs again (issue 27). Prepared here, once per planner.
+        listed = frozenset(
+            p
+            for p in planner.ranks
+            if (lists := planner.chain_lists(p)) is not None
+            and self._runtime.prepare_lists(peers[p], lists)
+        )
         with self._lock:
             if len(self._planners) >= _MAX_PLANNERS:
                 self._planners.pop(next(iter(self._planners)))
-            self._planners[key] = planner
-        return planner
+            self._planners[key] = (planner, listed)
+        return planner, listed
 
     def _start(self, job: _Job, peers: dict[int, Peer]) -> None:
         fanout = job.fanout
@@ -279,8 +291,8 @@ class TPPuller:
             return
         try:
             salt = zlib.crc32(job.ticket.request_id.encode())
-            planner = self._planner(job.producer, job.sources, peers, salt)
-            plans = planner.plan(job.pairing.local, job.pairing.remote, job.pairing.num_tokens)
+            planner, listed = self._planner(job.producer, job.sources, peers, salt)
+            plans = _plans(planner, listed, job.pairing)
         except KvxferError as exc:
             self._fail_all(fanout, FailureKind.POST, exc)
             return
@@ -347,6 +359,39 @@ class TPPuller:
                 capability=job.ticket.capability,
             )
         )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ListedPlan:
+    """One producer rank's part of a request as rows of its prepared chain lists."""
+
+    rank: int
+    plan: ChainPlan
+
+
+def _plans(
+    planner: TPPlanner, listed: frozenset[int], pairing: Pairing
+) -> tuple[RankPlan | _ListedPlan, ...]:
+    """Each rank's part of ``pairing``: rows of its chain lists when they are prepared
+    (a broadcast per group), else the planner's plan."""
+    if listed and listed == frozenset(planner.ranks):
+        out: list[RankPlan | _ListedPlan] = []
+        for p in planner.ranks:
+            lists = planner.chain_lists(p)
+            assert lists is not None  # listed
+            out.append(
+                _ListedPlan(p, lists.plan(pairing.local, pairing.remote, pairing.num_tokens))
+            )
+        return tuple(out)
+    plans = planner.plan(pairing.local, pairing.remote, pairing.num_tokens)
+    if not listed:
+        return plans
+    return tuple(
+        _ListedPlan(rp.rank, lists.plan(pairing.local, pairing.remote, pairing.num_tokens))
+        if rp.rank in listed and (lists := planner.chain_lists(rp.rank)) is not None
+        else rp
+        for rp in plans
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -28,6 +28,7 @@ from collections.abc import Collection, Mapping
 import msgspec
 import numpy as np
 
+from kvxfer.core.block_lists import ChainLists
 from kvxfer.core.blocks import BlockIds, IntArray
 from kvxfer.core.descriptors import DescriptorTable, Plan, Runs, build_plan
 from kvxfer.core.heads import (
@@ -158,6 +159,8 @@ class TPPlanner:
     ranks: tuple[int, ...]
     _tables: tuple[_RankTables, ...]
     _offsets: tuple[int, int] = (0, 0)
+    # Chain lists by rank, built on first use (kvxfer.core.block_lists).
+    _chains: dict[int, ChainLists | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(
@@ -259,6 +262,21 @@ class TPPlanner:
             _tables=tuple(tables),
             _offsets=(local_offset, remote_offset),
         )
+
+    def chain_lists(self, rank: int) -> ChainLists | None:
+        """Producer rank ``rank``'s :class:`~kvxfer.core.block_lists.ChainLists` over
+        this planner's sub-tables (built on the first call), or None where they would
+        not post as few units as the runs of every request.
+
+        Raises:
+            ConfigError: ``rank`` is not planned here.
+        """
+        if rank not in self._chains:
+            tables = next((t for t in self._tables if t.rank == rank), None)
+            if tables is None:
+                raise ConfigError("rank", rank, f"not one of the planned ranks {list(self.ranks)}")
+            self._chains[rank] = ChainLists.build(tables.local, tables.remote)
+        return self._chains[rank]
 
     def plan(
         self, local_blocks: BlockIds, remote_blocks: BlockIds, num_tokens: int

@@ -43,7 +43,7 @@ import itertools
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import msgspec
 import numpy as np
@@ -63,6 +63,7 @@ from kvxfer.core.wire import GuardTable
 from kvxfer.errors import BackendError, PeerError, RegistrationError
 
 if TYPE_CHECKING:
+    from kvxfer.core.block_lists import ChainLists
     from kvxfer.core.descriptors import DescriptorTable
     from kvxfer.core.layout import KVLayout
 
@@ -147,6 +148,14 @@ class _Xfer:
     polls: int = 0
     state: XferStatus = XferStatus.PENDING
     bytes_moved: int = 0
+    lists: ChainLists | None = None  # rows of these chain lists, not table ids
+
+
+class _Rows(NamedTuple):
+    """What a move reads of one side: a table's descriptors or a chain list's rows."""
+
+    addr: UIntArray
+    length: UIntArray
 
 
 @dataclasses.dataclass
@@ -214,10 +223,13 @@ class FakeBackend(Backend):
         stages_through_host: Report host staging (default False); stage calls are
             recorded in :attr:`staged` either way.
         faults: Initial faults (default none).
+        chain_lists: Post chain lists (:meth:`prepare_lists`) as the NIXL backends do
+            (default True); False answers False, as a staging backend does.
 
     Attributes:
         faults: The faults in force; assign a new :class:`Faults` at any time.
         staged: ``("out" | "in", block ids per group)`` for every stage call, in order.
+        lists_posted: posts of chain-list rows.
     """
 
     name: ClassVar[str] = "fake"
@@ -229,8 +241,12 @@ class FakeBackend(Backend):
         device_to_device: bool | None = None,
         stages_through_host: bool | None = None,
         faults: Faults | None = None,
+        chain_lists: bool = True,
     ) -> None:
         self._options = options
+        self.chain_lists = chain_lists
+        self.lists_posted = 0
+        self._lists: dict[PeerHandle, dict[int, ChainLists]] = {}
         self._caps = Capabilities(
             name=self.name,
             mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}),
@@ -354,6 +370,7 @@ class FakeBackend(Backend):
     def remove_peer(self, peer: PeerHandle) -> None:
         with _LOCK:
             self._peer_guards.pop(peer, None)
+            self._lists.pop(peer, None)
             if self._peers.pop(peer, None) is None:
                 return
             for xfer in self._xfers.values():
@@ -392,18 +409,68 @@ class FakeBackend(Backend):
                     f"descriptor pair {i}: local length {int(llen[i])} != remote length "
                     f"{int(rlen[i])}"
                 )
+            return self._queue(op, peer, lids, rids, notification, None)
+
+    def prepare_lists(self, peer: PeerHandle, lists: ChainLists) -> bool:
+        with _LOCK:
+            self._require_open()
+            if not self.chain_lists:
+                return False
+            if peer not in self._peers or self._live(peer) is None:
+                raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
             if self.faults.fail_post:
-                raise BackendError("fake fabric: post refused (injected fault)")
-            handle = XferHandle(next(self._ids))
-            self._xfers[handle] = _Xfer(
-                op=op,
-                peer=peer,
-                local_ids=lids,
-                remote_ids=rids,
-                notification=bytes(notification),
-                faults=msgspec.structs.replace(self.faults),
-            )
+                raise BackendError("fake fabric: lists refused (injected fault)")
+            self._lists.setdefault(peer, {})[id(lists)] = lists
+            return True
+
+    def post_lists(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        lists: ChainLists,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notification: bytes = b"",
+    ) -> XferHandle:
+        with _LOCK:
+            self._require_open()
+            if self._live(peer) is None or peer not in self._peers:
+                raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
+            if self._lists.get(peer, {}).get(id(lists)) is not lists:
+                raise BackendError(f"chain lists not prepared with peer {peer!r}")
+            lids = self._ids_of(local_rows, len(lists.local), "local")
+            rids = self._ids_of(remote_rows, len(lists.remote), "remote")
+            if len(lids) != len(rids) or not np.array_equal(
+                lists.local[lids, 1], lists.remote[rids, 1]
+            ):
+                raise BackendError("chain rows must pair by position with equal lengths")
+            handle = self._queue(op, peer, lids, rids, notification, lists)
+            self.lists_posted += 1
             return handle
+
+    def _queue(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        lids: IntArray,
+        rids: IntArray,
+        notification: bytes,
+        lists: ChainLists | None,
+    ) -> XferHandle:
+        """A checked post's transfer, moved when polled (under the lock)."""
+        if self.faults.fail_post:
+            raise BackendError("fake fabric: post refused (injected fault)")
+        handle = XferHandle(next(self._ids))
+        self._xfers[handle] = _Xfer(
+            op=op,
+            peer=peer,
+            local_ids=lids,
+            remote_ids=rids,
+            notification=bytes(notification),
+            faults=msgspec.structs.replace(self.faults),
+            lists=lists,
+        )
+        return handle
 
     @staticmethod
     def _ids_of(ids: npt.NDArray[np.int64], size: int, side: str) -> IntArray:
@@ -437,12 +504,19 @@ class FakeBackend(Backend):
             xfer.polls += 1
             if xfer.polls <= xfer.faults.complete_after_polls:
                 return xfer.state
-            state = self._move(xfer, self._table, known.table)
+            if xfer.lists is None:
+                local = _Rows(self._table.addr, self._table.length)
+                remote = _Rows(known.table.addr, known.table.length)
+            else:
+                rows = xfer.lists
+                local = _Rows(rows.local[:, 0], rows.local[:, 1])
+                remote = _Rows(rows.remote[:, 0], rows.remote[:, 1])
+            state = self._move(xfer, local, remote)
             if state is XferStatus.DONE and xfer.notification:
                 self._deliver(peer, xfer.notification, xfer.faults)
             return state
 
-    def _move(self, xfer: _Xfer, local: DescriptorTable, remote: DescriptorTable) -> XferStatus:
+    def _move(self, xfer: _Xfer, local: _Rows, remote: _Rows) -> XferStatus:
         la, ra = local.addr[xfer.local_ids], remote.addr[xfer.remote_ids]
         length = local.length[xfer.local_ids]
         src, dst = (ra, la) if xfer.op is XferOp.READ else (la, ra)

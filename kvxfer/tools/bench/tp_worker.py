@@ -344,8 +344,20 @@ class TPRankProc:
                 local.device[lid],
                 remote.device[rid],
             )
-            posted += posted_units(joined, lid, rid)[0]
             nixl_units += transport_units(joined, lid, rid)
+            lists = self.planner.chain_lists(rp.rank)
+            if lists is None:
+                posted += posted_units(joined, lid, rid)[0]
+                continue
+            # The agent posts rows of its chain lists (kvxfer.core.block_lists): NIXL
+            # merges consecutive rows that continue on both sides.
+            cp = lists.plan((self.blocks_mine,), (self.blocks_theirs,), rp.plan.num_tokens)
+            rows = joins(
+                lists.local[cp.local_ids, 0],
+                lists.remote[cp.remote_ids, 0],
+                lists.local[cp.local_ids, 1],
+            )
+            posted += transport_units(rows, cp.local_ids, cp.remote_ids)
         return posted, nixl_units
 
     def cmd_memcpy(self, nbytes: int) -> float:
