@@ -35,8 +35,9 @@ PROPERTY_TESTS := tests/test_descriptor_properties.py tests/test_descriptor_erro
 properties: env
 	HYPOTHESIS_PROFILE=properties $(PY) -m pytest -p no:cacheprovider -q $(PROPERTY_TESTS)
 
-# Mutation testing of descriptors, _selection, blocks, layout, compat, wire with mutmut:
-# long (tens of minutes), so not part of `make test`. Score and survivors: docs/TESTING.md.
+# Mutation testing of descriptors, _selection, merging, block_lists, blocks, layout, compat
+# and wire with mutmut: long (tens of minutes), so not part of `make test`. Score and
+# survivors: docs/TESTING.md.
 mutation: env
 	KVXFER_VENV=$(VENV) bash scripts/mutation.sh
 

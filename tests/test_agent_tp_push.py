@@ -65,17 +65,23 @@ def _freed(producers: list[Rank], rid: str, timeout: float = 5.0) -> dict[int, b
 
 
 PAIRS = [(4, 1, 2), (4, 2, 1), (4, 2, 4), (4, 4, 2), (2, 1, 2), (2, 2, 1), (1, 2, 1)]
+#: Pairs where a producer rank writes two heads or more into one consumer rank, which
+#: abut on both sides: its writes post rows of chain lists (core.block_lists).
+CHAINED = {(4, 1, 2), (4, 2, 1)}
 
 
+@pytest.mark.parametrize("lists", [True, False], ids=["chain-lists", "ids"])
 @pytest.mark.parametrize("register_first", [True, False], ids=["register-first", "hold-first"])
 @pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"), PAIRS)
 def test_push_across_tp_sizes_writes_every_head_exactly(
-    closing: list[Rank], kv_heads: int, p_tp: int, d_tp: int, register_first: bool
+    closing: list[Rank], kv_heads: int, p_tp: int, d_tp: int, register_first: bool, lists: bool
 ) -> None:
     p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
     d_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=d_tp)
     producers, consumers = _producers(p_heads), _consumers(d_heads)
     closing += producers + consumers
+    for p in producers:
+        p.backend.chain_lists = lists
     remote, local, tokens = [3, 7, 1, 9], [10, 2, 5, 4], 3 * 4 + 2
     cap = wire.new_capability()  # the router's token, given to every rank of both sides
     ticket = _ticket(producers, "req-p", tokens, cap)
@@ -93,6 +99,8 @@ def test_push_across_tp_sizes_writes_every_head_exactly(
     for c in consumers:
         assert c.cache.mismatches(local, remote, SEED) == []
         assert not any(buf[[0, 6, 11]].any() for buf in c.cache.buffers.values())
+    chained = lists and (kv_heads, p_tp, d_tp) in CHAINED
+    assert all((p.backend.lists_posted > 0) == chained for p in producers)
     assert all(_freed(producers, "req-p").values())
     # Each consumer rank's transfer counts the bytes of its own heads once.
     whole = sum(t.stats.bytes for t in transfers)

@@ -105,7 +105,7 @@ class PushWriter:
         # elsewhere): a slow consumer's handshake never holds the other consumers'
         # writes queued behind it on the one writer thread.
         self._parked: dict[_Key, list[Write]] = {}
-        self._planner = WritePlanner(local, lock)
+        self._planner = WritePlanner(local, lock, runtime.prepare_lists)
         mode = self._config.push_post
         # A staging backend's post also copies the blocks out on the CPU first.
         stages = backend.capabilities.stages_through_host

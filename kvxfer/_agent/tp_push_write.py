@@ -15,12 +15,14 @@ import dataclasses
 import logging
 import threading
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
 from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import Peer
 from kvxfer.core import blocks, wire
+from kvxfer.core.block_lists import ChainLists, ChainPlan
 from kvxfer.core.descriptors import Plan
 from kvxfer.core.heads import TPRank, heads_per_region, source_choices, source_ranks
 from kvxfer.core.tp_plan import TPPlanner
@@ -42,12 +44,23 @@ class WritePlanner:
     Args:
         local: This rank's identity (``config.tp``) and registered memory.
         lock: The agent lock (guards the planner cache).
+        prepare_lists: Prepares chain lists with a consumer
+            (:meth:`Runtime.prepare_lists <kvxfer._agent.runtime.Runtime.prepare_lists>`);
+            False where the backend posts ids.
     """
 
-    def __init__(self, local: LocalEnd, lock: threading.RLock) -> None:
+    def __init__(
+        self,
+        local: LocalEnd,
+        lock: threading.RLock,
+        prepare_lists: Callable[[Peer, ChainLists], bool],
+    ) -> None:
         self._local = local
         self._lock = lock
-        self._planners: dict[tuple[object, ...], TPPlanner] = {}
+        self._prepare_lists = prepare_lists
+        # Per consumer, incarnation and replica choice: the planner, and this rank's
+        # chain lists into that consumer where the backend prepared them.
+        self._planners: dict[tuple[object, ...], tuple[TPPlanner, ChainLists | None]] = {}
 
     def prepare(self, peer: Peer) -> None:
         """The engine connected to ``peer`` ahead of its pushes (:meth:`Agent.connect
@@ -69,14 +82,15 @@ class WritePlanner:
 
     def _planner(
         self, peer: Peer, theirs: TPRank, mine: TPRank, sources: dict[int, int], salt: int
-    ) -> TPPlanner:
+    ) -> tuple[TPPlanner, ChainLists | None]:
         """The planner of this rank's writes of ``sources`` into ``peer`` (cached per
-        consumer, its incarnation and the replica choice ``salt`` made)."""
+        consumer, its incarnation and the replica choice ``salt`` made), and this
+        rank's chain lists into it when prepared (:mod:`kvxfer.core.block_lists`)."""
         key = (id(peer), peer.incarnation, tuple(sorted(sources.items())))
         with self._lock:
-            planner = self._planners.get(key)
-        if planner is not None:
-            return planner
+            cached = self._planners.get(key)
+        if cached is not None:
+            return cached
         # The consumer's table was cut at its handshake to what this rank posts
         # at (kvxfer._agent.peers); ours is the whole table or its one-head section.
         cut = heads_per_region(peer.table.layout, theirs.heads, theirs.rank)
@@ -91,11 +105,14 @@ class WritePlanner:
             only=(mine.rank,),
             remote_offset=offset,
         )
+        lists = planner.chain_lists(mine.rank, write=True)
+        if lists is not None and not self._prepare_lists(peer, lists):
+            lists = None
         with self._lock:
             if len(self._planners) >= _MAX_PLANNERS:
                 self._planners.pop(next(iter(self._planners)))
-            self._planners[key] = planner
-        return planner
+            self._planners[key] = (planner, lists)
+        return planner, lists
 
     def plan(
         self,
@@ -104,10 +121,10 @@ class WritePlanner:
         local: tuple[tuple[int, ...], ...],
         remote: tuple[tuple[int, ...], ...],
         tokens: int,
-    ) -> Plan | None:
+    ) -> Plan | ChainPlan | None:
         """The plan of one write of ``local`` into the consumer's ``remote`` blocks when
-        the consumer's TP size differs from ours; None when it does not (whole blocks,
-        the ordinary plan).
+        the consumer's TP size differs from ours (rows of this rank's chain lists where
+        prepared); None when it does not (whole blocks, the ordinary plan).
 
         Raises:
             ConfigError: the registration is for another producer rank, or asks for a
@@ -131,7 +148,9 @@ class WritePlanner:
             )
         salt = zlib.crc32(target.request_id.encode())
         sources = source_ranks(theirs.heads, theirs.rank, mine.heads, salt=salt)
-        planner = self._planner(peer, theirs, mine, sources, salt)
+        planner, lists = self._planner(peer, theirs, mine, sources, salt)
+        if lists is not None:
+            return lists.plan(blocks.from_wire(local), blocks.from_wire(remote), tokens)
         # Planned as the consumer rank would read from us; a WRITE swaps the sides.
         (part,) = planner.plan(blocks.from_wire(remote), blocks.from_wire(local), tokens)
         read = part.plan

@@ -159,8 +159,8 @@ class TPPlanner:
     ranks: tuple[int, ...]
     _tables: tuple[_RankTables, ...]
     _offsets: tuple[int, int] = (0, 0)
-    # Chain lists by rank, built on first use (kvxfer.core.block_lists).
-    _chains: dict[int, ChainLists | None] = dataclasses.field(default_factory=dict)
+    # Chain lists by rank and side, built on first use (kvxfer.core.block_lists).
+    _chains: dict[tuple[int, bool], ChainLists | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(
@@ -263,20 +263,24 @@ class TPPlanner:
             _offsets=(local_offset, remote_offset),
         )
 
-    def chain_lists(self, rank: int) -> ChainLists | None:
+    def chain_lists(self, rank: int, *, write: bool = False) -> ChainLists | None:
         """Producer rank ``rank``'s :class:`~kvxfer.core.block_lists.ChainLists` over
         this planner's sub-tables (built on the first call), or None where they would
-        not post as few units as the runs of every request.
+        not post as few units as the runs of every request. ``write``: the sides
+        swapped, for that producer rank writing into this consumer rank (a push), its
+        own sub-table local.
 
         Raises:
             ConfigError: ``rank`` is not planned here.
         """
-        if rank not in self._chains:
+        key = (rank, write)
+        if key not in self._chains:
             tables = next((t for t in self._tables if t.rank == rank), None)
             if tables is None:
                 raise ConfigError("rank", rank, f"not one of the planned ranks {list(self.ranks)}")
-            self._chains[rank] = ChainLists.build(tables.local, tables.remote)
-        return self._chains[rank]
+            mine, theirs = (tables.remote, tables.local) if write else (tables.local, tables.remote)
+            self._chains[key] = ChainLists.build(mine, theirs)
+        return self._chains[key]
 
     def plan(
         self, local_blocks: BlockIds, remote_blocks: BlockIds, num_tokens: int

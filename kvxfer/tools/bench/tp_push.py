@@ -101,7 +101,7 @@ class TPPushCommands:
                 for rp in plans
             ]
             proc.raw.xfer_many("WRITE", posts, tag, 300)
-        return {"t0": t0, **proc.counts(plans)}
+        return {"t0": t0, **proc.counts(plans, pushed=True)}
 
     def cmd_pushed(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Prefill rank of a push: wait until the request is freed (``release``: other

@@ -314,9 +314,12 @@ class TPRankProc:
             "bad": self.mismatches() if payload["verify"] else None,
         }
 
-    def counts(self, plans: Any) -> dict[str, Any]:
-        """Bytes, descriptors, units and runs of one request's rank plans."""
-        posted, nixl_units = self._units(plans)
+    def counts(self, plans: Any, *, pushed: bool = False) -> dict[str, Any]:
+        """Bytes, descriptors, units and runs of one request's rank plans (planned as
+        the decode rank reads; ``pushed``: this is a prefill rank, its blocks the
+        remote side of the plans)."""
+        mine, theirs = self.blocks_mine, self.blocks_theirs
+        posted, nixl_units = self._units(plans, *((theirs, mine) if pushed else (mine, theirs)))
         return {
             "bytes": sum(rp.plan.nbytes for rp in plans),
             "descriptors": sum(rp.plan.num_descriptors for rp in plans),
@@ -326,10 +329,12 @@ class TPRankProc:
             "runs": sum(len(rp.runs()) for rp in plans),
         }
 
-    def _units(self, plans: Any) -> tuple[int, int]:
-        """Transfer units of the plans as kvxfer's NIXL backend posts them (per-request
-        runs or prepared ids, :func:`kvxfer.core.merging.posted_units`), and as NIXL merges
-        the prepared ids alone."""
+    def _units(self, plans: Any, local_blocks: Any, remote_blocks: Any) -> tuple[int, int]:
+        """Transfer units of the plans as kvxfer's NIXL backend posts them (rows of chain
+        lists where the planner has them, :mod:`kvxfer.core.block_lists`; else per-request
+        runs or prepared ids, :func:`kvxfer.core.merging.posted_units`), and as NIXL
+        merges the prepared ids alone. ``local_blocks`` and ``remote_blocks`` are the
+        plans' sides' (the decode rank's, the prefill rank's)."""
         from kvxfer.core.merging import joins, posted_units, transport_units
 
         local = self.planner.local
@@ -351,7 +356,7 @@ class TPRankProc:
                 continue
             # The agent posts rows of its chain lists (kvxfer.core.block_lists): NIXL
             # merges consecutive rows that continue on both sides.
-            cp = lists.plan((self.blocks_mine,), (self.blocks_theirs,), rp.plan.num_tokens)
+            cp = lists.plan((local_blocks,), (remote_blocks,), rp.plan.num_tokens)
             rows = joins(
                 lists.local[cp.local_ids, 0],
                 lists.remote[cp.remote_ids, 0],
