@@ -10,6 +10,7 @@ continue, as NIXL merges prepared descriptors) must be the fewest runs of those 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -21,7 +22,7 @@ from kvxfer.core.block_lists import ChainLists, ChainPlan, pair_chains
 from kvxfer.core.blocks import block_groups
 from kvxfer.core.descriptors import DescriptorTable, Plan, PlanOptions, build_plan
 from kvxfer.core.heads import HeadLayout, heads_per_region, pairing_heads, split_heads
-from kvxfer.core.layout import KVLayout, KVPart, MemKind, Region
+from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region
 from kvxfer.core.merging import address_order, joins, run_starts, transport_units
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import PlanError
@@ -322,6 +323,13 @@ def test_pair_chains_need_both_sides_to_abut() -> None:
         [1],
         [2, 3],
     ]
+    # Chains are listed by their first region's local address, not its index.
+    assert pair_chains(
+        u(100, 110, 0, 10), remote, length, stride, stride, i(0, 0, 0, 0), i(0, 0, 0, 0)
+    ) == [
+        [2, 3],
+        [0, 1],
+    ]
     assert pair_chains(u(), u(), u(), u(), u(), i(), i()) == []
 
 
@@ -345,3 +353,88 @@ def test_a_plans_remote_ids_are_checked_against_the_remote_blocks() -> None:
         lists.plan((np.array([1, 2]),), (np.array([0, 4]),), 32)
     with pytest.raises(PlanError, match="repeat"):
         lists.plan((np.array([1, 2]),), (np.array([3, 3]),), 32)
+
+
+def _region_list(layout: KVLayout, **changes: Any) -> KVLayout:
+    """``layout`` with ``changes`` applied to its regions (a callable: per region)."""
+    regions = []
+    for i, r in enumerate(layout.regions):
+        fields = {k: (v(i, r) if callable(v) else v) for k, v in changes.items()}
+        regions.append(msgspec.structs.replace(r, **fields))
+    return msgspec.structs.replace(layout, regions=tuple(regions))
+
+
+def test_lists_need_one_memory_kind_one_stride_a_side_and_a_region_pair_to_merge() -> None:
+    per_head = _per_head(1 << 30, 4)
+    theirs = DescriptorTable.build(_per_head(1 << 34, 4))
+    assert ChainLists.build(DescriptorTable.build(per_head), theirs) is not None
+    # One region a side (a tensor holding all heads): nothing to merge.
+    whole = KVLayout(
+        block_size=16,
+        regions=(Region(base=1 << 30, num_blocks=4, stride=4096, block_len=4096),),
+        num_kv_heads=8,
+        kv_layout="HND",
+    )
+    far = _region_list(whole, base=1 << 34)
+    assert ChainLists.build(DescriptorTable.build(whole), DescriptorTable.build(far)) is None
+    # Device memory for some regions (both sides, as equal shapes have).
+    vram = _region_list(per_head, mem=lambda i, r: MemKind.VRAM if i >= 8 else MemKind.DRAM)
+    far_vram = _region_list(vram, base=lambda i, r: r.base + (1 << 34))
+    assert ChainLists.build(DescriptorTable.build(vram), DescriptorTable.build(far_vram)) is None
+    # One tensor of one side at twice the stride (its heads still chain).
+    wide = _region_list(per_head, stride=lambda i, r: r.stride * 2 if i < 8 else r.stride)
+    assert ChainLists.build(DescriptorTable.build(wide), theirs) is None
+    assert ChainLists.build(DescriptorTable.build(per_head), DescriptorTable.build(wide)) is None
+    # Another stride for the last region of either side.
+    last = len(per_head.regions) - 1
+    odd = _region_list(per_head, stride=lambda i, r: r.stride * 2 if i == last else r.stride)
+    assert ChainLists.build(DescriptorTable.build(odd), theirs) is None
+    assert ChainLists.build(DescriptorTable.build(per_head), DescriptorTable.build(odd)) is None
+
+
+def test_a_gap_other_than_whole_strides_never_lets_chains_continue() -> None:
+    """Tensors a block list and 64 bytes apart: no block of one can end where a block
+    of the next starts, so the lists are built (back to back they are not)."""
+    nb, stride = 4, 8 * 16 * 32
+    local = DescriptorTable.build(_per_head(1 << 30, nb, gap=nb * stride + 64))
+    remote = DescriptorTable.build(_per_head(1 << 34, nb, gap=nb * stride + 64))
+    lists = ChainLists.build(local, remote)
+    assert lists is not None
+    cp = lists.plan((np.array([3, 0]),), (np.array([3, 0]),), 32)
+    _check_rows_cover(cp, build_plan(local, remote, [3, 0], [3, 0], 32), local, remote)
+
+
+def test_rows_keep_every_address_bit_and_lists_stop_below_two_to_the_62() -> None:
+    """Addresses above 2**53 (where a float would round) stay exact; a table reaching
+    2**62 gets no lists (the continuation check subtracts addresses as int64)."""
+    nb, stride = 4, 8 * 16 * 32
+    high = (1 << 61) + 64 * 3
+    local = DescriptorTable.build(_per_head(high, nb))
+    remote = DescriptorTable.build(_per_head(high + (1 << 40), nb))
+    lists = ChainLists.build(local, remote)
+    assert lists is not None
+    assert lists.local.dtype == lists.remote.dtype == np.uint64
+    cp = lists.plan((np.array([1, 2]),), (np.array([2, 1]),), 32)
+    _check_rows_cover(cp, build_plan(local, remote, [1, 2], [2, 1], 32), local, remote)
+    assert int(lists.local[1, 0]) == high + stride
+    # The highest region (the last tensor's last head) reaches 2**62 over its blocks'
+    # strides: declined; 64 bytes lower: built.
+    top = (1 << 62) - nb * stride - 3 * (1 << 24) - 7 * 16 * 32
+    assert ChainLists.build(DescriptorTable.build(_per_head(top, nb)), remote) is None
+    assert ChainLists.build(DescriptorTable.build(_per_head(top - 64, nb)), remote) is not None
+    assert ChainLists.build(local, DescriptorTable.build(_per_head(top, nb))) is None
+
+
+def test_a_bad_remote_id_is_named_with_its_group() -> None:
+    per_head = _per_head(1 << 30, 4)
+    groups = (Group(kind=GroupKind.FULL), Group(kind=GroupKind.FULL))
+    regions = tuple(msgspec.structs.replace(r, group=int(r.layer == 1)) for r in per_head.regions)
+    mine = msgspec.structs.replace(per_head, regions=regions, groups=groups)
+    theirs = _region_list(mine, base=lambda i, r: r.base + (1 << 34))
+    lists = ChainLists.build(DescriptorTable.build(mine), DescriptorTable.build(theirs))
+    assert lists is not None and len(lists.groups) == 2
+    one = np.array([1, 2])
+    cp = lists.plan((one, one), (one, np.array([0, 3])), 32)
+    assert cp.rows == 8 and cp.num_descriptors == 64
+    with pytest.raises(PlanError, match=r"remote block_ids \(group 1\)\[1\]=4"):
+        lists.plan((one, one), (one, np.array([0, 4])), 32)

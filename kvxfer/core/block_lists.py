@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.core._selection import IntArray, Section
+from kvxfer.core._selection import IntArray
 from kvxfer.core.blocks import Groups, block_array
 from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.core.layout import MemKind
@@ -177,20 +177,16 @@ class ChainLists:
         another chain's block starts on both sides, which a request's runs would
         merge and the rows, listed chain by chain, would not.
         """
+        # Whole blocks only (no chunk or window section): the remote table, of the same
+        # shape and options, has none either.
         if local._key != remote._key or local._whole is None:
             return None
-        if any(c.section is not Section.WHOLE or c.window for c in local._cuts):
-            return None
         lreg, rreg = local.layout.regions, remote.layout.regions
-        if (
-            len(local) != len(lreg) * local.num_blocks
-            or len(remote) != len(rreg) * remote.num_blocks
-        ):
-            return None  # a chunk or window section: not whole blocks only
-        mems = {r.mem for r in lreg}, {r.mem for r in rreg}
+        # Equal keys: both sides' regions hold the same memory kinds, region by region.
+        mems = {r.mem for r in lreg}
         lstride = np.array([r.stride for r in lreg], dtype=np.uint64)
         rstride = np.array([r.stride for r in rreg], dtype=np.uint64)
-        if len(mems[0]) != 1 or len(mems[1]) != 1 or len(lreg) == 0:
+        if len(mems) != 1:
             return None
         if (lstride != lstride[0]).any() or (rstride != rstride[0]).any():
             return None
@@ -237,8 +233,8 @@ class ChainLists:
         return cls(
             local=_rows(lbase[head], size, int(lstride[0]), ldev[head], local.num_blocks),
             remote=_rows(rbase[head], size, int(rstride[0]), rdev[head], remote.num_blocks),
-            local_mem=mems[0].pop(),
-            remote_mem=mems[1].pop(),
+            local_mem=lreg[0].mem,
+            remote_mem=rreg[0].mem,
             local_blocks=local.num_blocks,
             remote_blocks=remote.num_blocks,
             groups=tuple(_readonly(g) for g in groups),
