@@ -447,26 +447,33 @@ class AgentBackend(Backend):
     # -- chain lists (kvxfer.core.block_lists) ---------------------------------------------
     def prepare_lists(self, peer: PeerHandle, lists: ChainLists) -> bool:
         with self._lock:
-            agent = self._live()
-            if peer not in self._peers:
-                raise PeerError(f"unknown or removed peer {peer!r}")
-            held = self._chain_lists.setdefault(peer, {})
-            entry = held.get(id(lists))
-            if entry is not None and entry[0] is lists:
-                return True
-            if len(held) >= MAX_CHAIN_LISTS:
-                # Never released while the peer lives (a transfer may still use them):
-                # past the cap, requests post ids as before.
-                return False
-            with map_nixl_errors(NixlCall.PEER, f"preparing chain lists of peer {peer}"):
-                local = agent.prep_descs(None, lists.local_mem, lists.local)
-                try:
-                    remote = agent.prep_descs(peer, lists.remote_mem, lists.remote)
-                except BaseException:
-                    agent.release_descs(local)
-                    raise
-            held[id(lists)] = (lists, local, remote)
-            return True
+            return self._prepared_lists(peer, lists) is not None
+
+    def _prepared_lists(
+        self, peer: PeerHandle, lists: ChainLists
+    ) -> tuple[ChainLists, object, object] | None:
+        """``lists`` prepared with ``peer`` (now, unless they were), or None past
+        :data:`MAX_CHAIN_LISTS` (under the lock)."""
+        agent = self._live()
+        if peer not in self._peers:
+            raise PeerError(f"unknown or removed peer {peer!r}")
+        held = self._chain_lists.setdefault(peer, {})
+        entry = held.get(id(lists))
+        if entry is not None and entry[0] is lists:
+            return entry
+        if len(held) >= MAX_CHAIN_LISTS:
+            # Never released while the peer lives (a transfer may still use them):
+            # past the cap, requests post ids as before.
+            return None
+        with map_nixl_errors(NixlCall.PEER, f"preparing chain lists of peer {peer}"):
+            local = agent.prep_descs(None, lists.local_mem, lists.local)
+            try:
+                remote = agent.prep_descs(peer, lists.remote_mem, lists.remote)
+            except BaseException:
+                agent.release_descs(local)
+                raise
+        held[id(lists)] = entry = (lists, local, remote)
+        return entry
 
     def post_lists(
         self,
@@ -479,9 +486,13 @@ class AgentBackend(Backend):
     ) -> XferHandle:
         with self._lock:
             agent = self._live()
-            entry = self._chain_lists.get(peer, {}).get(id(lists))
-            if entry is None or entry[0] is not lists:
-                raise BackendError(f"chain lists not prepared with peer {peer!r}")
+            # Prepared again here when the peer was removed and added since (a new
+            # connection to the same agent): its lists went with it.
+            entry = self._prepared_lists(peer, lists)
+            if entry is None:
+                raise BackendError(
+                    f"chain lists of peer {peer!r}: {MAX_CHAIN_LISTS} prepared already"
+                )
             try:
                 xfer = agent.post(op, entry[1], local_rows, entry[2], remote_rows, notification)
             except KvxferError:

@@ -220,10 +220,11 @@ class Backend(ABC):
         remote_rows: npt.NDArray[np.int64],
         notification: bytes = b"",
     ) -> XferHandle:
-        """Post rows of ``lists``, prepared with :meth:`prepare_lists`, paired by
-        position: as :meth:`post_engine` (a READ is DONE once its bytes are in the
-        engine's blocks). Raises :class:`~kvxfer.errors.BackendError` where the lists
-        are not prepared with ``peer``."""
+        """Post rows of ``lists`` paired by position, as :meth:`post_engine` (a READ is
+        DONE once its bytes are in the engine's blocks). Lists that :meth:`prepare_lists`
+        accepted once are prepared again here if the peer was removed and added since.
+        Raises :class:`~kvxfer.errors.BackendError` where this backend posts no lists
+        or holds as many as it keeps for ``peer``."""
         raise BackendError(f"{type(self).__name__} posts no chain lists")
 
     @abstractmethod

@@ -16,13 +16,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvxfer.backend import BackendOptions, XferOp, XferStatus
+from kvxfer.backend import BackendOptions, PeerHandle, XferOp, XferStatus
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.core.block_lists import ChainLists
 from kvxfer.core.descriptors import DescriptorTable, build_plan
 from kvxfer.core.heads import HeadLayout, split_heads
 from kvxfer.core.layout import KVLayout, KVPart, Region
-from kvxfer.errors import BackendError, PeerError
+from kvxfer.errors import PeerError
 
 HEADS = 4
 HEAD_BYTES = 256
@@ -123,7 +123,8 @@ def test_chain_lists_post_rows_and_move_exactly_the_planned_bytes(
 ) -> None:
     """Chain lists (kvxfer.core.block_lists) prepared once with the peer: a request posts
     one row per block (the four heads chained), and the bytes land where its plan says.
-    Lists built for another peer, or never prepared, are refused by name."""
+    A peer removed and added again (a new connection to the same agent) loses its lists;
+    the next post prepares them again. A removed peer is refused by name."""
     reader, holder = pair
     size = BLOCKS * HEADS * HEAD_BYTES
     src = np.random.default_rng(9).integers(0, 255, size, dtype=np.uint8)
@@ -134,23 +135,29 @@ def test_chain_lists_post_rows_and_move_exactly_the_planned_bytes(
     table, peer_table = DescriptorTable.build(mine), DescriptorTable.build(theirs)
     reader.prepare_local(table)
     holder.prepare_local(peer_table)
-    peer = reader.add_peer(holder.metadata(), peer_table)
     lists = ChainLists.build(table, peer_table)
     assert lists is not None and lists.chains == 1
     local, remote = [3, 4, 9], [70, 71, 2]
     cp = lists.plan((np.array(local),), (np.array(remote),), 16 * len(local))
     assert cp.rows == 3 and cp.num_descriptors == 12
-    with pytest.raises(BackendError, match="not prepared"):
-        reader.post_lists(XferOp.READ, peer, lists, cp.local_ids, cp.remote_ids)
+
+    def read(peer: PeerHandle) -> None:
+        dst[:] = 0
+        handle = reader.post_lists(XferOp.READ, peer, lists, cp.local_ids, cp.remote_ids)
+        for _ in range(100_000):
+            if reader.status(handle) is not XferStatus.PENDING:
+                break
+        assert reader.status(handle) is XferStatus.DONE
+        reader.release(handle)
+        assert np.array_equal(dst, _expected(src, local, remote))
+
+    peer = reader.add_peer(holder.metadata(), peer_table)
     assert reader.prepare_lists(peer, lists) and reader.prepare_lists(peer, lists)
-    handle = reader.post_lists(XferOp.READ, peer, lists, cp.local_ids, cp.remote_ids)
-    for _ in range(100_000):
-        if reader.status(handle) is not XferStatus.PENDING:
-            break
-    assert reader.status(handle) is XferStatus.DONE
-    reader.release(handle)
-    assert reader.lists_posted == 1 and reader.runs_posted == 0
-    assert np.array_equal(dst, _expected(src, local, remote))
+    read(peer)
     reader.remove_peer(peer)
     with pytest.raises(PeerError):
         reader.prepare_lists(peer, lists)
+    with pytest.raises(PeerError):
+        reader.post_lists(XferOp.READ, peer, lists, cp.local_ids, cp.remote_ids)
+    read(reader.add_peer(holder.metadata(), peer_table))
+    assert reader.lists_posted == 2 and reader.runs_posted == 0

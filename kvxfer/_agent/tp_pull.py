@@ -44,7 +44,7 @@ from kvxfer._agent.tp_producers import ProducerGroup, rank_ticket
 from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
-from kvxfer.core.block_lists import ChainPlan
+from kvxfer.core.block_lists import ChainLists, ChainPlan
 from kvxfer.core.blocks import Pairing
 from kvxfer.core.heads import (
     HeadLayout,
@@ -98,9 +98,9 @@ class TPPuller:
         self._io = io
         self._group = group
         self._lock = lock
-        # Per set of peers and replica choice: its planner, and the producer ranks
-        # whose chain lists the backend prepared (posted as ChainPlans).
-        self._planners: dict[tuple[object, ...], tuple[TPPlanner, frozenset[int]]] = {}
+        # Per set of peers and replica choice: its planner, and by producer rank the
+        # chain lists the backend prepared with that rank (posted as ChainPlans).
+        self._planners: dict[tuple[object, ...], tuple[TPPlanner, _Listed]] = {}
 
     def _tp(self) -> TPRank:
         return self._group.tp()
@@ -241,7 +241,7 @@ class TPPuller:
 
     def _planner(
         self, producer: HeadLayout, sources: dict[int, int], peers: dict[int, Peer], salt: int
-    ) -> tuple[TPPlanner, frozenset[int]]:
+    ) -> tuple[TPPlanner, _Listed]:
         """The planner of pulls reading ``sources`` from ``peers`` (cached: built once
         per set of peers and replica choice, which ``salt`` made), and the ranks whose
         chain lists are prepared with their peer (:mod:`kvxfer.core.block_lists`)."""
@@ -272,12 +272,12 @@ class TPPuller:
         )
         # Each request then posts each rank's rows of already merged runs instead of
         # cutting its runs again (issue 27). Prepared here, once per planner.
-        listed = frozenset(
-            p
+        listed = {
+            p: lists
             for p in planner.ranks
             if (lists := planner.chain_lists(p)) is not None
             and self._runtime.prepare_lists(peers[p], lists)
-        )
+        }
         with self._lock:
             if len(self._planners) >= _MAX_PLANNERS:
                 self._planners.pop(next(iter(self._planners)))
@@ -361,6 +361,10 @@ class TPPuller:
         )
 
 
+#: By producer rank, the chain lists prepared with it.
+_Listed = dict[int, ChainLists]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ListedPlan:
     """One producer rank's part of a request as rows of its prepared chain lists."""
@@ -370,27 +374,18 @@ class _ListedPlan:
 
 
 def _plans(
-    planner: TPPlanner, listed: frozenset[int], pairing: Pairing
+    planner: TPPlanner, listed: _Listed, pairing: Pairing
 ) -> tuple[RankPlan | _ListedPlan, ...]:
-    """Each rank's part of ``pairing``: rows of its chain lists when they are prepared
-    (a broadcast per group), else the planner's plan."""
-    if listed and listed == frozenset(planner.ranks):
-        out: list[RankPlan | _ListedPlan] = []
-        for p in planner.ranks:
-            lists = planner.chain_lists(p)
-            assert lists is not None  # listed
-            out.append(
-                _ListedPlan(p, lists.plan(pairing.local, pairing.remote, pairing.num_tokens))
-            )
-        return tuple(out)
-    plans = planner.plan(pairing.local, pairing.remote, pairing.num_tokens)
-    if not listed:
-        return plans
+    """Each rank's part of ``pairing``: rows of its chain lists where they are
+    prepared (a broadcast per group), else the planner's plan."""
+    local, remote, tokens = pairing.local, pairing.remote, pairing.num_tokens
+    if len(listed) == len(planner.ranks):
+        return tuple(_ListedPlan(p, listed[p].plan(local, remote, tokens)) for p in planner.ranks)
     return tuple(
-        _ListedPlan(rp.rank, lists.plan(pairing.local, pairing.remote, pairing.num_tokens))
-        if rp.rank in listed and (lists := planner.chain_lists(rp.rank)) is not None
+        _ListedPlan(rp.rank, listed[rp.rank].plan(local, remote, tokens))
+        if rp.rank in listed
         else rp
-        for rp in plans
+        for rp in planner.plan(local, remote, tokens)
     )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.backend import Capabilities, XferOp, XferStatus
+from kvxfer.core.block_lists import ChainLists
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions
 from kvxfer.testing._endpoint import (
     BackendSpec,
@@ -133,12 +134,15 @@ class Harness:
         remote_groups: Groups | None = None,
         notification: bytes = b"",
         timeout: float = 30.0,
+        rows: tuple[ChainLists, IntArray, IntArray] | None = None,
     ) -> Moved:
         """Fill both sides with fresh patterns, post one transfer, wait and report.
 
         ``local_groups`` / ``remote_groups`` are the blocks per group the ids cover;
         backends staging through host memory get them staged out on the sender and in
-        on the receiver, as the agent does.
+        on the receiver, as the agent does. ``rows``: post these rows of chain lists
+        (:meth:`Backend.post_lists <kvxfer.backend.Backend.post_lists>`) instead; the
+        ids, on the prepared tables, say which bytes they must move.
         """
         ls, rs = next(self._seeds), next(self._seeds)
         self.local.fill(ls)
@@ -158,7 +162,10 @@ class Harness:
             self.remote.arm(recv_groups if stages else None)
         lids = np.asarray(local_ids, dtype=np.int64)
         rids = np.asarray(remote_ids, dtype=np.int64)
-        handle = backend.post(op, self.peer, lids, rids, notification)
+        if rows is None:
+            handle = backend.post(op, self.peer, lids, rids, notification)
+        else:
+            handle = backend.post_lists(op, self.peer, *rows, notification)
         notes: list[tuple[str, bytes]] = []
         at_note: ByteArray | None = None
         slowest = 0.0

@@ -27,10 +27,13 @@ import unittest
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+import msgspec
 import numpy as np
 
 from kvxfer.backend import XferHandle, XferOp, XferStatus
+from kvxfer.core.block_lists import ChainLists
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
+from kvxfer.core.layout import KVLayout
 from kvxfer.errors import BackendError, KvxferError, PeerError
 from kvxfer.testing._harness import BackendSpec, CacheShape, Harness, Moved
 
@@ -172,6 +175,61 @@ def check_descriptor_shapes(h: Harness) -> None:
         for lids, rids in cases:
             moved = h.post_ids(op, lids.astype(np.int64), rids.astype(np.int64))
             _assert_landed(moved, f"{op.value} of {len(lids)} descriptor pair(s)")
+
+
+def _interleaved(layout: KVLayout) -> tuple[KVLayout, list[int]] | None:
+    """The regions of ``layout`` that share one buffer block by block (the test cache's
+    even layers), in the first group alone, and their indices in ``layout``; None
+    without two such regions (a staging backend's contiguous buffers)."""
+    keep = [i for i, r in enumerate(layout.regions) if r.group == 0 and r.stride > r.block_len]
+    if len(keep) < 2:
+        return None
+    regions = tuple(layout.regions[i] for i in keep)
+    return msgspec.structs.replace(layout, regions=regions, groups=layout.groups[:1]), keep
+
+
+def check_chain_lists(h: Harness) -> None:
+    """Chain lists (:mod:`kvxfer.core.block_lists`): a direct backend prepares them and
+    moves exactly the bytes of the rows it is given, READ and WRITE; a staging backend
+    answers False. The test cache's interleaved regions (a layer's K and V shards side
+    by side in each block) chain into one row per block."""
+    h.use_options(PlanOptions())
+    ours, peers = _interleaved(h.local.table.layout), _interleaved(h.remote_table.layout)
+    if ours is None or peers is None:
+        # Staging buffers are contiguous per region: ask with lists of the engine's
+        # own cache, which a staging backend must refuse (it copies per block id).
+        engine = _interleaved(h.local.cache.layout)
+        assert h.caps.stages_through_host and engine is not None, (
+            "a direct backend exposes the engine's cache, whose regions interleave"
+        )
+        table = DescriptorTable.build(engine[0])
+        lists = ChainLists.build(table, table)
+        assert lists is not None
+        assert not h.local.backend.prepare_lists(h.peer, lists), (
+            "a staging backend must not take chain lists"
+        )
+        return
+    (mine, keep), (theirs, _) = ours, peers
+    local, remote = DescriptorTable.build(mine), DescriptorTable.build(theirs)
+    lists = ChainLists.build(local, remote)
+    assert lists is not None and lists.chains < len(keep), "interleaved regions must chain"
+    assert h.local.backend.prepare_lists(h.peer, lists), "a direct backend posts chain lists"
+    nb_local, nb_remote = local.num_blocks, remote.num_blocks
+    rows_of = np.asarray(keep, dtype=np.int64)
+    for blocks_l, blocks_r, tokens in _SHAPES:
+        lg, rg = [list(blocks_l[0])], [list(blocks_r[0])]
+        plan = build_plan(local, remote, lg, rg, tokens)
+        cp = lists.plan((np.array(lg[0]),), (np.array(rg[0]),), tokens)
+        assert cp.nbytes == plan.nbytes and cp.num_descriptors == plan.num_descriptors
+        # The same descriptors as ids of the prepared tables (whole-cache regions).
+        lids = rows_of[plan.local_ids // nb_local] * nb_local + plan.local_ids % nb_local
+        rids = rows_of[plan.remote_ids // nb_remote] * nb_remote + plan.remote_ids % nb_remote
+        for op in (XferOp.READ, XferOp.WRITE):
+            moved = h.post_ids(
+                op, lids, rids, local_groups=lg, remote_groups=rg,
+                rows=(lists, cp.local_ids, cp.remote_ids),
+            )  # fmt: skip
+            _assert_landed(moved, f"chain rows {op.value} {lg}<->{rg} ({tokens} tokens)")
 
 
 def check_chunk_and_window_modes(h: Harness) -> None:
@@ -384,6 +442,7 @@ CHECKS: tuple[Callable[[Harness], None], ...] = (
     check_write_block_shapes,
     check_descriptor_shapes,
     check_chunk_and_window_modes,
+    check_chain_lists,
     check_notifications,
     check_status_nonblocking,
     check_release_idempotent,
@@ -471,6 +530,9 @@ class BackendConformance:
 
     def test_chunk_and_window_modes(self) -> None:
         check_chunk_and_window_modes(self.harness)
+
+    def test_chain_lists(self) -> None:
+        check_chain_lists(self.harness)
 
     def test_notifications(self) -> None:
         check_notifications(self.harness)
