@@ -62,12 +62,17 @@ def pair() -> Iterator[tuple[UcxBackend, UcxBackend]]:
         holder.close()
 
 
-def _pull(
-    pair: tuple[UcxBackend, UcxBackend], per_head: bool, local: list[int], remote: list[int]
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], int]:
+Buffers = tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]
+
+
+def _registered(
+    pair: tuple[UcxBackend, UcxBackend], per_head: bool, seed: int
+) -> tuple[Buffers, DescriptorTable, DescriptorTable]:
+    """The holder's random source and the reader's zeroed cache, registered and
+    prepared on both backends, with their tables."""
     reader, holder = pair
     size = BLOCKS * HEADS * HEAD_BYTES
-    src = np.random.default_rng(5).integers(0, 255, size, dtype=np.uint8)
+    src = np.random.default_rng(seed).integers(0, 255, size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
     mine, theirs = _layout(dst, per_head), _layout(src, per_head)
     reader.register(mine)
@@ -75,6 +80,14 @@ def _pull(
     table, peer_table = DescriptorTable.build(mine), DescriptorTable.build(theirs)
     reader.prepare_local(table)
     holder.prepare_local(peer_table)
+    return (src, dst), table, peer_table
+
+
+def _pull(
+    pair: tuple[UcxBackend, UcxBackend], per_head: bool, local: list[int], remote: list[int]
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], int]:
+    reader, holder = pair
+    (src, dst), table, peer_table = _registered(pair, per_head, 5)
     peer = reader.add_peer(holder.metadata(), peer_table)
     plan = build_plan(table, peer_table, local, remote, 16 * len(local))
     handle = reader.post(XferOp.READ, peer, plan.local_ids, plan.remote_ids)
@@ -126,15 +139,7 @@ def test_chain_lists_post_rows_and_move_exactly_the_planned_bytes(
     A peer removed and added again (a new connection to the same agent) loses its lists;
     the next post prepares them again. A removed peer is refused by name."""
     reader, holder = pair
-    size = BLOCKS * HEADS * HEAD_BYTES
-    src = np.random.default_rng(9).integers(0, 255, size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    mine, theirs = _layout(dst, True), _layout(src, True)
-    reader.register(mine)
-    holder.register(theirs)
-    table, peer_table = DescriptorTable.build(mine), DescriptorTable.build(theirs)
-    reader.prepare_local(table)
-    holder.prepare_local(peer_table)
+    (src, dst), table, peer_table = _registered(pair, True, 9)
     lists = ChainLists.build(table, peer_table)
     assert lists is not None and lists.chains == 1
     local, remote = [3, 4, 9], [70, 71, 2]

@@ -244,8 +244,9 @@ class ChainLists:
 
     def plan(self, local_blocks: Groups, remote_blocks: Groups, num_tokens: int) -> ChainPlan:
         """The rows of a request's block ids paired by :func:`kvxfer.core.blocks.pair`
-        (one array per group, the local ones checked there), chain by chain, block by
-        block. The remote ids (a ticket's) are checked here against the remote blocks.
+        (one array per group, the local ones checked there), chain by chain, the blocks
+        of each in ascending local order. The remote ids (a ticket's) are checked here
+        against the remote blocks.
 
         Raises:
             PlanError: another group count than the lists', group lengths that differ,
@@ -268,6 +269,11 @@ class ChainLists:
             if rb is not checked:
                 checked = rb
                 block_array(rb, side="remote", group=len(local_ids), num_blocks=self.remote_blocks)
+            if len(lb) > 1 and (lb[1:] < lb[:-1]).any():
+                # Ascending local blocks: each chain's rows then lie in local address
+                # order, so the transport merges every pair of rows the runs would.
+                order = np.argsort(lb)
+                lb, rb = lb[order], rb[order]
             local_ids.append((chains[:, None] * self.local_blocks + lb[None, :]).ravel())
             remote_ids.append((chains[:, None] * self.remote_blocks + rb[None, :]).ravel())
             nbytes += block_bytes * len(lb)
