@@ -433,5 +433,31 @@ def test_a_bad_remote_id_is_named_with_its_group() -> None:
     one = np.array([1, 2])
     cp = lists.plan((one, one), (one, np.array([0, 3])), 32)
     assert cp.rows == 8 and cp.num_descriptors == 64
+    assert cp.nbytes == sum(lists.block_bytes) * 2 == 64 * 16 * 32
     with pytest.raises(PlanError, match=r"remote block_ids \(group 1\)\[1\]=4"):
         lists.plan((one, one), (one, np.array([0, 4])), 32)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "units"),
+    [
+        ([3, 2], [5, 4], 4),  # descending on both sides: one unit per tensor
+        ([1, 3, 2], [1, 3, 2], 4),  # 1-2-3 merged once sorted, per tensor
+        ([4, 1, 3, 0, 2], [4, 1, 3, 0, 2], 4),  # all five blocks, one unit per tensor
+    ],
+)
+def test_rows_follow_the_local_block_order_so_every_merge_is_posted(
+    local: list[int], remote: list[int], units: int
+) -> None:
+    """Blocks listed out of order still post the fewest units: each chain's rows go in
+    ascending local order, and whole-block chains merge across blocks there."""
+    mine = DescriptorTable.build(_per_head(1 << 30, 6))
+    theirs = DescriptorTable.build(_per_head(1 << 34, 6))
+    lists = ChainLists.build(mine, theirs)
+    assert lists is not None
+    tokens = 16 * len(local)
+    cp = lists.plan((np.array(local),), (np.array(remote),), tokens)
+    plan = build_plan(mine, theirs, local, remote, tokens)
+    _check_rows_cover(cp, plan, mine, theirs)
+    assert cp.local_ids[: len(local)].tolist() == sorted(local)
+    assert _units(cp) == _fewest(plan, mine, theirs) == units
