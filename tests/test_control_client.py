@@ -52,6 +52,10 @@ def test_no_answer_times_out_after_every_try(silent_port: int) -> None:
     assert time.monotonic() - t0 < 1.0
 
 
+#: "At once" for a cancelled request: well under one try's 5 s timeout.
+_AT_ONCE_S = 2.5
+
+
 @pytest.mark.parametrize("port_kind", ["silent", "nothing-listens"])
 def test_close_cancels_a_pending_request_at_once(silent_port: int, port_kind: str) -> None:
     port = silent_port if port_kind == "silent" else 9  # discard: connection refused
@@ -71,8 +75,10 @@ def test_close_cancels_a_pending_request_at_once(silent_port: int, port_kind: st
     time.sleep(0.2)
     t0 = time.monotonic()
     client.close()
-    assert ended.wait(1.0), "close() left the request waiting"
-    assert time.monotonic() - t0 < 0.5
+    # Uncancelled, the request would wait out its try (5 s, then two more): half a try
+    # tells the two apart on a loaded 2-core host too (0.52 s was seen under load).
+    assert ended.wait(_AT_ONCE_S), "close() left the request waiting"
+    assert time.monotonic() - t0 < _AT_ONCE_S
     thread.join()
     assert len(outcome) == 1 and isinstance(outcome[0], HandshakeError)
     assert "cancelled" in str(outcome[0]) and f"127.0.0.1:{port}" in str(outcome[0])
@@ -81,7 +87,7 @@ def test_close_cancels_a_pending_request_at_once(silent_port: int, port_kind: st
     assert client.closed
 
 
-def test_a_process_with_a_pending_request_exits_within_a_second_of_close(
+def test_a_process_with_a_pending_request_exits_soon_after_close(
     silent_port: int,
 ) -> None:
     # The request runs on a non-daemon thread, as on a ThreadPoolExecutor worker that
@@ -115,7 +121,9 @@ def test_a_process_with_a_pending_request_exits_within_a_second_of_close(
         next(ln for ln in done.stdout.splitlines() if ln.startswith("closed")).split()[1]
     )
     assert "worker: HandshakeError" in done.stdout
-    assert exited - closed_at < 1.0, f"exit took {exited - closed_at:.2f}s after close()"
+    # Uncancelled, the process lives out 3 x 5 s; its exit itself (interpreter teardown)
+    # took 1.23 s once on a loaded host.
+    assert exited - closed_at < _AT_ONCE_S, f"exit took {exited - closed_at:.2f}s after close()"
 
 
 _STALL_SCRIPT = textwrap.dedent(
