@@ -334,9 +334,9 @@ def test_a_plan_needs_the_lists_group_count_and_equal_lengths() -> None:
     local = DescriptorTable.build(_per_head(1 << 30, 6))
     lists = ChainLists.build(local, DescriptorTable.build(_per_head(1 << 34, 6)))
     assert lists is not None
-    with pytest.raises(PlanError, match="1 group"):
+    with pytest.raises(PlanError, match=r"2 local and 1 remote given, the chain lists have 1 KV"):
         lists.plan((np.array([1]), np.array([1])), (np.array([1]),), 16)
-    with pytest.raises(PlanError, match="2 local blocks but 1 remote"):
+    with pytest.raises(PlanError, match="group 0: 2 local blocks but 1 remote blocks; they must"):
         lists.plan((np.array([1, 2]),), (np.array([1]),), 32)
 
 

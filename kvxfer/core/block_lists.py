@@ -254,8 +254,9 @@ class ChainLists:
         """
         if len(local_blocks) != len(self.groups) or len(remote_blocks) != len(self.groups):
             raise PlanError(
-                f"chain lists of {len(self.groups)} group(s) given {len(local_blocks)} local "
-                f"and {len(remote_blocks)} remote block lists"
+                f"block lists: {len(local_blocks)} local and {len(remote_blocks)} remote "
+                f"given, the chain lists have {len(self.groups)} KV group(s); pass one list "
+                "per group on each side"
             )
         local_ids: list[IntArray] = []
         remote_ids: list[IntArray] = []
@@ -265,7 +266,10 @@ class ChainLists:
             self.groups, self.block_bytes, self.pairs, local_blocks, remote_blocks, strict=True
         ):
             if len(lb) != len(rb):
-                raise PlanError(f"{len(lb)} local blocks but {len(rb)} remote blocks")
+                raise PlanError(
+                    f"group {len(local_ids)}: {len(lb)} local blocks but {len(rb)} remote "
+                    "blocks; they must match"
+                )
             if rb is not checked:
                 checked = rb
                 block_array(rb, side="remote", group=len(local_ids), num_blocks=self.remote_blocks)

@@ -437,10 +437,17 @@ class FakeBackend(Backend):
                 raise BackendError("fake fabric: chain lists are off (chain_lists=False)")
             lids = self._ids_of(local_rows, len(lists.local), "local")
             rids = self._ids_of(remote_rows, len(lists.remote), "remote")
-            if len(lids) != len(rids) or not np.array_equal(
-                lists.local[lids, 1], lists.remote[rids, 1]
-            ):
-                raise BackendError("chain rows must pair by position with equal lengths")
+            if len(lids) != len(rids):
+                raise BackendError(
+                    f"{len(lids)} local but {len(rids)} remote chain rows; they pair by position"
+                )
+            llen, rlen = lists.local[lids, 1], lists.remote[rids, 1]
+            if not np.array_equal(llen, rlen):
+                i = int(np.flatnonzero(llen != rlen)[0])
+                raise BackendError(
+                    f"chain row pair {i}: local length {int(llen[i])} != remote length "
+                    f"{int(rlen[i])}"
+                )
             handle = self._queue(op, peer, lids, rids, notification, lists)
             self.lists_posted += 1
             return handle
