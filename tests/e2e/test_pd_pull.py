@@ -152,6 +152,39 @@ def _decode_full(server: VllmServer, busy: list[socket.socket]) -> bool:
     return True
 
 
+_RELEASED = "vllm:kvxfer_leases_released_total"
+_ABORTED = "vllm:kvxfer_leases_aborted_total"
+
+
+def _hang_up_while_waiting(
+    p: VllmServer, d: VllmServer, prompt: str, params: dict[str, Any]
+) -> str:
+    """Send the P/D request behind the busy ones, hang up once decode has it waiting,
+    and say what became of the producer's hold. When a busy request finished first
+    (a loaded CI host polls the metrics slowly), the P/D request is scheduled before a
+    poll saw it waiting: it is pulled or answered, and the round tests nothing."""
+    aborted0, released0 = p.metric(_ABORTED), p.metric(_RELEASED)
+    late = _open_request(d, prompt, kv_transfer_params=params, max_tokens=4)
+    try:
+        deadline = time.monotonic() + 60  # generous: only a hang takes this long
+        while d.metric("vllm:num_requests_waiting") < 1:
+            if p.metric(_RELEASED) > released0 or _all_answered([late]):
+                return "scheduled before a poll saw it waiting"
+            assert time.monotonic() < deadline, "nothing waiting, nothing pulled or answered"
+            time.sleep(0.05)
+        assert d.metric("vllm:num_requests_running") == _BUSY
+    finally:
+        _hang_up(late)
+    deadline = time.monotonic() + 10
+    while True:
+        if p.metric(_ABORTED) > aborted0:
+            return "aborted"
+        if p.metric(_RELEASED) > released0:
+            return "pulled before the hang-up reached vLLM"
+        assert time.monotonic() < deadline, "the producer still holds the aborted request"
+        time.sleep(0.2)
+
+
 def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
     pull_pair: PDPair,
 ) -> None:
@@ -167,9 +200,11 @@ def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
 
     On a quiet host the busy requests can finish their tokens before vLLM acts on the
     hang-up: the P/D request is then scheduled and pulled (the producer's lease is
-    released, not aborted), which tests nothing here, so that round is tried again.
-    On a fast host they can also all finish before a poll sees decode full: that round
-    is tried again with the same prefilled request (still held)."""
+    released, not aborted), which tests nothing here, so that round is tried again; so
+    is one where a busy request finished before a poll saw the P/D request waiting
+    (then it was scheduled at once). On a fast host they can also all finish before a
+    poll sees decode full: that round is tried again with the same prefilled request
+    (still held)."""
     p, d = pull_pair.prefill, pull_pair.decode
     expired0 = p.metric("vllm:kvxfer_leases_expired_total")
     outcomes: list[str] = []
@@ -178,36 +213,18 @@ def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
         if held is None:  # the last one was pulled or aborted: a new request
             prompt = f"a request nobody waits for, round {round_}"
             held = (prompt, prefill(p, prompt))
-        aborted0 = p.metric("vllm:kvxfer_leases_aborted_total")
-        released0 = p.metric("vllm:kvxfer_leases_released_total")
         busy = [_open_request(d, f"keep decode busy {i}", max_tokens=400) for i in range(_BUSY)]
         try:
-            if not _decode_full(d, busy):
-                outcomes.append("the busy requests finished before decode was seen full")
-                continue
-            prompt, params = held
-            late = _open_request(d, prompt, kv_transfer_params=params, max_tokens=4)
-            held = None
-            try:
-                _wait_metric(d, "vllm:num_requests_waiting", lambda n: n >= 1, "nothing waiting")
-                assert d.metric("vllm:num_requests_running") == _BUSY
-            finally:
-                _hang_up(late)
-            deadline = time.monotonic() + 10
-            while True:
-                if p.metric("vllm:kvxfer_leases_aborted_total") > aborted0:
-                    outcomes.append("aborted")
-                    break
-                if p.metric("vllm:kvxfer_leases_released_total") > released0:
-                    outcomes.append("pulled before the hang-up reached vLLM")
-                    break
-                assert time.monotonic() < deadline, "the producer still holds the aborted request"
-                time.sleep(0.2)
+            outcome = "the busy requests finished before decode was seen full"
+            if _decode_full(d, busy):
+                (prompt, params), held = held, None
+                outcome = _hang_up_while_waiting(p, d, prompt, params)
         finally:
             for sock in busy:
                 _hang_up(sock)
+        outcomes.append(outcome)
         _wait_metric(d, "vllm:num_requests_running", lambda n: n == 0, "decode still busy")
-        if outcomes[-1] == "aborted":
+        if outcome == "aborted":
             break
     assert outcomes[-1] == "aborted", outcomes
     assert p.metric("vllm:kvxfer_leases_expired_total") == expired0
