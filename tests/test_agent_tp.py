@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
 import zlib
 from typing import Any
@@ -20,6 +21,7 @@ from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, needed_ranks
+from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, KvxferError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import TransferState
@@ -140,6 +142,41 @@ def test_connecting_to_the_ranks_ahead_builds_the_planners_before_the_first_pull
         assert t.state is TransferState.DONE, t.error
         assert consumer.cache.mismatches(local, remote, SEED) == []
     assert len(builds) == choices, "a pull built a planner the connect had prepared"
+
+
+def test_a_pull_racing_the_connect_that_builds_its_planner_waits_for_that_build(
+    closing: list[Rank], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull that starts while ``Agent.connect`` builds the same planner (an engine's
+    first request right at start-up, under vLLM) uses the connect's planner and chain
+    lists instead of building and preparing them a second time."""
+    builds = count_planner_builds(monkeypatch)
+    counted = TPPlanner.build.__func__  # type: ignore[attr-defined]
+
+    def slow(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
+        time.sleep(0.3)  # a wide window for the pull to start in
+        return counted(cls, *args, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TPPlanner, "build", classmethod(slow))
+    p_heads, d_heads = HeadLayout(num_kv_heads=2, tp_size=2), HeadLayout(num_kv_heads=2, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    consumer.agent.connect(*producers[0].agent.address, producers[0].agent.config.engine_id)
+    last = producers[1].agent
+    connecting = threading.Thread(
+        target=consumer.agent.connect, args=(*last.address, last.config.engine_id)
+    )
+    connecting.start()
+    try:
+        time.sleep(0.1)
+        remote, local = [1, 5], [7, 3]
+        t = consumer.agent.pull(_hold(producers, "raced", remote, 8), local)
+        t.wait(5)
+    finally:
+        connecting.join(5)
+    assert t.state is TransferState.DONE, t.error
+    assert consumer.cache.mismatches(local, remote, SEED) == []
+    assert len(builds) == 1, builds
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (4, 2), (2, 2)])

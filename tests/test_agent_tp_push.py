@@ -6,8 +6,10 @@ with every block invalid, and nothing hangs."""
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
+from typing import Any
 
 import msgspec
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, reader_ranks
+from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import Transfer, TransferState
@@ -148,6 +151,43 @@ def test_connecting_to_the_consumer_ranks_ahead_builds_the_write_planners(
         for c in consumers:
             assert c.cache.mismatches(local, remote, SEED) == []
     assert len(builds) == planners, "a push built a planner the connect had prepared"
+
+
+def test_a_push_racing_the_connect_that_builds_its_planner_waits_for_that_build(
+    closing: list[Rank], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that starts while ``Agent.connect`` builds the same write planner uses
+    the connect's planner and chain lists instead of building them a second time: one
+    build per prefill rank (rank 1 never connected ahead and builds at its write)."""
+    builds = count_planner_builds(monkeypatch)
+    counted = TPPlanner.build.__func__  # type: ignore[attr-defined]
+
+    def slow(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
+        time.sleep(0.3)  # a wide window for the write to start in
+        return counted(cls, *args, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(TPPlanner, "build", classmethod(slow))
+    p_heads, d_heads = HeadLayout(num_kv_heads=2, tp_size=2), HeadLayout(num_kv_heads=2, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    consumer.agent.serve()
+    connecting = threading.Thread(
+        target=producers[0].agent.connect,
+        args=(*consumer.agent.address, consumer.agent.config.engine_id),
+    )
+    connecting.start()
+    try:
+        time.sleep(0.1)
+        remote, local, cap = [1, 5], [7, 3], wire.new_capability()
+        t = consumer.agent.expect_push(_ticket(producers, "raced", 8, cap), local)
+        for p in producers:
+            p.agent.hold("raced", remote, 8, capability=cap)
+        t.wait(5)
+    finally:
+        connecting.join(5)
+    assert t.state is TransferState.DONE, t.error
+    assert consumer.cache.mismatches(local, remote, SEED) == []
+    assert len(builds) == 2, builds
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4)])

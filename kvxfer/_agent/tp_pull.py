@@ -101,6 +101,9 @@ class TPPuller:
         # Per set of peers and replica choice: its planner, and by producer rank the
         # chain lists the backend prepared with that rank (posted as ChainPlans).
         self._planners: dict[tuple[object, ...], tuple[TPPlanner, _Listed]] = {}
+        # One build at a time: a pull starting while connect() builds the same planner
+        # waits for it instead of building it (and preparing its lists) a second time.
+        self._building = threading.Lock()
 
     def _tp(self) -> TPRank:
         return self._group.tp()
@@ -253,6 +256,21 @@ class TPPuller:
         with self._lock:
             cached = self._planners.get(key)
         if cached is not None:
+            return cached
+        with self._building:
+            return self._build(key, producer, sources, peers, salt)
+
+    def _build(
+        self,
+        key: tuple[object, ...],
+        producer: HeadLayout,
+        sources: dict[int, int],
+        peers: dict[int, Peer],
+        salt: int,
+    ) -> tuple[TPPlanner, _Listed]:
+        with self._lock:
+            cached = self._planners.get(key)
+        if cached is not None:  # built by the thread this one waited for
             return cached
         tp = self._tp()
         # The producer ranks' tables were cut at their handshakes to what this rank

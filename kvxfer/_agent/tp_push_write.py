@@ -61,6 +61,9 @@ class WritePlanner:
         # Per consumer, incarnation and replica choice: the planner, and this rank's
         # chain lists into that consumer where the backend prepared them.
         self._planners: dict[tuple[object, ...], tuple[TPPlanner, ChainLists | None]] = {}
+        # One build at a time: a write starting while connect() builds the same planner
+        # waits for it instead of building it (and preparing its lists) a second time.
+        self._building = threading.Lock()
 
     def prepare(self, peer: Peer) -> None:
         """The engine connected to ``peer`` ahead of its pushes (:meth:`Agent.connect
@@ -90,6 +93,22 @@ class WritePlanner:
         with self._lock:
             cached = self._planners.get(key)
         if cached is not None:
+            return cached
+        with self._building:
+            return self._build(key, peer, theirs, mine, sources, salt)
+
+    def _build(
+        self,
+        key: tuple[object, ...],
+        peer: Peer,
+        theirs: TPRank,
+        mine: TPRank,
+        sources: dict[int, int],
+        salt: int,
+    ) -> tuple[TPPlanner, ChainLists | None]:
+        with self._lock:
+            cached = self._planners.get(key)
+        if cached is not None:  # built by the thread this one waited for
             return cached
         # The consumer's table was cut at its handshake to what this rank posts
         # at (kvxfer._agent.peers); ours is the whole table or its one-head section.
