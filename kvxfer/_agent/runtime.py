@@ -268,10 +268,21 @@ class Runtime:
         the backend cannot (the caller plans ids then). A refusal of the transport is
         logged, not raised: posting ids still works."""
         try:
-            return self._backend.prepare_lists(peer.handle, lists)
+            prepared = self._backend.prepare_lists(peer.handle, lists)
         except KvxferError as exc:
             log.info("chain lists not prepared with %r: %s", peer, exc)
             return False
+        if prepared:
+            # Once per planner and peer: how an operator sees that requests post merged
+            # rows (issue 27), not per-head descriptors.
+            log.info(
+                "chain lists prepared with %r: %d chain(s), %d local and %d remote rows",
+                peer,
+                lists.chains,
+                len(lists.local),
+                len(lists.remote),
+            )
+        return prepared
 
     def arm_guard(
         self,

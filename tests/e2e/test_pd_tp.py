@@ -78,11 +78,23 @@ PAIRS = [
 #: llm-d's layout: prefill TP1, decode TP4 (the tiny model's two KV heads each on two
 #: decode ranks).
 PAIRS_TP4 = [(1, 4, "float32", mode, 2) for mode in ("pull", "push")]
+#: Device-to-device (``kv_buffer_device: rbln``, the emulated nixl-rbln adapter: UCX
+#: over the engine's own KV tensors, test_pd_d2d_emulated.py) with four KV heads: each
+#: decode rank holds two heads that lie side by side in every block on both sides, so
+#: its pulls post chain lists (kvxfer.core.block_lists), which host bounce never does.
+PAIRS_D2D = [(1, 2, "float32", "pull", 4)]
 # llm-d's TP1 -> TP4 is not in `make test` for its time: both pairs (8 tests) took
 # 4 min 14 s on 2 cores (2026-12-02), which `make test`'s 15 minutes do not leave. A
 # TP1 producer starved of CPU at its first loads is docs/RELIABILITY.md 4.5; every pair
 # runs with the default 10 s deadline.
-SELECTED = (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else [])
+SELECTED = [
+    *((*p, "cpu") for p in (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else [])),
+    *((*p, "rbln") for p in PAIRS_D2D),
+]
+
+
+def _pair_id(p: tuple[Any, ...]) -> str:
+    return f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}-kv{p[4]}" + ("-d2d" if p[5] == "rbln" else "")
 
 
 #: kvxfer's connectors plus the digests of the byte-level check (same behaviour, same
@@ -120,6 +132,7 @@ class TPPair(PDPair):
     kv_heads: int = 2
     prefill_tp: int = 1
     ports: tuple[int, int] = (0, 0)  # prefill's and decode's rank 0 side channel
+    device: str = "cpu"  # kv_buffer_device: "cpu" (host bounce) or "rbln" (emulated D2D)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +166,7 @@ def _unified(
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(p, id=f"p{p[0]}-d{p[1]}-{p[2]}-{p[3]}-kv{p[4]}") for p in SELECTED],
+    params=[pytest.param(p, id=_pair_id(p)) for p in SELECTED],
 )
 def tp_setup(
     request: pytest.FixtureRequest,
@@ -162,9 +175,9 @@ def tp_setup(
     unified_servers: dict[str, VllmServer],
     kv_digest_dir: Path,
 ) -> Iterator[tuple[TPPair, VllmServer]]:
-    p_tp, d_tp, dtype, mode, kv = request.param
+    p_tp, d_tp, dtype, mode, kv, device = request.param
     ref_tp = p_tp if p_tp == d_tp else 1
-    tag = f"p{p_tp}-d{d_tp}-{dtype}-{mode}-kv{kv}"
+    tag = _pair_id(request.param)
     model = tiny_model_dir if kv == 2 else build_tiny_model(TinyModelSpec(num_key_value_heads=kv))
     unified = _unified(unified_servers, ref_tp, dtype, model, e2e_log_dir)
     p_port, d_port = _side_channel_port(p_tp), _side_channel_port(d_tp)
@@ -181,6 +194,7 @@ def tp_setup(
             kv_transfer_config=kv_config(
                 role,
                 mode,
+                buffer_device=device,
                 kv_connector_module_path=VERIFY_MODULE,
                 extra=ahead if role == posts else None,
             ),
@@ -188,6 +202,7 @@ def tp_setup(
                 **PD_ENV,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
                 kv_digests.ENV: str(kv_digest_dir),
+                **({"KVXFER_RBLN_ADAPTER": "emulated"} if device == "rbln" else {}),
             },
             wait=False,
         )
@@ -204,6 +219,7 @@ def tp_setup(
             kv_heads=kv,
             prefill_tp=p_tp,
             ports=(p_port, d_port),
+            device=device,
         )
         # The first load is where a producer stalled (issue 25): the history of its
         # threads' activity goes with a failure.
@@ -232,6 +248,11 @@ def test_output_equals_unified_and_every_prompt_token_came_over(
         # vLLM recomputes only the last prompt token itself (it needs its logits).
         assert local <= 1 and remote >= len(ids) - 1, (name, local, remote, len(ids))
     assert not re.search(r"kvxfer: KV load of \S+ (failed|refused)", d.log_text())
+    # Chain lists (issue 27): posted device to device where a decode rank's heads lie
+    # side by side on both sides, never by host bounce (it stages per block id).
+    chained = pair.device == "rbln" and pair.mode == "pull" and pair.kv_heads > pair.decode_tp
+    logged = re.findall(r"chain lists prepared with .*: (\d+) chain\(s\)", d.log_text())
+    assert bool(logged) == chained, (pair.device, pair.kv_heads, logged)
 
 
 def test_the_posting_side_connected_ahead_to_the_ranks_holding_its_heads(
