@@ -21,7 +21,6 @@ from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, needed_ranks
-from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, KvxferError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import TransferState
@@ -150,14 +149,7 @@ def test_a_pull_racing_the_connect_that_builds_its_planner_waits_for_that_build(
     """A pull that starts while ``Agent.connect`` builds the same planner (an engine's
     first request right at start-up, under vLLM) uses the connect's planner and chain
     lists instead of building and preparing them a second time."""
-    builds = count_planner_builds(monkeypatch)
-    counted = TPPlanner.build.__func__  # type: ignore[attr-defined]
-
-    def slow(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
-        time.sleep(0.3)  # a wide window for the pull to start in
-        return counted(cls, *args, **kw)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(TPPlanner, "build", classmethod(slow))
+    builds = count_planner_builds(monkeypatch, delay_s=0.3)  # a window for the pull
     p_heads, d_heads = HeadLayout(num_kv_heads=2, tp_size=2), HeadLayout(num_kv_heads=2, tp_size=1)
     producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
     closing += [*producers, consumer]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from typing import Any
 
 import msgspec
 import pytest
@@ -17,7 +16,6 @@ import pytest
 from kvxfer.agent import Ticket
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout, reader_ranks
-from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, TransferError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.transfer import Transfer, TransferState
@@ -159,14 +157,7 @@ def test_a_push_racing_the_connect_that_builds_its_planner_waits_for_that_build(
     """A write that starts while ``Agent.connect`` builds the same write planner uses
     the connect's planner and chain lists instead of building them a second time: one
     build per prefill rank (rank 1 never connected ahead and builds at its write)."""
-    builds = count_planner_builds(monkeypatch)
-    counted = TPPlanner.build.__func__  # type: ignore[attr-defined]
-
-    def slow(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
-        time.sleep(0.3)  # a wide window for the write to start in
-        return counted(cls, *args, **kw)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(TPPlanner, "build", classmethod(slow))
+    builds = count_planner_builds(monkeypatch, delay_s=0.3)  # a window for the write
     p_heads, d_heads = HeadLayout(num_kv_heads=2, tp_size=2), HeadLayout(num_kv_heads=2, tp_size=1)
     producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
     closing += [*producers, consumer]

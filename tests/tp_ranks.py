@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import random
 import socket
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -183,12 +184,14 @@ def consumers(
     ]
 
 
-def count_planner_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the ``salt`` of every ``TPPlanner.build`` from now on (the list grows)."""
+def count_planner_builds(monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.0) -> list[int]:
+    """Record the ``salt`` of every ``TPPlanner.build`` from now on (the list grows);
+    ``delay_s``: each build takes that much longer (a window for a race to start in)."""
     builds: list[int] = []
     build = TPPlanner.build.__func__  # type: ignore[attr-defined]
 
     def counted(cls: type[TPPlanner], *args: Any, **kw: Any) -> TPPlanner:
+        time.sleep(delay_s)
         builds.append(kw["salt"])
         return build(cls, *args, **kw)  # type: ignore[no-any-return]
 
