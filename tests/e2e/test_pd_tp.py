@@ -11,12 +11,15 @@ a TP1 instance of the same random-weight model already disagree with no transfer
 involved (the all-reduce sums in another order), in float32 they agree.
 
 ``make test`` runs prefill TP1 -> decode TP2 (llm-d's direction: a small prefill
-feeding a wider decode), pull and push, with nothing but the connector in either
-instance's config (no per-head setting: the pairing cuts the tables, issue 26).
+feeding a wider decode), with nothing but the connector in either instance's config
+(no per-head setting: the pairing cuts the tables, issue 26): a pull through host
+bounce, and a push device to device (the emulated nixl-rbln adapter) of a model with
+four KV heads, whose writes go as chain lists (issue 27).
 ``KVXFER_E2E_TP4=1`` adds llm-d's layout, prefill TP1 -> decode TP4, pull and push
 (four decode workers, a prefill and a unified instance fit two cores: about 2 minutes
 each; out of ``make test`` for that time, see SELECTED).
-``KVXFER_E2E_TP_ALL=1`` adds those, prefill TP2 -> decode TP1 and the
+``KVXFER_E2E_TP_ALL=1`` adds those, the TP1 -> TP2 push through host bounce and pull
+device to device, prefill TP2 -> decode TP1 and the
 equal pair TP2 -> TP2 in bf16 against a unified TP2 instance, each pull and push, and
 the same unequal pairs of a model with one KV head, which a TP2 instance replicates on
 both ranks (each pair starts three or four engine processes; about a minute each on
@@ -81,15 +84,18 @@ PAIRS_TP4 = [(1, 4, "float32", mode, 2) for mode in ("pull", "push")]
 #: Device-to-device (``kv_buffer_device: rbln``, the emulated nixl-rbln adapter: UCX
 #: over the engine's own KV tensors, test_pd_d2d_emulated.py) with four KV heads: each
 #: decode rank holds two heads that lie side by side in every block on both sides, so
-#: its pulls post chain lists (kvxfer.core.block_lists), which host bounce never does.
-PAIRS_D2D = [(1, 2, "float32", "pull", 4)]
+#: the posting side's transfers go as chain lists (kvxfer.core.block_lists), which host
+#: bounce never posts.
+PAIRS_D2D = [(1, 2, "float32", mode, 4) for mode in ("pull", "push")]
 # llm-d's TP1 -> TP4 is not in `make test` for its time: both pairs (8 tests) took
 # 4 min 14 s on 2 cores (2026-12-02), which `make test`'s 15 minutes do not leave. A
 # TP1 producer starved of CPU at its first loads is docs/RELIABILITY.md 4.5; every pair
 # runs with the default 10 s deadline.
+# `make test` runs the TP1 -> TP2 pull through host bounce (the CPU default) and the
+# push device to device: a third pair took 1.5 min of a 16-minute CI run (2026-12-03).
 SELECTED = [
-    *((*p, "cpu") for p in (PAIRS if ALL else PAIRS[:2]) + (PAIRS_TP4 if TP4 else [])),
-    *((*p, "rbln") for p in PAIRS_D2D),
+    *((*p, "cpu") for p in (PAIRS if ALL else PAIRS[:1]) + (PAIRS_TP4 if TP4 else [])),
+    *((*p, "rbln") for p in (PAIRS_D2D if ALL else PAIRS_D2D[1:])),
 ]
 
 
@@ -248,11 +254,13 @@ def test_output_equals_unified_and_every_prompt_token_came_over(
         # vLLM recomputes only the last prompt token itself (it needs its logits).
         assert local <= 1 and remote >= len(ids) - 1, (name, local, remote, len(ids))
     assert not re.search(r"kvxfer: KV load of \S+ (failed|refused)", d.log_text())
-    # Chain lists (issue 27): posted device to device where a decode rank's heads lie
-    # side by side on both sides, never by host bounce (it stages per block id).
-    chained = pair.device == "rbln" and pair.mode == "pull" and pair.kv_heads > pair.decode_tp
-    logged = re.findall(r"chain lists prepared with .*: (\d+) chain\(s\)", d.log_text())
-    assert bool(logged) == chained, (pair.device, pair.kv_heads, logged)
+    # Chain lists (issue 27): posted device to device where two heads or more of a
+    # rank lie side by side on both sides, never by host bounce (it stages per block id).
+    kv, tps = pair.kv_heads, (pair.prefill_tp, pair.decode_tp)
+    chained = pair.device == "rbln" and tps[0] != tps[1] and min(kv // t for t in tps) >= 2
+    poster = pair.decode if pair.mode == "pull" else pair.prefill
+    logged = re.findall(r"chain lists prepared with .*: (\d+) chain\(s\)", poster.log_text())
+    assert bool(logged) == chained, (pair.device, pair.mode, kv, tps, logged)
 
 
 def test_the_posting_side_connected_ahead_to_the_ranks_holding_its_heads(
