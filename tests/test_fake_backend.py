@@ -114,6 +114,12 @@ def test_fail_post(pair: tuple[Side, Side, PeerHandle]) -> None:
     assert wait(consumer.backend, h) is XferStatus.DONE
 
 
+def test_ids_that_do_not_pair_are_refused_by_count(pair: tuple[Side, Side, PeerHandle]) -> None:
+    consumer, _, peer = pair
+    with pytest.raises(BackendError, match=r"3 local but 2 remote descriptors; they pair by"):
+        consumer.backend.post(XferOp.READ, peer, np.arange(3), np.arange(2))
+
+
 def test_completion_that_never_arrives(pair: tuple[Side, Side, PeerHandle]) -> None:
     consumer, producer, peer = pair
     consumer.backend.faults = Faults(never_complete=True)

@@ -43,7 +43,7 @@ import itertools
 import os
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import msgspec
 import numpy as np
@@ -388,25 +388,12 @@ class FakeBackend(Backend):
             self._require_open()
             if self._table is None:
                 raise RegistrationError("post before prepare_local")
-            known = self._peers.get(peer)
-            if known is None or self._live(peer) is None:
-                raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
+            known = self._known(peer)
             if not isinstance(op, XferOp):
                 raise BackendError(f"not a transfer op: {op!r}")
             lids = self._ids_of(local_ids, len(self._table), "local")
             rids = self._ids_of(remote_ids, len(known.table), "remote")
-            if len(lids) != len(rids):
-                raise BackendError(
-                    f"{len(lids)} local but {len(rids)} remote descriptor ids; "
-                    "they pair by position"
-                )
-            llen, rlen = self._table.length[lids], known.table.length[rids]
-            if not np.array_equal(llen, rlen):
-                i = int(np.flatnonzero(llen != rlen)[0])
-                raise BackendError(
-                    f"descriptor pair {i}: local length {int(llen[i])} != remote length "
-                    f"{int(rlen[i])}"
-                )
+            _paired(lids, rids, self._table.length, known.table.length, "descriptor")
             return self._queue(op, peer, lids, rids, notification, None)
 
     def prepare_lists(self, peer: PeerHandle, lists: ChainLists) -> bool:
@@ -414,8 +401,7 @@ class FakeBackend(Backend):
             self._require_open()
             if not self.chain_lists:
                 return False
-            if peer not in self._peers or self._live(peer) is None:
-                raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
+            self._known(peer)
             if self.faults.fail_post:
                 raise BackendError("fake fabric: lists refused (injected fault)")
             return True  # the fake moves rows straight from the lists' addresses
@@ -431,26 +417,22 @@ class FakeBackend(Backend):
     ) -> XferHandle:
         with _LOCK:
             self._require_open()
-            if self._live(peer) is None or peer not in self._peers:
-                raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
+            self._known(peer)
             if not self.chain_lists:
                 raise BackendError("fake fabric: chain lists are off (chain_lists=False)")
             lids = self._ids_of(local_rows, len(lists.local), "local")
             rids = self._ids_of(remote_rows, len(lists.remote), "remote")
-            if len(lids) != len(rids):
-                raise BackendError(
-                    f"{len(lids)} local but {len(rids)} remote chain rows; they pair by position"
-                )
-            llen, rlen = lists.local[lids, 1], lists.remote[rids, 1]
-            if not np.array_equal(llen, rlen):
-                i = int(np.flatnonzero(llen != rlen)[0])
-                raise BackendError(
-                    f"chain row pair {i}: local length {int(llen[i])} != remote length "
-                    f"{int(rlen[i])}"
-                )
+            _paired(lids, rids, lists.local[:, 1], lists.remote[:, 1], "chain row")
             handle = self._queue(op, peer, lids, rids, notification, lists)
             self.lists_posted += 1
             return handle
+
+    def _known(self, peer: PeerHandle) -> _Peer:
+        """The peer's record (under the lock); PeerError unless it is added and live."""
+        known = self._peers.get(peer)
+        if known is None or self._live(peer) is None:
+            raise PeerError(f"fake fabric: unknown, removed or gone peer {peer!r}")
+        return known
 
     def _queue(
         self,
@@ -749,3 +731,20 @@ class FakeBackend(Backend):
             self._spans = None
             if _FABRIC.get(self.agent_name) is self:
                 del _FABRIC[self.agent_name]
+
+
+def _paired(
+    lids: IntArray, rids: IntArray, llens: npt.NDArray[Any], rlens: npt.NDArray[Any], what: str
+) -> None:
+    """Local and remote ids pair by position, each pair of equal length; BackendError
+    naming the first pair that does not (``what``: "descriptor" or "chain row")."""
+    if len(lids) != len(rids):
+        raise BackendError(
+            f"{len(lids)} local but {len(rids)} remote {what}s; they pair by position"
+        )
+    llen, rlen = llens[lids], rlens[rids]
+    if not np.array_equal(llen, rlen):
+        i = int(np.flatnonzero(llen != rlen)[0])
+        raise BackendError(
+            f"{what} pair {i}: local length {int(llen[i])} != remote length {int(rlen[i])}"
+        )
