@@ -222,6 +222,7 @@ class HostBounceBackend(Backend):
         self._engine: KVLayout | None = None
         self._staging_mem: ByteArray | None = None
         self._staging: list[ByteArray] = []
+        self._copy_in_locks: list[threading.Lock] = []  # one per staging region
         self._engine_views: list[ByteArray] | None = None
         # Regions past the layout's: slices (region, lo, hi) of its blocks' bytes.
         self._pieces: list[tuple[int, int, int]] = []
@@ -296,6 +297,7 @@ class HostBounceBackend(Backend):
             )
             self._transport.register(exposed)
             self._engine, self._staging_mem, self._staging = layout, mem, staging
+            self._copy_in_locks = [threading.Lock() for _ in staging]
             self._engine_views = views
             return exposed
 
@@ -383,6 +385,29 @@ class HostBounceBackend(Backend):
         staging = self._staging[i] if i < n else None
         if staging is None or self._engine is None:
             raise RegistrationError(f"stage {direction.value} after close")
+        if direction is CopyDirection.OUT:
+            self._copy_rows(direction, i, blocks, staging, lo, hi)
+            return
+        # One copy in at a time per staging region. A request pushed from several
+        # producer ranks (TP sizes differ) settles one reception per rank, each copying
+        # the whole blocks in once its own rank's bytes landed: a copy that read the rows
+        # before another rank's head landed must not write them after that rank's
+        # copy-in. One at a time, a copy either ends before that copy-in (which then
+        # overwrites it) or reads after that rank's bytes landed.
+        with self._copy_in_locks[i]:
+            self._copy_rows(direction, i, blocks, staging, lo, hi)
+
+    def _copy_rows(
+        self,
+        direction: CopyDirection,
+        i: int,
+        blocks: IntArray,
+        staging: ByteArray,
+        lo: int,
+        hi: int | None,
+    ) -> None:
+        """Copy bytes ``[lo, hi)`` of ``blocks`` between engine region ``i`` and its
+        staging rows."""
         if self._copy_op is not None:
             if hi is not None:
                 raise PlanError("host bounce through a copy op stages whole regions only")
@@ -405,7 +430,11 @@ class HostBounceBackend(Backend):
         self._copier.run(CopyDirection.OUT, self._tasks(CopyDirection.OUT, block_ids))
 
     def stage_in(self, block_ids: Sequence[npt.NDArray[np.int64]]) -> None:
-        """Copy landed staging blocks (one id array per group) into the engine's blocks."""
+        """Copy landed staging blocks (one id array per group) into the engine's blocks.
+
+        Calls may overlap (one per producer rank of a request, from any thread): their
+        copies of one region go one at a time, so the last one to copy a block holds
+        the bytes landed before it began, never bytes an earlier copy read."""
         self._copier.run(CopyDirection.IN, self._tasks(CopyDirection.IN, block_ids))
 
     def post_engine(

@@ -13,20 +13,27 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 import pytest
 
 from kvxfer._agent.guard import GuardBook
 from kvxfer.agent import Agent, Ticket
+from kvxfer.backends.host_bounce import CopyDirection, CopyOp, host_block_view
 from kvxfer.core import wire
 from kvxfer.core.heads import HeadLayout
+from kvxfer.core.layout import KVLayout
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction
 from tests.tp_ranks import NUM_BLOCKS, Rank, consumers, producers
 from tests.tp_ranks import closing as closing  # the fixture, by name
 
 SEED = 57
+IntArray = npt.NDArray[np.int64]
+ByteArray = npt.NDArray[np.uint8]
 _slots = (i % GuardBook.slots_for(NUM_BLOCKS) for i in itertools.count())
 
 #: (model KV heads, prefill TP, decode TP). llm-d's layout first: prefill TP1 feeding
@@ -209,3 +216,65 @@ def test_equal_tp_sizes_post_what_they_posted_before(closing: list[Rank]) -> Non
     assert t.state is TransferState.DONE
     assert t.stats.descriptors == 4 * 4
     assert decode.cache.mismatches([7, 8, 9, 10], [3, 4, 5, 6], SEED) == []
+
+
+def test_a_push_reception_stages_in_after_every_earlier_copy_of_its_blocks(
+    closing: list[Rank],
+) -> None:
+    """Four producer ranks push one head each into one decode rank through host
+    staging, and each rank's reception copies the whole blocks in once that rank's
+    writes landed. A copy-in that read the staging rows before the other ranks' heads
+    landed and writes the engine's rows only after their copy-ins (an engine copy
+    descheduled between its read and its write) must not undo theirs: every head
+    stays the producer's bytes."""
+    regions = 4  # 2 layers x K/V, every head of the decode rank in each
+    early, late, others = threading.Event(), threading.Event(), threading.Event()
+    after: list[int] = []
+
+    def slow_copy(layout: KVLayout) -> CopyOp:
+        views = [host_block_view(r) for r in layout.regions]
+
+        def op(direction: CopyDirection, region: int, ids: IntArray, staging: ByteArray) -> None:
+            if direction is CopyDirection.OUT:
+                staging[ids] = views[region][ids]
+                return
+            rows = staging[ids]  # read now...
+            if not late.is_set():
+                early.set()
+                others.wait(1.0)  # ...written after the other ranks' copy-ins
+            else:
+                after.append(region)
+                if len(after) == 3 * regions:
+                    others.set()
+            views[region][ids] = rows
+
+        return op
+
+    prefill = producers(
+        HeadLayout(num_kv_heads=4, tp_size=4),
+        seed=SEED,
+        direction=Direction.PUSH,
+        timeout_s=10.0,
+        per_head=False,
+        bounce=True,
+    )
+    decode = consumers(
+        HeadLayout(num_kv_heads=4, tp_size=1),
+        direction=Direction.PUSH,
+        timeout_s=10.0,
+        per_head=False,
+        copy_op=slow_copy,
+    )
+    closing += prefill + decode
+    remote, local = [3, 7, 1, 9], [10, 2, 5, 4]
+    cap = wire.new_capability()
+    ticket = _push_ticket(prefill, "req-late", 15, cap)
+    (transfer,) = [c.agent.expect_push(ticket, local) for c in decode]
+    prefill[0].agent.hold("req-late", remote, 15, capability=cap)
+    assert early.wait(5), "rank 0's copy-in never began"
+    late.set()
+    for p in prefill[1:]:
+        p.agent.hold("req-late", remote, 15, capability=cap)
+    transfer.wait(10)
+    assert transfer.state is TransferState.DONE, transfer.error
+    assert decode[0].cache.mismatches(local, remote, SEED) == []

@@ -9,16 +9,17 @@ import itertools
 import random
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
-from kvxfer.backends.host_bounce import HostBounceBackend
+from kvxfer.backends.host_bounce import CopyOp, HostBounceBackend
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank
+from kvxfer.core.layout import KVLayout
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import KvxferError
 from kvxfer.testing.fake_backend import FakeBackend
@@ -79,16 +80,22 @@ def make_rank(
     stream: bool = False,
     per_head: bool = True,
     bounce: bool = False,
+    copy_op: Callable[[KVLayout], CopyOp] | None = None,
     host: str = "127.0.0.1",
 ) -> Rank:
     """A registered rank (its cache filled from ``seed``, or empty with None), described
     one region per head or (``per_head=False``) per layer and K/V; with ``bounce`` its
     blocks go through host staging buffers (the vLLM CPU build's backend) over the
-    fake transport (``Rank.backend``, for faults). It serves at ``host``."""
+    fake transport (``Rank.backend``, for faults), copied by ``copy_op(layout)`` when
+    given (the engine's block copy, as vLLM passes one). It serves at ``host``."""
     cache = TPHostCache(heads, rank, num_blocks=NUM_BLOCKS, fill_seed=seed)
+    layout = cache.layout(global_heads=False, per_head=per_head)
     options = BackendOptions(agent_name=f"{engine_id}-{rank}-{next(_names)}")
     backend = FakeBackend(options)
-    bouncer = HostBounceBackend(options, transport=backend) if bounce else None
+    bouncer = None
+    if bounce or copy_op is not None:
+        op = None if copy_op is None else copy_op(layout)
+        bouncer = HostBounceBackend(options, transport=backend, copy_op=op)
     fingerprint = Fingerprint(
         model="m",
         dtype="bfloat16",
@@ -111,7 +118,7 @@ def make_rank(
         ),
         backend=bouncer or backend,
     )
-    agent.register(cache.layout(global_heads=False, per_head=per_head), keep=cache)
+    agent.register(layout, keep=cache)
     return Rank(agent, backend, cache)
 
 
@@ -165,6 +172,7 @@ def consumers(
     timeout_s: float,
     per_head: bool = True,
     bounce: bool = False,
+    copy_op: Callable[[KVLayout], CopyOp] | None = None,
 ) -> list[Rank]:
     """Consumer ranks with empty caches (not serving until they need to)."""
     return [
@@ -179,6 +187,7 @@ def consumers(
             timeout_s=timeout_s,
             per_head=per_head,
             bounce=bounce,
+            copy_op=copy_op,
         )
         for r in range(heads.tp_size)
     ]
