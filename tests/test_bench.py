@@ -566,6 +566,10 @@ def test_from_json_reports_a_saved_run(tmp_path: Any, capsys: pytest.CaptureFixt
     assert objs[0] == header
     assert [o["kind"] for o in objs].count("bar") == len(report.check_bars(rows))
     assert bench.main(["--from-json", str(tmp_path / "missing.jsonl")]) == 2
+    # A run with UCX told to leave CMA out says so beside the network.
+    saved.write_text("\n".join(json.dumps(o) for o in [{**header, "ucx_tls": "tcp,self"}, *rows]))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    assert ", loopback (UCX_TLS=tcp,self: no CMA), " in capsys.readouterr().out
 
 
 def test_plan_micro_bench_times_every_case(capsys: pytest.CaptureFixture[str]) -> None:

@@ -132,3 +132,30 @@ def test_numpy_pages_follow_the_kernels_mode_and_numpys_switch(
     else:
         monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", env)
     assert cma.numpy_pages() == pages
+
+
+@pytest.mark.parametrize(
+    ("tls", "uses"),
+    [
+        (None, True),
+        ("", True),
+        ("tcp,self", False),
+        ("rc,ud,self", False),
+        ("cma,tcp", True),
+        ("sm,self", True),
+        ("shm", True),
+        ("all", True),
+        (" TCP , CMA ", True),
+        ("^cma", False),
+        ("^sm", False),
+        ("^tcp", True),
+    ],
+)
+def test_ucx_uses_cma_reads_ucx_tls_as_ucx_does(tls: str | None, uses: bool) -> None:
+    assert cma.ucx_uses_cma(tls) is uses
+
+
+def test_tls_note_names_ucx_tls_and_whether_cma_is_left_out() -> None:
+    assert cma.tls_note(None) == ""
+    assert cma.tls_note("cma,tcp") == " (UCX_TLS=cma,tcp)"
+    assert cma.tls_note("tcp,self") == " (UCX_TLS=tcp,self: no CMA)"

@@ -102,3 +102,10 @@ def test_demo_text_sets_push_over_pull_beside_the_kernels_write_over_read() -> N
     assert "0.72 on huge pages (12.4 / 17.2 GB/s)" in text
     assert "4 KiB pages not measured: errno 1" in text
     assert demo._push_lines({"cma": rates}) == []  # one direction only: nothing to set beside
+
+
+def test_demo_text_leaves_the_kernels_copy_out_where_ucx_does() -> None:
+    from kvxfer.tools import demo
+
+    tcp = {"push_over_pull": 1.4, "cache_pages": "huge", "ucx_tls": "tcp,self"}
+    assert demo._push_lines(tcp) == ["  push over pull: 1.40 (UCX_TLS=tcp,self: no CMA)"]

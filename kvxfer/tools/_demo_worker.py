@@ -5,6 +5,7 @@ Messages on the pipes are ``(command, payload)`` tuples of plain Python values.
 
 from __future__ import annotations
 
+import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -273,7 +274,9 @@ def coordinate(
         out["push_over_pull"] = out["push"]["gbps"] / out["pull"]["gbps"]
         # The kernel's own write-over-read between two processes: where push trails
         # pull on one host, this says how much of it is the transport's (UCX over CMA).
-        out["cma"] = cma.by_page_size()
         out["cache_pages"] = cma.numpy_pages()
+        out["ucx_tls"] = os.environ.get("UCX_TLS") or None
+        if cma.ucx_uses_cma(out["ucx_tls"]):
+            out["cma"] = cma.by_page_size()
     out["ok"] = total_ok
     return out

@@ -48,6 +48,8 @@ __all__ = [
     "measure",
     "numpy_pages",
     "thp_mode",
+    "tls_note",
+    "ucx_uses_cma",
 ]
 
 #: The child: map and touch a buffer, print its address, hold it until stdin closes.
@@ -209,6 +211,35 @@ def numpy_pages() -> str:
     if thp in ("always", "never"):
         return "huge" if thp == "always" else "small"
     return "small" if os.environ.get("NUMPY_MADVISE_HUGEPAGE") == "0" else "huge"
+
+
+#: ``UCX_TLS`` names that include CMA: itself, the shared-memory aliases and ``all``.
+_CMA_NAMES = frozenset({"cma", "sm", "shm", "all"})
+
+
+def ucx_uses_cma(tls: str | None) -> bool:
+    """Whether UCX may copy between two processes on one host with CMA under
+    ``UCX_TLS=tls`` (``None`` or empty: unset, UCX picks and CMA wins on one host).
+
+    A list names the transports to use; a leading ``^`` names those to leave out
+    (UCX's syntax). With CMA left out (``UCX_TLS=tcp,self``, as across hosts) the
+    kernel's write over read says nothing about a push against a pull.
+    """
+    if not tls or not tls.strip():
+        return True
+    text = tls.strip()
+    negated = text.startswith("^")
+    names = {n.strip().lower() for n in text.lstrip("^").split(",") if n.strip()}
+    named = bool(names & _CMA_NAMES)
+    return not (names & (_CMA_NAMES - {"all"})) if negated else named
+
+
+def tls_note(tls: str | None) -> str:
+    """What a report says of ``UCX_TLS`` beside the network: ``""`` when unset, else
+    ``" (UCX_TLS=...)"``, ending ``": no CMA"`` where it leaves the kernel's copy out."""
+    if not tls:
+        return ""
+    return f" (UCX_TLS={tls}{'' if ucx_uses_cma(tls) else ': no CMA'})"
 
 
 def by_page_size(nbytes: int = 128 << 20) -> dict[str, Any]:

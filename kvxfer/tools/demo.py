@@ -74,6 +74,8 @@ def _push_lines(result: dict[str, Any]) -> list[str]:
     if ratio is None:
         return []
     pages = cma.PAGE_NAMES.get(result.get("cache_pages", ""), "?")
+    if "cma" not in result:  # UCX told to leave CMA out: the kernel's copy is not the path
+        return [f"  push over pull: {ratio:.2f}{cma.tls_note(result.get('ucx_tls'))}"]
     return [
         f"  push over pull: {ratio:.2f} (caches on {pages}); this kernel's process_vm_writev "
         "over readv,",

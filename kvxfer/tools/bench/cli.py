@@ -24,6 +24,7 @@ import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.report as report
 from kvxfer.agent import PushPost
 from kvxfer.errors import MissingDependency
+from kvxfer.tools import cma as _cma
 
 __all__ = [
     "DESCRIPTION",
@@ -291,7 +292,8 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
     from kvxfer.tools.bench.runner import Runner
 
     cases, skipped = plan_cases(args)
-    if header is not None and {"pull", "push"} <= {c.direction for c in cases}:
+    both = {"pull", "push"} <= {c.direction for c in cases}
+    if header is not None and both and _cma.ucx_uses_cma(header.get("ucx_tls")):
         header["cma"] = _kernel_copy_rates()
     planning: list[bc.Case] = []
     if not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
@@ -369,6 +371,7 @@ def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, A
         "cpus": os.cpu_count(),
         "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "network": "two network namespaces (veth)" if args.netns else "loopback",
+        "ucx_tls": os.environ.get("UCX_TLS") or None,
         "reps": args.reps or (5 if args.quick else 7),
         "argv": list(argv if argv is not None else sys.argv[1:]),
     }
@@ -430,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(
             f"kvxfer bench — {header.get('date', '?')}, {header.get('cpus', '?')} CPUs, "
-            f"{header.get('network', '?')}, {header.get('reps', '?')} timed reps per case"
+            f"{header.get('network', '?')}{_cma.tls_note(header.get('ucx_tls'))}, "
+            f"{header.get('reps', '?')} timed reps per case"
         )
         print(report.format_table(results, bars))
     if args.plot:

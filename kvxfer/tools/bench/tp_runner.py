@@ -29,6 +29,7 @@ import msgspec
 
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.tp_cases as tc
+from kvxfer.tools import cma
 from kvxfer.tools.bench.procs import BenchError, Children
 from kvxfer.tools.bench.tp_bars import format_tp_bars, tp_bars
 from kvxfer.tools.bench.tp_main import tp_worker_main
@@ -410,7 +411,8 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
         load = header.get("load") or ()
         print(
             f"kvxfer bench --tp {args.tp} — {header.get('date', '?')}, {header.get('cpus', '?')} "
-            f"CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), loopback, "
+            f"CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), loopback"
+            f"{cma.tls_note(header.get('ucx_tls'))}, "
             f"{reps} timed reps per case (up to {runner.max_reps} until x runs is known "
             f"to ±0.04), {firsts} first request(s) per case"
         )
