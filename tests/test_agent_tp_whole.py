@@ -271,7 +271,7 @@ def test_a_push_reception_stages_in_after_every_earlier_copy_of_its_blocks(
     ticket = _push_ticket(prefill, "req-late", 15, cap)
     (transfer,) = [c.agent.expect_push(ticket, local) for c in decode]
     prefill[0].agent.hold("req-late", remote, 15, capability=cap)
-    assert early.wait(5), "rank 0's copy-in never began"
+    assert early.wait(10), "rank 0's copy-in never began"
     late.set()
     for p in prefill[1:]:
         p.agent.hold("req-late", remote, 15, capability=cap)
