@@ -168,6 +168,11 @@ class ReceptionState(msgspec.Struct, kw_only=True):
         stage_in: Complete: copy the staging buffers in (host bounce).
         unreachable_since: Failed: since when its producer has had no route
             (kvxfer._agent.liveness), 0 while it has one.
+        siblings: Across TP sizes, the receptions of the same request from the other
+            producer ranks. A copy in moves the whole blocks, every rank's heads, so
+            one reception copies, the first to settle once all of them are complete,
+            and after every rank's bytes landed: one copy, not one per rank.
+        copies_in: It is that reception.
     """
 
     source: int = 0
@@ -178,6 +183,8 @@ class ReceptionState(msgspec.Struct, kw_only=True):
     final: bool = False
     stage_in: bool = False
     unreachable_since: float = 0.0
+    siblings: list[ReceptionState] = msgspec.field(default_factory=list)
+    copies_in: bool = False
 
 
 class WriteState(msgspec.Struct, kw_only=True):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import threading
 
 import msgspec
 import numpy as np
@@ -218,35 +217,26 @@ def test_equal_tp_sizes_post_what_they_posted_before(closing: list[Rank]) -> Non
     assert decode.cache.mismatches([7, 8, 9, 10], [3, 4, 5, 6], SEED) == []
 
 
-def test_a_push_reception_stages_in_after_every_earlier_copy_of_its_blocks(
+def test_a_push_across_tp_sizes_copies_in_once_after_every_ranks_bytes_landed(
     closing: list[Rank],
 ) -> None:
     """Four producer ranks push one head each into one decode rank through host
-    staging, and each rank's reception copies the whole blocks in once that rank's
-    writes landed. A copy-in that read the staging rows before the other ranks' heads
-    landed and writes the engine's rows only after their copy-ins (an engine copy
-    descheduled between its read and its write) must not undo theirs: every head
-    stays the producer's bytes."""
+    staging: one reception per rank, and a copy in moves the whole blocks (every
+    rank's head). So the blocks are copied in once, by the reception that settles
+    once all four are complete, never by one whose siblings' heads may still land;
+    every head is then the producer's bytes."""
     regions = 4  # 2 layers x K/V, every head of the decode rank in each
-    early, late, others = threading.Event(), threading.Event(), threading.Event()
-    after: list[int] = []
+    copies: list[int] = []
 
-    def slow_copy(layout: KVLayout) -> CopyOp:
+    def counting_copy(layout: KVLayout) -> CopyOp:
         views = [host_block_view(r) for r in layout.regions]
 
         def op(direction: CopyDirection, region: int, ids: IntArray, staging: ByteArray) -> None:
             if direction is CopyDirection.OUT:
                 staging[ids] = views[region][ids]
-                return
-            rows = staging[ids]  # read now...
-            if not late.is_set():
-                early.set()
-                others.wait(1.0)  # ...written after the other ranks' copy-ins
             else:
-                after.append(region)
-                if len(after) == 3 * regions:
-                    others.set()
-            views[region][ids] = rows
+                copies.append(region)
+                views[region][ids] = staging[ids]
 
         return op
 
@@ -263,18 +253,18 @@ def test_a_push_reception_stages_in_after_every_earlier_copy_of_its_blocks(
         direction=Direction.PUSH,
         timeout_s=10.0,
         per_head=False,
-        copy_op=slow_copy,
+        copy_op=counting_copy,
     )
     closing += prefill + decode
-    remote, local = [3, 7, 1, 9], [10, 2, 5, 4]
-    cap = wire.new_capability()
-    ticket = _push_ticket(prefill, "req-late", 15, cap)
-    (transfer,) = [c.agent.expect_push(ticket, local) for c in decode]
-    prefill[0].agent.hold("req-late", remote, 15, capability=cap)
-    assert early.wait(10), "rank 0's copy-in never began"
-    late.set()
-    for p in prefill[1:]:
-        p.agent.hold("req-late", remote, 15, capability=cap)
-    transfer.wait(10)
-    assert transfer.state is TransferState.DONE, transfer.error
-    assert decode[0].cache.mismatches(local, remote, SEED) == []
+    for rep, (remote, local) in enumerate([([3, 7, 1, 9], [10, 2, 5, 4]), ([0, 1], [6, 7])]):
+        rid, tokens = f"req-once-{rep}", len(remote) * 4 - 1
+        cap = wire.new_capability()
+        ticket = _push_ticket(prefill, rid, tokens, cap)
+        (transfer,) = [c.agent.expect_push(ticket, local) for c in decode]
+        copies.clear()
+        for p in prefill:
+            p.agent.hold(rid, remote, tokens, capability=cap)
+        transfer.wait(10)
+        assert transfer.state is TransferState.DONE, transfer.error
+        assert sorted(copies) == list(range(regions)), rep  # once, not once per rank
+        assert decode[0].cache.mismatches(local, remote, SEED) == [], rep

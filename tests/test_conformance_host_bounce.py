@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from kvxfer.backend import BackendOptions, XferOp, XferStatus
 from kvxfer.backends._bounce import slice_ids
 from kvxfer.backends.host_bounce import (
     NOT_AVAILABLE,
+    CopyDirection,
     CopyOp,
     HostBounceBackend,
     host_block_view,
@@ -141,6 +143,48 @@ def test_stage_copies_only_listed_blocks_of_strided_regions() -> None:
             if r.group == 0:
                 expect[2] = 0xAB
             assert np.array_equal(cache.views[i], expect)
+    finally:
+        be.close()
+
+
+def test_overlapping_copies_in_leave_the_later_ones_bytes() -> None:
+    """Two copies in of the same blocks overlap (receptions settling on two threads):
+    one that read the staging rows before new bytes landed and writes the engine's
+    rows late (an engine copy descheduled between its read and its write) must not
+    overwrite what the later copy wrote: copies in of a region go one at a time."""
+    cache = PatternCache(CacheShape(num_blocks=4))
+    read, later = threading.Event(), threading.Event()
+
+    def op(direction: CopyDirection, region: int, blocks: Any, staging: Any) -> None:
+        if direction is CopyDirection.OUT:
+            staging[blocks] = cache.views[region][blocks]
+            return
+        rows = staging[blocks].copy()  # read now...
+        if not read.is_set():
+            read.set()
+            later.wait(1.0)  # ...and written after the later copy (1 s at most)
+        cache.views[region][blocks] = rows
+
+    options = BackendOptions(
+        agent_name=f"hb-{os.getpid()}-{next(_names)}", extra={"copy_threads": "1"}
+    )
+    be = HostBounceBackend(options, transport=FakeBackend(options), copy_op=op)
+    try:
+        exposed = be.register(cache.layout)
+        staging = [host_block_view(r) for r in exposed.regions]
+        for v in staging:
+            v[:] = 0x11
+        ids = [np.arange(4, dtype=np.int64) for _ in cache.layout.groups]
+        first = threading.Thread(target=be.stage_in, args=(ids,))
+        first.start()
+        assert read.wait(5)
+        for v in staging:  # new bytes land
+            v[:] = 0x22
+        be.stage_in(ids)
+        later.set()
+        first.join(5)
+        for i, view in enumerate(cache.views):
+            assert (view == 0x22).all(), f"region {i} holds the earlier copy's bytes"
     finally:
         be.close()
 

@@ -244,12 +244,20 @@ class Settler:
             reception = meta.reception
             if reception is not None:
                 reception.writer_live = False
+            # Across TP sizes a copy in moves every producer rank's heads: one reception
+            # copies, the first to settle once all of them are complete (every rank's
+            # bytes landed); the others settle without (Fanout settles the request after
+            # the one that copies).
             copy_in = (
                 self._stages
                 and reception is not None
                 and reception.stage_in
+                and all(s.stage_in and not s.copies_in for s in reception.siblings)
                 and meta.doomed is None
             )
+            if copy_in:
+                assert reception is not None
+                reception.copies_in = True
             # The copy from the staging buffers writes the engine's blocks: busy until
             # it returns, so that an abort meanwhile quarantines instead of settling
             # FAILED under a copy still running (R-SAFE-5).

@@ -102,6 +102,7 @@ class TPReceiver:
         Fanout(aggregate, subs, lambda failed: self._failed(ticket, subs))
         share = {p: sum(1 for r in sources.values() if r == p) for p in ranks}
         me = self._group.local_rank
+        states: dict[int, ReceptionState] = {}
         for p, sub in subs.items():
             sub.meta.capability = capability
             sub.meta.reception = reception = ReceptionState(source=p)
@@ -109,6 +110,9 @@ class TPReceiver:
             sub.stats.bytes = nbytes * share[p] // max(1, len(sources))
             self._receptions.expect(sub)
             reception.writer_live = True  # from the registration on (R-SAFE-5)
+            states[p] = reception
+        for p, state in states.items():
+            state.siblings = [other for q, other in states.items() if q != p]
         host, port = address
         for p, sub in subs.items():
             msg = wire.PushRegister(
