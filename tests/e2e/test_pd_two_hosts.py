@@ -39,6 +39,8 @@ from typing import Any
 
 import pytest
 
+from kvxfer.adapters.vllm.ahead import MAX_RETRY_S
+
 from . import netns_http
 from .hosts import (
     SERVICE,
@@ -143,13 +145,19 @@ def test_sidecar_output_equals_unified_and_the_kv_crossed_the_veth(
     assert re.search(
         rf"remote descriptor\(s\) for engine \S+ at {re.escape(peer_addr)}:", initiator.log_text()
     ), initiator.log_text()[-3000:]
-    # It connected ahead to the other pod found under its Service name (hosts.py).
+    # It connected ahead to the other pod found under its Service name (hosts.py). The
+    # other pod may have answered its side channel only after these requests (each then
+    # handshook itself): connect_ahead retries with a pause growing to MAX_RETRY_S, so
+    # its line may come that much later.
     service = SERVICE["prefill" if site.mode == "pull" else "decode"]
     ahead = (
         rf"kvxfer: connected ahead to {re.escape(peer_addr)}:{SIDE_CHANNEL_PORT} \(tp_size 1\), "
         rf"ranks at ports \[{SIDE_CHANNEL_PORT}\], after [\d.]+ s "
         rf"\(found under {re.escape(service)}:{SIDE_CHANNEL_PORT}\)"
     )
+    until = time.monotonic() + 3 * MAX_RETRY_S
+    while not re.search(ahead, initiator.log_text()) and time.monotonic() < until:
+        time.sleep(0.2)
     assert re.search(ahead, initiator.log_text()), initiator.log_text()[-3000:]
     print(f"{site.mode}: {moved / 1e3:.0f} kB of KV, {crossed / 1e3:.0f} kB over the veth")
 
