@@ -531,8 +531,11 @@ def test_smoke_tiny_case_through_two_processes(
             "nixl_post_s",
         ):
             assert r[key] > 0, key
-        # the transfer itself is part of the whole timed request, on both sides
-        assert r["nixl_post_s"] < r["nixl_s"] and r["post_s"] < r["kvxfer_s"]
+        # A pull's transfer is timed inside its whole request, in the one process that
+        # pulls, on both sides. A push is not ordered so: the writer's DONE (raw NIXL's
+        # post time polls to it) can come after the reader already saw the notice.
+        if r["direction"] == "pull":
+            assert r["nixl_post_s"] < r["nixl_s"] and r["post_s"] < r["kvxfer_s"]
         if r["backend"] == "host_bounce":  # against its ucx sibling, with the machine's floor
             assert r["memcpy_2t_gbps"] > 0 and r["bounce_vs_direct"] > 0
             assert r["bounce_bw_floor"] >= 1 and r["bounce_vs_floor"] > 0
