@@ -33,7 +33,7 @@ from aiohttp import web
 from kvxfer.adapters.vllm import proxy as proxy_mod
 from kvxfer.adapters.vllm.params import remote_ticket, ticket_params
 from kvxfer.adapters.vllm.proxy import Proxy, start_proxy
-from kvxfer.adapters.vllm.proxy.dispatch import (
+from kvxfer.adapters.vllm.proxy.messages import (
     PREFILL_PARAMS,
     SseScanner,
     learn_endpoint,

@@ -342,7 +342,7 @@ def _run_setups(
 def wait_cost(model: Path, logs: Path, block_size: int, seconds: float = 4.0) -> dict[str, float]:
     """CPU cores a push decode instance uses while a request waits for a push that
     never comes (prefill never runs it), against the same instance idle."""
-    from kvxfer.adapters.vllm.proxy.dispatch import learn_endpoint, push_receiver_params
+    from kvxfer.adapters.vllm.proxy.messages import learn_endpoint, push_receiver_params
 
     setup = Setup("push", model, logs, block_size, 1024)
     try:

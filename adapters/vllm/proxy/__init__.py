@@ -22,6 +22,7 @@ belongs with the adapter, in a room of its own. Modules:
 
 * :mod:`~.options`: :class:`ProxyConfig`, each option declared once (flag, help, rule);
 * :mod:`~.routing`: pure policies (which route, which instance, prefix affinity);
+* :mod:`~.messages`: P/D request parameters, error bodies, the SSE token counter (pure);
 * :mod:`~.dispatch`: one client request through prefill and decode over HTTP;
 * :mod:`~.metrics`: the proxy's Prometheus series and ``/stats``;
 * :mod:`~.server`: the aiohttp server, :func:`start_proxy` and :func:`main`.

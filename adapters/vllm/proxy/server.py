@@ -30,7 +30,8 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise missing_dependency("aiohttp", "proxy", _exc) from _exc
 
-from kvxfer.adapters.vllm.proxy.dispatch import Dispatcher, ProxyError, Stage
+from kvxfer.adapters.vllm.proxy.dispatch import Dispatcher
+from kvxfer.adapters.vllm.proxy.messages import ProxyError, Stage
 from kvxfer.adapters.vllm.proxy.metrics import ProxyMetrics
 from kvxfer.adapters.vllm.proxy.options import (
     ProxyConfig,
