@@ -88,22 +88,32 @@ def test_the_x_runs_interval_is_the_paired_ratios_median_interval() -> None:
     assert bc.settled(kv, [0.95, 0.96, 0.96, 0.97, 0.97, 0.98, 0.99]) is True
 
 
-def test_later_first_requests_are_verified_and_their_median_reported() -> None:
+def test_later_first_requests_are_verified_and_held_against_their_own_start() -> None:
     case = _case(2, 1)
     moved = tc.expected_bytes(case)
     first = {"bytes": moved, "descriptors": 7, "bad": 0, "s": 3.0}
     times = {"kvxfer": [2.0] * 5, "nixl": [4.0] * 5, "nixl_runs": [2.0] * 5, "memcpy": [1.0] * 5}
     row = tc.assemble(case, first, {**first, "s": 8.0}, dict(first), times, {})
-    assert row["first_samples_s"] == [3.0] and row["first_vs_steady"] == 1.5
-    row = tc.add_first(row, {**first, "s": 2.0}, {**first, "s": 4.0})
-    row = tc.add_first(row, {**first, "s": 2.2}, {**first, "s": 6.0})
-    assert row["status"] == "ok" and row["first_samples_s"] == [3.0, 2.0, 2.2]
-    assert row["first_transfer_s"] == 2.2 and row["first_vs_steady"] == pytest.approx(1.1)
+    assert row["first_samples_s"] == [3.0] and row["first_steady_s"] == [2.0]
+    assert row["first_vs_steady"] == 1.5 and row["nixl_first_vs_steady"] == 2.0
+    # A later start whose steady level is twice the first start's: its first of 4.4
+    # is 1.1x its own steady 4.0 (2.2x the first start's, which is not its level).
+    row = tc.add_first(row, {**first, "s": 4.4}, {**first, "s": 4.0}, 4.0, 4.0)
+    row = tc.add_first(row, {**first, "s": 2.0}, {**first, "s": 6.0}, 2.0, 4.0)
+    assert row["status"] == "ok" and row["first_samples_s"] == [3.0, 4.4, 2.0]
+    assert row["first_steady_s"] == [2.0, 4.0, 2.0]
+    assert row["first_ratios"] == pytest.approx([1.5, 1.1, 1.0])
+    assert row["first_transfer_s"] == 3.0 and row["first_vs_steady"] == pytest.approx(1.1)
     assert row["nixl_first_samples_s"] == [8.0, 4.0, 6.0] and row["nixl_first_transfer_s"] == 6.0
+    assert row["nixl_first_steady_s"] == [4.0, 4.0, 4.0]
+    assert row["nixl_first_vs_steady"] == pytest.approx(1.5)
     assert "1.10 1.00-1.50" in tc.format_tp_table([row])
-    wrong = tc.add_first(row, {**first, "bad": 3}, dict(first))
+    # A start without a steady median counts among the samples, not the ratios.
+    row = tc.add_first(row, {**first, "s": 9.0}, dict(first), None, None)
+    assert row["first_ratios"] == pytest.approx([1.5, 1.1, 1.0])
+    wrong = tc.add_first(row, {**first, "bad": 3}, dict(first), 2.0, 4.0)
     assert wrong["status"] == "failed" and "wrong rows: kvxfer 3, nixl 0" in wrong["reason"]
-    short = tc.add_first(row, {**first, "bytes": moved - 2}, dict(first))
+    short = tc.add_first(row, {**first, "bytes": moved - 2}, dict(first), 2.0, 4.0)
     assert short["status"] == "failed" and f"moved {moved - 2} bytes" in short["reason"]
 
 
@@ -117,8 +127,7 @@ def _tp_row(label: str, **kw: Any) -> dict[str, Any]:
         "kvxfer_vs_nixl_runs": 0.97,
         "kvxfer_vs_nixl_runs_ci": (0.95, 0.99),
         "first_vs_steady": 1.1,
-        "nixl_first_transfer_s": 0.012,
-        "nixl_s": 0.010,
+        "nixl_first_vs_steady": 1.2,
     }
     return {**row, **kw}
 
@@ -126,7 +135,7 @@ def _tp_row(label: str, **kw: Any) -> dict[str, Any]:
 def test_tp_bars_hold_and_miss_on_the_worst_case() -> None:
     from kvxfer.tools.bench.tp_bars import format_tp_bars, tp_bars
 
-    rows = [_tp_row("a"), _tp_row("b", first_vs_steady=0.9, nixl_first_transfer_s=0.02)]
+    rows = [_tp_row("a"), _tp_row("b", first_vs_steady=0.9, nixl_first_vs_steady=2.0)]
     bars = {b["bar"]: b for b in tp_bars([*rows, tc.tp_failed(_case(1, 2), "x")])}
     assert [b["holds"] for b in bars.values()] == [True, True, True]
     first = bars["first request over the steady median"]
@@ -222,9 +231,15 @@ def test_tiny_tp_cases_through_real_processes() -> None:
         assert r["kvxfer_vs_nixl_runs_ci"] is None
         assert all(len(v) == 2 for v in r["samples"].values())
         assert len(r["first_samples_s"]) == len(r["nixl_first_samples_s"]) == 2
+        # The first start's first over the timed reps' median; the second start's
+        # over its own steady reps'.
+        assert r["first_steady_s"][0] == r["kvxfer_s"] and r["first_steady_s"][1] > 0
         assert r["first_vs_steady"] == pytest.approx(
-            statistics.median(r["first_samples_s"]) / r["kvxfer_s"]
+            statistics.median(
+                [f / s for f, s in zip(r["first_samples_s"], r["first_steady_s"], strict=True)]
+            )
         )
+        assert r["nixl_first_steady_s"][0] == r["nixl_s"] and r["nixl_first_vs_steady"] > 0
         # A pull's decode rank connects to each prefill rank; a push's prefill ranks
         # connect to the decode rank.
         hs = (

@@ -64,15 +64,11 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
 
     firsts = [(r["first_vs_steady"], r["label"]) for r in ok if r.get("first_vs_steady")]
     worst = max(firsts) if firsts else None
-    raw = [
-        r["nixl_first_transfer_s"] / r["nixl_s"]
-        for r in ok
-        if r.get("nixl_first_transfer_s") and r.get("nixl_s")
-    ]
+    raw = [r["nixl_first_vs_steady"] for r in ok if r.get("nixl_first_vs_steady")]
     counts = sorted({len(r.get("first_samples_s") or ()) for r in ok} - {0})
     note = (
         f"each case's median of {'/'.join(map(str, counts))} first request(s), every one "
-        "from a fresh start of its processes; "
+        "from a fresh start of its processes, over that start's steady median; "
         if counts
         else ""
     )

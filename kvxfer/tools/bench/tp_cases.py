@@ -310,20 +310,28 @@ def assemble(
         "kvxfer_vs_memcpy": _paired(memcpy, kv),
         "nixl_vs_memcpy": _paired(memcpy, raw),
         # The first request after the handshake: one per start of the case's
-        # processes (add_first adds the later starts'), their median over the steady
-        # median (issue 27: <= 1.2), and raw NIXL's the same way.
-        **_first_fields([first["s"]], [raw_first["s"]], kv_s),
+        # processes (add_first adds the later starts'), each over the steady median
+        # of its own start, and the median of those ratios (issue 27: <= 1.2); raw
+        # NIXL's the same way.
+        **_first_fields([(first["s"], kv_s)], [(raw_first["s"], raw_s)]),
         **extra,
         "samples": {k: list(v) for k, v in times.items()},
     }
 
 
 def add_first(
-    result: dict[str, Any], first: dict[str, Any], raw_first: dict[str, Any]
+    result: dict[str, Any],
+    first: dict[str, Any],
+    raw_first: dict[str, Any],
+    steady_s: float | None,
+    raw_steady_s: float | None,
 ) -> dict[str, Any]:
     """``result`` with one more first request of kvxfer and of raw NIXL (verified,
-    from a fresh start of the case's processes) among its first samples; a first
-    whose bytes do not verify, or that moved other bytes, fails the case."""
+    from a fresh start of the case's processes) among its first samples, each with
+    the steady median of the same start (``steady_s``, ``raw_steady_s``): a start's
+    steady level is its own (one case's steady medians moved 14-21 ms between starts
+    on the 2-core host), so a first is held against its own start's. A first whose
+    bytes do not verify, or that moved other bytes, fails the case."""
     bad = {"kvxfer": first["bad"], "nixl": raw_first["bad"]}
     if any(b != 0 for b in bad.values()):
         rows = ", ".join(f"{k} {v}" for k, v in bad.items())
@@ -332,32 +340,43 @@ def add_first(
     if first["bytes"] != result["bytes_moved"]:
         why = f"a later first request moved {first['bytes']} bytes, not {result['bytes_moved']}"
         return {**result, "status": "failed", "reason": why}
-    firsts = [*result["first_samples_s"], first["s"]]
-    raws = [*result["nixl_first_samples_s"], raw_first["s"]]
-    return {**result, **_first_fields(firsts, raws, result["kvxfer_s"])}
+    firsts = [*zip(result["first_samples_s"], result["first_steady_s"]), (first["s"], steady_s)]
+    raws = [
+        *zip(result["nixl_first_samples_s"], result["nixl_first_steady_s"]),
+        (raw_first["s"], raw_steady_s),
+    ]
+    return {**result, **_first_fields(firsts, raws)}
+
+
+def _ratios(pairs: Sequence[tuple[float, float | None]]) -> list[float]:
+    return [first / steady for first, steady in pairs if steady]
 
 
 def _first_fields(
-    firsts: Sequence[float], raws: Sequence[float], kv_s: float | None
+    firsts: Sequence[tuple[float, float | None]], raws: Sequence[tuple[float, float | None]]
 ) -> dict[str, Any]:
-    """A case's first-request samples (kvxfer's, raw NIXL's) and their medians, and
-    kvxfer's median over the steady one ``kv_s``."""
-    first_s = bc.median(firsts)
+    """A case's first requests, each with its start's steady median (kvxfer's, raw
+    NIXL's): the samples, their medians, and the median of first over steady."""
+    ratios, raw_ratios = _ratios(firsts), _ratios(raws)
     return {
-        "first_samples_s": list(firsts),
-        "first_transfer_s": first_s,
-        "first_vs_steady": first_s / kv_s if kv_s and first_s else None,
-        "nixl_first_samples_s": list(raws),
-        "nixl_first_transfer_s": bc.median(raws),
+        "first_samples_s": [f for f, _ in firsts],
+        "first_steady_s": [s for _, s in firsts],
+        "first_transfer_s": bc.median([f for f, _ in firsts]),
+        "first_vs_steady": bc.median(ratios) if ratios else None,
+        "first_ratios": ratios,
+        "nixl_first_samples_s": [f for f, _ in raws],
+        "nixl_first_steady_s": [s for _, s in raws],
+        "nixl_first_transfer_s": bc.median([f for f, _ in raws]),
+        "nixl_first_vs_steady": bc.median(raw_ratios) if raw_ratios else None,
     }
 
 
 def _first_range(r: dict[str, Any]) -> tuple[float, float] | None:
-    """The lowest and highest first transfer over the steady median."""
-    firsts, kv_s = r.get("first_samples_s"), r.get("kvxfer_s")
-    if not firsts or not kv_s:
+    """The lowest and highest first transfer over its start's steady median."""
+    ratios = r.get("first_ratios")
+    if not ratios:
         return None
-    return min(firsts) / kv_s, max(firsts) / kv_s
+    return min(ratios), max(ratios)
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
@@ -387,8 +406,9 @@ def format_tp_table(results: Sequence[dict[str, Any]]) -> str:
         "kvxfer's backend posts; nixl u: units NIXL merges the prepared ids into; runs:",
         "the fewest that cover the bytes; NHD descs: a token-major cache's strided head",
         "slices (refused by kvxfer); 1st/st: the first transfer after the handshake over",
-        "the steady median (with --firsts N, the median of N first transfers, each from",
-        "a fresh start of the case's processes; 1st range: the lowest and highest of them)",
+        "the steady median (with --firsts N, the median over N fresh starts of the case's",
+        "processes of each start's first over that start's steady median; 1st range: the",
+        "lowest and highest of them)",
         head,
     ]
     for r in results:

@@ -90,9 +90,11 @@ class TPRunner:
     def run(self, case: tc.TPCase) -> dict[str, Any]:
         """Measure one case; a result object either way. With ``firsts`` above 1, the
         case's processes are started again that many times less one, each time for
-        one verified first request of kvxfer and of raw NIXL only: a first request
-        is one sample, and on two shared cores one sample of the steady ones ranged
-        0.9-1.4x their median."""
+        one verified first request of kvxfer and of raw NIXL and a few steady reps of
+        each to hold it against: a first request is one sample (on two shared cores
+        one sample of the steady ones ranged 0.9-1.4x their median), and each start
+        has its own steady level (how the kernel backed its caches, where its threads
+        run)."""
         ranks = case.producer_ranks
         try:
             with self._processes(ranks):
@@ -103,7 +105,8 @@ class TPRunner:
                 with self._processes(ranks):
                     reps, _ = self._set_up(case, ranks)
                     kv, raw = reps.kvxfer(True), reps.raw(True)
-                result = tc.add_first(result, kv, raw)
+                    steady = self._steady(reps)
+                result = tc.add_first(result, kv, raw, *steady)
             return result
         except BenchError as exc:
             return tc.tp_failed(case, str(exc))
@@ -175,6 +178,18 @@ class TPRunner:
         else:
             reps = _PushReps(self, case, (served[ranks[0]]["host"], base), release)
         return reps, handshake_s
+
+    def _steady(self, reps: _PullReps | _PushReps) -> tuple[float | None, float | None]:
+        """The steady medians of kvxfer and raw NIXL (the planner's ids) over
+        ``min(reps, 5)`` back-to-back unverified reps of each, alternating which goes
+        first: a later start's level for its first request."""
+        kv: list[float] = []
+        raw: list[float] = []
+        for i in range(min(self.reps, 5)):
+            steps = [(kv, reps.kvxfer), (raw, reps.raw)]
+            for into, fn in steps if i % 2 == 0 else steps[::-1]:
+                into.append(fn(False)["s"])
+        return bc.median(kv), bc.median(raw)
 
     def _run(self, case: tc.TPCase, ranks: Sequence[int]) -> dict[str, Any]:
         reps, handshake_s = self._set_up(case, ranks)
