@@ -98,9 +98,16 @@ def test_later_first_requests_are_verified_and_held_against_their_own_start() ->
     assert row["first_vs_steady"] == 1.5 and row["nixl_first_vs_steady"] == 2.0
     # A later start whose steady level is twice the first start's: its first of 4.4
     # is 1.1x its own steady 4.0 (2.2x the first start's, which is not its level).
-    row = tc.add_first(row, {**first, "s": 4.4}, {**first, "s": 4.0}, 4.0, 4.0)
+    row = tc.add_first(row, {**first, "s": 4.4}, {**first, "s": 4.0}, 4.0, 4.0, kvxfer_led=False)
     row = tc.add_first(row, {**first, "s": 2.0}, {**first, "s": 6.0}, 2.0, 4.0)
     assert row["status"] == "ok" and row["first_samples_s"] == [3.0, 4.4, 2.0]
+    # By position: kvxfer led in starts 0 and 2 (1.5, 1.0), followed in start 1 (1.1);
+    # raw NIXL led in start 1 (1.0) and followed in starts 0 and 2 (2.0, 1.5).
+    assert row["first_led"] == [True, False, True]
+    assert row["first_vs_steady_leading"] == pytest.approx(1.25)
+    assert row["first_vs_steady_following"] == pytest.approx(1.1)
+    assert row["nixl_first_vs_steady_leading"] == pytest.approx(1.0)
+    assert row["nixl_first_vs_steady_following"] == pytest.approx(1.75)
     assert row["first_steady_s"] == [2.0, 4.0, 2.0]
     assert row["first_ratios"] == pytest.approx([1.5, 1.1, 1.0])
     assert row["first_transfer_s"] == 3.0 and row["first_vs_steady"] == pytest.approx(1.1)
@@ -142,6 +149,20 @@ def test_tp_bars_hold_and_miss_on_the_worst_case() -> None:
     assert first["worst"] == 1.1 and first["worst_case"] == "a"
     # raw NIXL's own first over steady: 1.2 and 2.0
     assert "median 1.60, worst 2.00" in first["note"]
+    assert "by which ran first" not in first["note"]  # no start of either position
+    led = {
+        "first_vs_steady_leading": 1.3,
+        "first_vs_steady_following": 1.0,
+        "nixl_first_vs_steady_leading": 1.25,
+        "nixl_first_vs_steady_following": 0.98,
+    }
+    rows = [_tp_row("a", **led), _tp_row("b", **{**led, "first_vs_steady_leading": 1.1})]
+    note = tp_bars(rows)[2]["note"]
+    assert note.endswith(
+        "by which ran first after a start, the cases' medians: kvxfer's first 1.10-1.30 "
+        "leading, 1.00-1.00 after raw NIXL's; raw NIXL's 1.25-1.25 leading, 0.98-0.98 "
+        "after kvxfer's"
+    )
     rows = [
         _tp_row("a", units_posted=11),
         _tp_row("b", kvxfer_vs_nixl_runs=0.94, kvxfer_vs_nixl_runs_ci=(0.90, 0.96)),
@@ -170,6 +191,15 @@ def test_options_tp_does_not_take_are_refused(argv: list[str]) -> None:
     assert bench_main(["--tp", *argv]) == 2
 
 
+def test_tp_on_a_saved_matrix_run_is_refused(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "matrix.jsonl"
+    saved.write_text(json.dumps({"kind": "run", "reps": 5}) + "\n")
+    assert bench_main(["--tp", "--from-json", str(saved)]) == 2
+    assert f"--tp: {saved} is not a --tp run" in capsys.readouterr().err
+
+
 def test_firsts_is_refused_without_tp(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["--quick", "--firsts", "2"]) == 2
     assert "--firsts 2: applies to --tp only" in capsys.readouterr().err
@@ -182,7 +212,9 @@ def test_a_runner_refuses_fewer_than_one_first() -> None:
         TPRunner(reps=1, timeout_s=1.0, firsts=0)
 
 
-def test_tiny_tp_cases_through_real_processes() -> None:
+def test_tiny_tp_cases_through_real_processes(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = subprocess.run(
         [
             sys.executable,
@@ -270,3 +302,18 @@ def test_tiny_tp_cases_through_real_processes() -> None:
     table = tc.format_tp_table(list(rows.values()))
     for label in ("TP1->TP2 r0 pull", "TP1->TP2 r0 push", "TP2->TP1 r0 pull", "TP2->TP1 r0 push"):
         assert label in table
+    # The second start let raw NIXL's first run first.
+    assert all(r["first_led"] == [True, False] for r in rows.values())
+    # The saved run reports again, as the same table and bars.
+    saved = tmp_path / "tp.jsonl"
+    saved.write_text(out.stdout)
+    assert bench_main(["--from-json", str(saved)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"kvxfer bench --tp {tc.DEFAULT_PAIRS} — ")
+    assert "up to 2 until x runs is known" in text and "2 first request(s) per case" in text
+    assert table in text and "first request over the steady median" in text
+    assert bench_main(["--from-json", str(saved), "--json"]) == 0
+    again = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert again[0] == objs[0] and again[1:] == objs[1:]
+    assert bench_main(["--from-json", str(saved), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "is a --tp run" in capsys.readouterr().err

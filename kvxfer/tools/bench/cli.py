@@ -145,7 +145,8 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="with --tp: first requests per case, each after a fresh start of the case's "
-        "processes, their median over the steady median reported (3; quick 1)",
+        "processes, their median over the steady median reported (3; quick 1); starts "
+        "alternate whether kvxfer's or raw NIXL's first runs first",
     )
     p.add_argument(
         "--hybrid",
@@ -164,7 +165,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from-json",
         metavar="FILE",
-        help="report (and --plot) a run saved with --json instead of measuring",
+        help="report (and --plot) a run saved with --json instead of measuring (a --tp "
+        "run: its table and bars)",
     )
     p.add_argument(
         "--tables",
@@ -351,7 +353,7 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
             obj = json.loads(line)
             if obj.get("kind") == "run":
                 header = obj
-            elif obj.get("kind") in ("transfer", "planning"):
+            elif obj.get("kind") in ("transfer", "planning", "tp"):
                 results.append(obj)
     return header, results
 
@@ -404,17 +406,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if args.tp:
-        from kvxfer.tools.bench.tp_runner import main_tp
-
-        return main_tp(args, _header(args, argv))
     if args.from_json:
         try:
             header, results = _load(args.from_json)
         except (OSError, ValueError) as exc:
             print(f"kvxfer bench: cannot read {args.from_json}: {exc}", file=sys.stderr)
             return 2
+        if "tp" in header:  # a --tp run: its own table and bars
+            from kvxfer.tools.bench.tp_runner import report_tp
+
+            if args.plot:
+                print(
+                    f"kvxfer bench: --plot: {args.from_json} is a --tp run, which has no "
+                    "GB/s against block size plot",
+                    file=sys.stderr,
+                )
+                return 2
+
+            return report_tp(header, results, as_json=args.json, check=args.check)
+        if args.tp:
+            print(f"kvxfer bench: --tp: {args.from_json} is not a --tp run", file=sys.stderr)
+            return 2
         report.relate(results)
+    elif args.tp:
+        from kvxfer.tools.bench.tp_runner import main_tp
+
+        return main_tp(args, _header(args, argv))
     else:
         header = _header(args, argv)
         results = []

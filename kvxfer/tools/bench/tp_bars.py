@@ -77,6 +77,7 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
             f"raw NIXL's own first transfer over its steady median in the same cases: "
             f"median {statistics.median(raw):.2f}, worst {max(raw):.2f}"
         )
+    note += _by_position(ok)
     bars.append(
         bar(
             "first request over the steady median",
@@ -87,6 +88,33 @@ def tp_bars(results: Sequence[Result]) -> list[Result]:
         )
     )
     return bars
+
+
+def _by_position(ok: Sequence[Result]) -> str:
+    """The firsts' medians by which ran first after a start (starts alternate it):
+    the leader pays for the quiet before it, whichever it is."""
+    cols = {
+        k: [r[k] for r in ok if r.get(k) is not None]
+        for k in (
+            "first_vs_steady_leading",
+            "first_vs_steady_following",
+            "nixl_first_vs_steady_leading",
+            "nixl_first_vs_steady_following",
+        )
+    }
+    if not all(cols.values()):
+        return ""
+
+    def span(xs: list[float]) -> str:
+        return f"{min(xs):.2f}-{max(xs):.2f}"
+
+    return (
+        "; by which ran first after a start, the cases' medians: kvxfer's first "
+        f"{span(cols['first_vs_steady_leading'])} leading, "
+        f"{span(cols['first_vs_steady_following'])} after raw NIXL's; raw NIXL's "
+        f"{span(cols['nixl_first_vs_steady_leading'])} leading, "
+        f"{span(cols['nixl_first_vs_steady_following'])} after kvxfer's"
+    )
 
 
 def format_tp_bars(bars: Sequence[Result]) -> str:

@@ -312,8 +312,8 @@ def assemble(
         # The first request after the handshake: one per start of the case's
         # processes (add_first adds the later starts'), each over the steady median
         # of its own start, and the median of those ratios (issue 27: <= 1.2); raw
-        # NIXL's the same way.
-        **_first_fields([(first["s"], kv_s)], [(raw_first["s"], raw_s)]),
+        # NIXL's the same way. kvxfer's first leads in this start.
+        **_first_fields([(first["s"], kv_s)], [(raw_first["s"], raw_s)], [True]),
         **extra,
         "samples": {k: list(v) for k, v in times.items()},
     }
@@ -325,13 +325,16 @@ def add_first(
     raw_first: dict[str, Any],
     steady_s: float | None,
     raw_steady_s: float | None,
+    *,
+    kvxfer_led: bool = True,
 ) -> dict[str, Any]:
     """``result`` with one more first request of kvxfer and of raw NIXL (verified,
     from a fresh start of the case's processes) among its first samples, each with
     the steady median of the same start (``steady_s``, ``raw_steady_s``): a start's
     steady level is its own (one case's steady medians moved 14-21 ms between starts
-    on the 2-core host), so a first is held against its own start's. A first whose
-    bytes do not verify, or that moved other bytes, fails the case."""
+    on the 2-core host), so a first is held against its own start's. ``kvxfer_led``:
+    kvxfer's first ran before raw NIXL's in that start (see :func:`_first_fields`).
+    A first whose bytes do not verify, or that moved other bytes, fails the case."""
     bad = {"kvxfer": first["bad"], "nixl": raw_first["bad"]}
     if any(b != 0 for b in bad.values()):
         rows = ", ".join(f"{k} {v}" for k, v in bad.items())
@@ -345,18 +348,34 @@ def add_first(
         *zip(result["nixl_first_samples_s"], result["nixl_first_steady_s"]),
         (raw_first["s"], raw_steady_s),
     ]
-    return {**result, **_first_fields(firsts, raws)}
+    led = [*result.get("first_led", [True] * (len(firsts) - 1)), kvxfer_led]
+    return {**result, **_first_fields(firsts, raws, led)}
 
 
 def _ratios(pairs: Sequence[tuple[float, float | None]]) -> list[float]:
     return [first / steady for first, steady in pairs if steady]
 
 
+def _median_where(
+    pairs: Sequence[tuple[float, float | None]], flags: Sequence[bool], want: bool
+) -> float | None:
+    ratios = _ratios([p for p, f in zip(pairs, flags, strict=True) if f is want])
+    return bc.median(ratios) if ratios else None
+
+
 def _first_fields(
-    firsts: Sequence[tuple[float, float | None]], raws: Sequence[tuple[float, float | None]]
+    firsts: Sequence[tuple[float, float | None]],
+    raws: Sequence[tuple[float, float | None]],
+    led: Sequence[bool],
 ) -> dict[str, Any]:
     """A case's first requests, each with its start's steady median (kvxfer's, raw
-    NIXL's): the samples, their medians, and the median of first over steady."""
+    NIXL's): the samples, their medians, and the median of first over steady.
+
+    ``led``: per start, whether kvxfer's first ran before raw NIXL's. The transfer
+    that runs first after a start's quiet set-up pays for the quiet (on the 2-core
+    host, with 2 s idle before it, raw NIXL's first read 1.25-1.28x its steady median
+    when it led and kvxfer's 1.00-1.01x after it; led by kvxfer the two swap), so
+    starts alternate which leads, and the medians by position are kept apart."""
     ratios, raw_ratios = _ratios(firsts), _ratios(raws)
     return {
         "first_samples_s": [f for f, _ in firsts],
@@ -364,10 +383,15 @@ def _first_fields(
         "first_transfer_s": bc.median([f for f, _ in firsts]),
         "first_vs_steady": bc.median(ratios) if ratios else None,
         "first_ratios": ratios,
+        "first_led": list(led),
+        "first_vs_steady_leading": _median_where(firsts, led, True),
+        "first_vs_steady_following": _median_where(firsts, led, False),
         "nixl_first_samples_s": [f for f, _ in raws],
         "nixl_first_steady_s": [s for _, s in raws],
         "nixl_first_transfer_s": bc.median([f for f, _ in raws]),
         "nixl_first_vs_steady": bc.median(raw_ratios) if raw_ratios else None,
+        "nixl_first_vs_steady_leading": _median_where(raws, led, False),
+        "nixl_first_vs_steady_following": _median_where(raws, led, True),
     }
 
 

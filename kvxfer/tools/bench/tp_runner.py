@@ -94,19 +94,25 @@ class TPRunner:
         each to hold it against: a first request is one sample (on two shared cores
         one sample of the steady ones ranged 0.9-1.4x their median), and each start
         has its own steady level (how the kernel backed its caches, where its threads
-        run)."""
+        run). Starts alternate whose first runs first, kvxfer's in the first start."""
         ranks = case.producer_ranks
         try:
             with self._processes(ranks):
                 result = self._run(case, ranks)
-            for _ in range(self.firsts - 1):
+            for start in range(1, self.firsts):
                 if result["status"] != "ok":
                     break
+                # Whichever moves bytes first after the set-up pays for the quiet
+                # before it (tc._first_fields): odd starts let raw NIXL's first lead.
+                led = start % 2 == 0
                 with self._processes(ranks):
                     reps, _ = self._set_up(case, ranks)
-                    kv, raw = reps.kvxfer(True), reps.raw(True)
+                    if led:
+                        kv, raw = reps.kvxfer(True), reps.raw(True)
+                    else:
+                        raw, kv = reps.raw(True), reps.kvxfer(True)
                     steady = self._steady(reps)
-                result = tc.add_first(result, kv, raw, *steady)
+                result = tc.add_first(result, kv, raw, *steady, kvxfer_led=led)
             return result
         except BenchError as exc:
             return tc.tp_failed(case, str(exc))
@@ -388,7 +394,7 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
     """``kvxfer bench --tp``: run the TP cases and print their table (or JSON lines)."""
     other = [
         f"--{k.replace('_', '-')}"
-        for k in ("backends", "modes", "netns", "from_json", "plot")
+        for k in ("backends", "modes", "netns", "plot")
         if getattr(args, k)
     ]
     if other:
@@ -418,22 +424,34 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
     except KeyboardInterrupt:
         print("kvxfer bench: interrupted; reporting the cases measured", file=sys.stderr)
     results = measured + results
+    return report_tp(
+        {**header, "max_reps": runner.max_reps}, results, as_json=args.json, check=args.check
+    )
+
+
+def report_tp(
+    header: dict[str, Any], results: list[dict[str, Any]], *, as_json: bool, check: bool
+) -> int:
+    """Print a TP run's table and bars (or its JSON lines), measured now or saved with
+    ``--json`` (``kvxfer bench --from-json``); the bars are computed from ``results``."""
     bars = tp_bars(results)
-    if args.json:
+    if as_json:
         for r in [header, *results, *bars]:
             print(json.dumps(r, sort_keys=True))
     else:
         load = header.get("load") or ()
+        reps = header.get("reps", "?")
+        max_reps = header.get("max_reps", "?")
         print(
-            f"kvxfer bench --tp {args.tp} — {header.get('date', '?')}, {header.get('cpus', '?')} "
-            f"CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), loopback"
-            f"{cma.tls_note(header.get('ucx_tls'))}, "
-            f"{reps} timed reps per case (up to {runner.max_reps} until x runs is known "
-            f"to ±0.04), {firsts} first request(s) per case"
+            f"kvxfer bench --tp {header.get('tp', '?')} — {header.get('date', '?')}, "
+            f"{header.get('cpus', '?')} CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), "
+            f"loopback{cma.tls_note(header.get('ucx_tls'))}, "
+            f"{reps} timed reps per case (up to {max_reps} until x runs is known "
+            f"to ±0.04), {header.get('firsts', '?')} first request(s) per case"
         )
         print(tc.format_tp_table(results))
         print()
         print(format_tp_bars(bars))
     if any(r.get("status") == "failed" for r in results):
         return 1
-    return 3 if args.check and any(b["holds"] is False for b in bars) else 0
+    return 3 if check and any(b["holds"] is False for b in bars) else 0
