@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.backend import BackendOptions, XferOp, XferStatus
-from kvxfer.backends._bounce import slice_ids
+from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
+from kvxfer.backends._bounce import Copier, CopyTask, Pipelined, slice_ids
 from kvxfer.backends.host_bounce import (
     NOT_AVAILABLE,
     CopyDirection,
@@ -405,3 +405,21 @@ def test_slices_cut_at_region_boundaries_and_cover_every_id() -> None:
             assert ids[lo] % nb == 1 and ids[hi - 1] % nb == 5  # whole regions only
         assert len(cuts) == min(want, 7)
     assert slice_ids(ids[:0], nb, 4) == []
+
+
+def test_a_write_whose_first_stage_out_fails_posts_nothing() -> None:
+    def copy_one(direction: CopyDirection, task: CopyTask) -> None:
+        raise RuntimeError("device copy failed")
+
+    class Transport:
+        def post(self, *args: Any) -> XferHandle:
+            raise AssertionError("posted a slice that was not staged out")
+
+    copier = Copier(copy_one, 2)
+    tasks = [[(0, np.arange(2, dtype=np.int64)), (1, np.arange(2, dtype=np.int64))]] * 3
+    job = Pipelined(XferOp.WRITE, PeerHandle(1), b"", tasks)
+    try:
+        with pytest.raises(BackendError, match="staging copy d2h of region 0 failed"):
+            job.post(Transport(), copier, [(np.array([0]), np.array([0]))] * 3)  # type: ignore[arg-type]
+    finally:
+        copier.close()
