@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, MemKind, Region, SplitAxis
 
-__all__ = ["QWEN3_0_6B", "HostKVCache", "ModelShape"]
+__all__ = ["QWEN3_0_6B", "HostKVCache", "ModelShape", "model_layout"]
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,34 +102,12 @@ class HostKVCache:
 
     def layout(self) -> KVLayout:
         """The layout of this cache (addresses of the live arrays; no copies)."""
-        groups: tuple[Group, ...] = (Group(kind=GroupKind.FULL),)
-        if self.shape.sliding_window:
-            groups += (Group(kind=GroupKind.SLIDING, window=self.shape.sliding_window),)
-        regions = tuple(
-            Region(
-                base=int(arr.ctypes.data),
-                num_blocks=self.num_blocks,
-                stride=self.block_bytes,
-                block_len=self.block_bytes,
-                mem=MemKind.DRAM,
-                device_id=0,
-                layer=layer,
-                part=part,
-                shard=shard,
-                group=1 if self.shape.sliding_window and layer % 2 else 0,
-            )
-            for arr, (layer, part, shard) in zip(self.regions, self.parts)
-        )
-        return KVLayout(
-            block_size=self.block_size,
-            regions=regions,
-            groups=groups,
-            dtype="bfloat16",
-            split_axis=SplitAxis.TOKEN if self.shards > 1 else SplitAxis.HEAD,
-            num_shards=self.shards,
-            # shards cut tokens, so every region holds all KV heads
-            num_kv_heads=self.shape.kv_heads,
-            head_dim=self.shape.head_dim,
+        return model_layout(
+            self.shape,
+            self.block_size,
+            self.num_blocks,
+            [int(arr.ctypes.data) for arr in self.regions],
+            shards=self.shards,
         )
 
     def mismatches(
@@ -151,3 +129,56 @@ class HostKVCache:
             return bad
         finally:
             self.fill_seed = saved
+
+
+def model_layout(
+    shape: ModelShape,
+    block_size: int,
+    num_blocks: int,
+    bases: Sequence[int],
+    *,
+    shards: int = 1,
+    mem: MemKind = MemKind.DRAM,
+    device_id: int = 0,
+) -> KVLayout:
+    """The layout of a model-shaped cache whose ``layers × {K, V} × shards`` regions
+    (in that order) start at ``bases``, each ``num_blocks`` contiguous blocks of
+    ``block_size // shards`` tokens: :class:`HostKVCache`'s, or one in device memory."""
+    parts = [
+        (layer, part, shard)
+        for layer in range(shape.layers)
+        for part in (KVPart.K, KVPart.V)
+        for shard in range(shards)
+    ]
+    if len(bases) != len(parts):
+        raise ValueError(f"bases: {len(bases)} given, the shape has {len(parts)} regions")
+    block_bytes = block_size // shards * shape.token_bytes()
+    groups: tuple[Group, ...] = (Group(kind=GroupKind.FULL),)
+    if shape.sliding_window:
+        groups += (Group(kind=GroupKind.SLIDING, window=shape.sliding_window),)
+    regions = tuple(
+        Region(
+            base=int(base),
+            num_blocks=num_blocks,
+            stride=block_bytes,
+            block_len=block_bytes,
+            mem=mem,
+            device_id=device_id,
+            layer=layer,
+            part=part,
+            shard=shard,
+            group=1 if shape.sliding_window and layer % 2 else 0,
+        )
+        for base, (layer, part, shard) in zip(bases, parts)
+    )
+    return KVLayout(
+        block_size=block_size,
+        regions=regions,
+        groups=groups,
+        dtype="bfloat16",
+        split_axis=SplitAxis.TOKEN if shards > 1 else SplitAxis.HEAD,
+        num_shards=shards,
+        # shards cut tokens, so every region holds all KV heads
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+    )

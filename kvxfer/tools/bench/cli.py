@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvxfer.tools.bench.cases as bc
+import kvxfer.tools.bench.device as device
 import kvxfer.tools.bench.report as report
 from kvxfer.agent import PushPost
 from kvxfer.errors import MissingDependency
@@ -190,12 +191,28 @@ def parser() -> argparse.ArgumentParser:
         "each push (kvxfer's hold(), raw NIXL's write), as an engine's step goes on (0)",
     )
     p.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        metavar="DEV",
+        help="hold each process's cache in torch memory on DEV (cuda, cuda:N, or cpu as "
+        "a CPU engine allocates it) instead of numpy arrays; memcpy becomes a copy on DEV. "
+        "ucx only (the default backend then); not with --tp or --netns",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=900.0,
         help="seconds one bench step may take before it counts as hung (900)",
     )
     return p
+
+
+def _device(text: str) -> str:
+    try:
+        return device.parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--device ")) from exc
 
 
 def _ints(text: str) -> list[int]:
@@ -295,7 +312,8 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
 
     cases, skipped = plan_cases(args)
     both = {"pull", "push"} <= {c.direction for c in cases}
-    if header is not None and both and _cma.ucx_uses_cma(header.get("ucx_tls")):
+    on_host = args.device in (None, "cpu")
+    if header is not None and both and on_host and _cma.ucx_uses_cma(header.get("ucx_tls")):
         header["cma"] = _kernel_copy_rates()
     planning: list[bc.Case] = []
     if not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
@@ -325,6 +343,7 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
             max_reps=max_reps,
             push_post=args.push_post,
             engine_busy_s=args.engine_busy_ms / 1e3,
+            device=args.device,
         )
         runner.start()
         try:
@@ -374,6 +393,8 @@ def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, A
         "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "network": "two network namespaces (veth)" if args.netns else "loopback",
         "ucx_tls": os.environ.get("UCX_TLS") or None,
+        "device": args.device,
+        "ucx_cuda_ipc_get_zcopy": device.cuda_ipc_get(),
         "reps": args.reps or (5 if args.quick else 7),
         "argv": list(argv if argv is not None else sys.argv[1:]),
     }
@@ -405,6 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.firsts is not None and not args.tp:
         print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)
         return 2
+    if args.device is not None and not (args.tables or args.hybrid or args.from_json):
+        why = device.refusal(
+            args.device, tp=bool(args.tp), netns=args.netns, backends=args.backends
+        )
+        if why:
+            print(f"kvxfer bench: --device {args.device}: {why}", file=sys.stderr)
+            return 2
+        args.backends = args.backends or "ucx"
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.from_json:
         try:
@@ -450,7 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(
             f"kvxfer bench — {header.get('date', '?')}, {header.get('cpus', '?')} CPUs, "
-            f"{header.get('network', '?')}{_cma.tls_note(header.get('ucx_tls'))}, "
+            f"{header.get('network', '?')}{_cma.tls_note(header.get('ucx_tls'))}"
+            f"{device.report_note(header.get('device'))}, "
             f"{header.get('reps', '?')} timed reps per case"
         )
         print(report.format_table(results, bars))

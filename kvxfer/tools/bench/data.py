@@ -19,11 +19,20 @@ import numpy.typing as npt
 
 from kvxfer.core.layout import KVLayout
 
-__all__ = ["MemcpyBench", "fill_regions", "verify_regions", "zero_rows"]
+__all__ = [
+    "REGION_SHIFT",
+    "WORD_FACTOR",
+    "MemcpyBench",
+    "fill_regions",
+    "verify_regions",
+    "zero_rows",
+]
 
 U64 = npt.NDArray[np.uint64]
-_C = np.uint64(0x9E3779B97F4A7C15)
-_REGION_SHIFT = 40
+#: The fill's odd factor ``C`` and where the region id sits in a word's id.
+WORD_FACTOR = 0x9E3779B97F4A7C15
+REGION_SHIFT = 40
+_C = np.uint64(WORD_FACTOR)
 
 
 def _words(arr: npt.NDArray[np.uint16]) -> U64:
@@ -37,7 +46,7 @@ def fill_regions(regions: Sequence[npt.NDArray[np.uint16]]) -> None:
         nb, per_block = words.shape
         template = np.arange(per_block, dtype=np.uint64) * _C
         offsets = (
-            np.arange(nb, dtype=np.uint64) * np.uint64(per_block) + np.uint64(r << _REGION_SHIFT)
+            np.arange(nb, dtype=np.uint64) * np.uint64(per_block) + np.uint64(r << REGION_SHIFT)
         ) * _C
         np.add(offsets[:, None], template[None, :], out=words)
 
@@ -55,14 +64,17 @@ def verify_regions(
     length: U64,
     remote: KVLayout,
     rows: Sequence[npt.NDArray[np.int64]],
+    bases: Sequence[int] | None = None,
 ) -> int:
     """Count wrong 8-byte words in the touched blocks; 0 means byte-exact.
 
     Args:
-        regions: the consumer's regions (one ``(num_blocks, words)`` array each).
+        regions: the consumer's regions (one ``(num_blocks, words)`` array each), or
+            host copies of them (then ``bases`` gives where the regions are).
         local_addr, remote_addr, length: the moved descriptors (unmerged), bytes.
         remote: the producer's cache layout (bases of the filled regions).
         rows: per region, the block ids the request touches there.
+        bases: each region's address, when ``regions`` are copies (a device cache).
     """
     rbase = np.array([r.base for r in remote.regions], dtype=np.uint64)
     order_r = np.argsort(rbase)
@@ -70,23 +82,24 @@ def verify_regions(
     # The producer's word id of each descriptor's first byte.
     rreg = order_r[np.searchsorted(rsorted, remote_addr, side="right") - 1]
     g0 = (remote_addr - rbase[rreg]) // np.uint64(8) + (
-        rreg.astype(np.uint64) << np.uint64(_REGION_SHIFT)
+        rreg.astype(np.uint64) << np.uint64(REGION_SHIFT)
     )
-    bases = np.array([int(a.ctypes.data) for a in regions], dtype=np.uint64)
+    where = bases if bases is not None else [int(a.ctypes.data) for a in regions]
+    starts = np.array(where, dtype=np.uint64)
     order = np.argsort(local_addr)
     la, g0, ln = local_addr[order], g0[order], length[order] // np.uint64(8)
     bad = 0
     for i, arr in enumerate(regions):
         words = _words(arr)
         per_block = words.shape[1]
-        lo = np.searchsorted(la, bases[i], side="left")
-        hi = np.searchsorted(la, bases[i] + np.uint64(words.nbytes), side="left")
+        lo = np.searchsorted(la, starts[i], side="left")
+        hi = np.searchsorted(la, starts[i] + np.uint64(words.nbytes), side="left")
         touched = np.unique(rows[i])
         if not len(touched):
             bad += 0 if hi == lo else int(ln[lo:hi].sum())
             continue
         sub = words[touched].ravel()  # a copy of the touched blocks
-        p = (la[lo:hi] - bases[i]) // np.uint64(8)
+        p = (la[lo:hi] - starts[i]) // np.uint64(8)
         row, col = p // np.uint64(per_block), p % np.uint64(per_block)
         pos = np.searchsorted(touched, row.astype(np.int64)).astype(np.int64)
         if len(pos) and (

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from kvxfer.backends.ucx import import_nixl, merged_intervals
 from kvxfer.core.descriptors import DescriptorTable
-from kvxfer.core.layout import KVLayout
+from kvxfer.core.layout import KVLayout, MemKind
 
 __all__ = ["RawNixl"]
 
@@ -41,7 +41,7 @@ def _rows(table: DescriptorTable) -> npt.NDArray[np.uint64]:
 
 
 class RawNixl:
-    """A bare NIXL agent (UCX, host memory) with a polling thread."""
+    """A bare NIXL agent (UCX; host or device memory) with a polling thread."""
 
     def __init__(self, name: str, poll_interval_s: float = 0.001) -> None:
         nixl_agent, nixl_agent_config = import_nixl()
@@ -49,6 +49,7 @@ class RawNixl:
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
         )
         self.name = name
+        self.mem = "DRAM"  # NIXL's name of the memory last registered (see register)
         self._nixl: Any = nixl_agent(name, conf)
         self._lock = threading.Lock()
         self._notifs: list[bytes] = []
@@ -93,10 +94,16 @@ class RawNixl:
 
     # -- memory and peers -----------------------------------------------------------
     def register(self, layout: KVLayout) -> Any:
-        """Register the layout's memory (as DRAM); returns the handle for deregister."""
-        descs = [(s, e - s, 0, "") for s, e in _extents(layout)]
+        """Register the layout's memory (VRAM when it is device memory, else DRAM);
+        returns the handle for deregister. The descriptor lists prepared and built
+        after it name the same kind: the bench registers the memory a case moves
+        last (the cache, or host bounce's staging after it)."""
+        device = {r.device_id for r in layout.regions if r.mem is MemKind.VRAM}
+        self.mem = "VRAM" if device else "DRAM"
+        dev = min(device) if device else 0
+        descs = [(s, e - s, dev, "") for s, e in _extents(layout)]
         with self._lock:
-            return self._nixl.register_memory(descs, "DRAM", ["UCX"])
+            return self._nixl.register_memory(descs, self.mem, ["UCX"])
 
     def deregister(self, handle: Any) -> None:
         with self._lock:
@@ -124,7 +131,7 @@ class RawNixl:
     def prep(self, peer: str | None, table: DescriptorTable) -> Any:
         """A prepared descriptor list of ``table`` (local when ``peer`` is None)."""
         with self._lock:
-            return self._nixl.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", _rows(table), "DRAM")
+            return self._nixl.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", _rows(table), self.mem)
 
     def release(self, dlist: Any) -> None:
         with self._lock:
@@ -229,8 +236,8 @@ class RawNixl:
         pre-merged runs, initialized (not posted)."""
         local = np.stack([runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], 1)
         remote = np.stack([runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], 1)
-        ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), "DRAM")
-        rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), "DRAM")
+        ld = self._nixl.get_xfer_descs(np.ascontiguousarray(local, np.uint64), self.mem)
+        rd = self._nixl.get_xfer_descs(np.ascontiguousarray(remote, np.uint64), self.mem)
         return self._nixl.initialize_xfer(op, ld, rd, peer, notif)
 
     def xfer_runs_many(

@@ -81,9 +81,14 @@ class Runner:
         max_reps: int | None = None,
         push_post: str = "auto",
         engine_busy_s: float = 0.0,
+        device: str | None = None,
     ) -> None:
         self.reps = reps
-        self.options = {"push_post": push_post, "engine_busy_s": engine_busy_s}
+        self.options = {
+            "push_post": push_post,
+            "engine_busy_s": engine_busy_s,
+            "device": device,  # --device: each process's cache in torch memory there
+        }
         # A noisy case (the paired ratio's confidence interval still wide) gets more
         # reps, up to this many.
         self.max_reps = max(reps, max_reps if max_reps is not None else reps)

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.data import MemcpyBench, verify_regions, zero_rows
+from kvxfer.tools.bench.device import TorchKVCache
 from kvxfer.tools.bench.raw_nixl import RawNixl
+
+if TYPE_CHECKING:
+    from kvxfer.tools.bench.device import DeviceMemcpy
 
 __all__ = ["BenchSide"]
 
@@ -32,7 +36,7 @@ class BenchSide:
         self.raw_peer: str | None = None
         self.cache: Any = None
         self.peer_layout: Any = None  # the other side's cache layout
-        self.memcpy: MemcpyBench | None = None
+        self.memcpy: MemcpyBench | DeviceMemcpy | None = None
         self.agents: dict[str, Any] = {}
         self.exposed: Any = None
         self.dlists: tuple[Any, Any] | None = None
@@ -78,7 +82,10 @@ class BenchSide:
         drop raw NIXL notifications left from earlier reps."""
         if verify:
             blocks = self.blocks(case, own=True)
-            zero_rows(self.cache.regions, blocks)
+            if isinstance(self.cache, TorchKVCache):  # --device: zeroed where it is
+                self.cache.zero(blocks)
+            else:
+                zero_rows(self.cache.regions, blocks)
             if case.backend == "host_bounce":
                 # Staging still holds the last transfer's bytes: clear it as well, so a
                 # transfer that moved nothing cannot pass on its predecessor's bytes.
@@ -96,13 +103,15 @@ class BenchSide:
         plan = self.plan(case, self.verify_tables)
         runs = plan.runs(*self.verify_tables, merge=False)
         rows = [self.blocks(case, own=True)] * len(self.cache.regions)
+        device = isinstance(self.cache, TorchKVCache)  # --device: check a host copy
         return verify_regions(
-            self.cache.regions,
+            self.cache.host_regions() if device else self.cache.regions,
             runs.local_addr,
             runs.remote_addr,
             runs.length,
             self.peer_layout,
             rows,
+            self.cache.bases() if device else None,
         )
 
     def stage(self, case: bc.Case, out: bool) -> float:

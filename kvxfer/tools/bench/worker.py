@@ -77,26 +77,39 @@ class Worker:
         self.staging_reg: Any = None
         self._push_before: Any = None  # the push agent's stats as its last hold began
         self.push_post = "auto"  # AgentConfig.push_post of the push agents
+        self.device: str | None = None  # --device: the cache in torch memory there
 
     def cmd_options(self, payload: dict[str, Any]) -> None:
-        """Run-wide options (``--push-post``, ``--engine-busy-ms``)."""
+        """Run-wide options (``--push-post``, ``--engine-busy-ms``, ``--device``)."""
         self.push_post = str(payload["push_post"])
         self.state.engine_busy_s = float(payload["engine_busy_s"])
+        self.device = payload.get("device")
 
     # -- set-up -----------------------------------------------------------------------
     def cmd_cache(self, case: bc.Case) -> dict[str, Any]:
         from kvxfer.testing.kvcache import HostKVCache
 
         self.cmd_close_cache(None)
-        self.state.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
-        _pool(self.state.cache)
-        if self.state.side == "producer":
-            fill_regions(self.state.cache.regions)
+        moved, _ = bc.expected_bytes(case)
+        scratch = min(moved, bc.MEMCPY_SCRATCH)
+        if self.device is not None:
+            from kvxfer.tools.bench.device import DeviceMemcpy, TorchKVCache
+
+            cache = TorchKVCache(case.shape, case.block_size, bc.num_blocks_for(case), self.device)
+            self.state.cache = cache
+            if self.state.side == "producer":
+                cache.fill()
+            else:
+                self.state.memcpy = DeviceMemcpy(cache, scratch)
         else:
-            for r in self.state.cache.regions:
-                r.fill(0)  # touch every page: no first-touch faults in the timings
-            moved, _ = bc.expected_bytes(case)
-            self.state.memcpy = MemcpyBench(self.state.cache.regions, min(moved, bc.MEMCPY_SCRATCH))
+            self.state.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
+            _pool(self.state.cache)
+            if self.state.side == "producer":
+                fill_regions(self.state.cache.regions)
+            else:
+                for r in self.state.cache.regions:
+                    r.fill(0)  # touch every page: no first-touch faults in the timings
+                self.state.memcpy = MemcpyBench(self.state.cache.regions, scratch)
         self.cache_reg = self.state.raw.register(self.state.cache.layout())
         return {
             "layout": msgspec.to_builtins(self.state.cache.layout()),
