@@ -21,7 +21,13 @@ from kvxfer.testing.kvcache import HostKVCache
 from kvxfer.tools.bench import cases as bc
 from kvxfer.tools.bench import cli as bench
 from kvxfer.tools.bench.data import fill_regions, verify_regions
-from kvxfer.tools.bench.device import DeviceMemcpy, TorchKVCache, check_device, parse_device
+from kvxfer.tools.bench.device import (
+    DeviceMemcpy,
+    DevicePool,
+    TorchKVCache,
+    check_device,
+    parse_device,
+)
 
 SHAPE = bc.SHAPES[bc.QWEN]
 
@@ -88,9 +94,54 @@ def test_verify_reads_a_host_copy_at_the_device_addresses() -> None:
 def test_device_memcpy_copies_the_bytes_asked() -> None:
     dev = TorchKVCache(SHAPE, 16, 4, "cpu")
     dev.fill()
-    copy = DeviceMemcpy(dev, 1 << 20)
+    copy = DeviceMemcpy(dev.regions, 1 << 20)
     assert copy.run(3 << 20) > 0 and copy.run(100, threads=2) > 0
     copy.close()
+
+
+def _pool_cache() -> tuple[Any, np.ndarray]:
+    """A TP rank's cache carved from one host pool, as ``kvxfer bench --tp`` builds it."""
+    from kvxfer.core.heads import HeadLayout
+    from kvxfer.testing.tp_kvcache import TPHostCache
+
+    cache = TPHostCache(HeadLayout(num_kv_heads=8, tp_size=2), 1, num_blocks=6, fill_seed=3)
+    first = next(iter(cache.buffers.values()))
+    pool = np.zeros(first.nbytes * len(cache.buffers), dtype=np.uint8)
+    for k, key in enumerate(list(cache.buffers)):
+        pool[k * first.nbytes : (k + 1) * first.nbytes] = cache.buffers[key].reshape(-1)
+        cache.buffers[key] = pool[k * first.nbytes : (k + 1) * first.nbytes].reshape(first.shape)
+    return cache, pool
+
+
+def test_a_device_pool_moves_the_layout_onto_its_copy() -> None:
+    cache, pool = _pool_cache()
+    on = DevicePool(pool, "cpu")
+    host = cache.layout(per_head=True)
+    moved = on.rebase(host)
+    shift = int(on.tensor.data_ptr()) - int(pool.ctypes.data)
+    assert shift != 0  # a distinct copy, on CPU too
+    assert [r.base - shift for r in moved.regions] == [r.base for r in host.regions]
+    assert [(r.stride, r.block_len, r.head) for r in moved.regions] == [
+        (r.stride, r.block_len, r.head) for r in host.regions
+    ]
+    outside = np.zeros(64, dtype=np.uint8)
+    stray = host.regions[0].__class__(
+        base=int(outside.ctypes.data), num_blocks=1, stride=8, block_len=8
+    )
+    with pytest.raises(ValueError, match=r"region 0 .* is outside the pool"):
+        on.rebase(host.__class__(block_size=host.block_size, regions=(stray,)))
+
+
+def test_a_device_pool_zeroes_on_the_copy_and_reads_back() -> None:
+    cache, pool = _pool_cache()
+    before = pool.copy()
+    on = DevicePool(pool, "cpu")
+    on.zero_blocks(len(cache.buffers), cache.num_blocks, np.array([1, 4]))
+    assert np.array_equal(pool, before)  # the host pool is untouched until read back
+    on.download()
+    for buf in cache.buffers.values():
+        assert not buf[[1, 4]].any() and buf[[0, 2, 3, 5]].any()
+    assert cache.mismatches([0, 2, 3, 5], [0, 2, 3, 5], 3) == []
 
 
 @pytest.mark.parametrize("text", ["cpu", "cuda", "cuda:3"])
@@ -114,7 +165,6 @@ def test_cuda_is_refused_where_torch_sees_no_gpu() -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--device", "cpu", "--tp"], "--device cpu: not with --tp"),
         (["--device", "cpu", "--netns"], "--device cpu: not with --netns"),
         (
             ["--device", "cpu", "--backends", "ucx,host_bounce"],
@@ -191,3 +241,46 @@ def test_a_torch_cache_run_through_two_processes_verifies(tmp_path: Any) -> None
     )
     assert again.returncode == 0, again.stderr
     assert "caches in torch memory on cpu (memcpy: a copy there)" in again.stdout
+
+
+@pytest.mark.proc
+def test_tp_ranks_on_a_device_copy_verify(tmp_path: Any) -> None:
+    """``--tp --device``: each rank's cache built on the host, moved to the device copy,
+    moved between the ranks there and checked from a copy read back."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.cli",
+            "bench",
+            "--tp",
+            "2:1",
+            "--device",
+            "cpu",
+            "--directions",
+            "pull",
+            "--tokens",
+            "40",
+            "--reps",
+            "1",
+            "--max-reps",
+            "1",
+            "--firsts",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    objs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert objs[0]["kind"] == "run" and objs[0]["device"] == "cpu"
+    rows = [o for o in objs if o["kind"] == "tp"]
+    assert [r["direction"] for r in rows] == ["pull"]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["verified"] is True
+        assert r["mismatches"] == {"kvxfer": 0, "nixl": 0, "nixl_runs": 0}
+        assert r["runs"] == r["descriptors_posted"] // 4  # 4 heads of a block merge
+        assert r["kvxfer_gbps"] > 0 and r["memcpy_gbps"] > 0

@@ -197,7 +197,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="DEV",
         help="hold each process's cache in torch memory on DEV (cuda, cuda:N, or cpu as "
         "a CPU engine allocates it) instead of numpy arrays; memcpy becomes a copy on DEV. "
-        "ucx only (the default backend then); not with --tp or --netns",
+        "ucx only (the default backend then); not with --netns",
     )
     p.add_argument(
         "--timeout",
@@ -427,13 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)
         return 2
     if args.device is not None and not (args.tables or args.hybrid or args.from_json):
-        why = device.refusal(
-            args.device, tp=bool(args.tp), netns=args.netns, backends=args.backends
-        )
+        why = device.refusal(args.device, netns=args.netns, backends=args.backends)
         if why:
             print(f"kvxfer bench: --device {args.device}: {why}", file=sys.stderr)
             return 2
-        args.backends = args.backends or "ucx"
+        if not args.tp:  # --tp runs on ucx and refuses --backends
+            args.backends = args.backends or "ucx"
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.from_json:
         try:

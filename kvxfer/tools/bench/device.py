@@ -1,7 +1,8 @@
 """``kvxfer bench --device``: the bench's KV cache in torch memory, on a GPU or not.
 
 Without ``--device`` each bench process holds its cache in numpy arrays (host memory).
-``--device cuda`` (or ``cuda:N``) puts it on a GPU, where a GPU engine's paged KV cache
+``--device cuda`` (or ``cuda:N``) puts it on a GPU (every process on that one device,
+``--tp`` ranks too), where a GPU engine's paged KV cache
 lives; ``--device cpu`` in torch's CPU memory, as a CPU engine allocates it. kvxfer and
 raw NIXL then register and move that memory (NIXL VRAM on a GPU). The provenance fill
 and the exact check are :mod:`.data`'s, on the same words: the fill runs on the device,
@@ -20,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -30,6 +32,7 @@ from kvxfer.tools.bench.data import REGION_SHIFT, WORD_FACTOR
 __all__ = [
     "DEVICE_RULE",
     "DeviceMemcpy",
+    "DevicePool",
     "TorchKVCache",
     "check_device",
     "cuda_ipc_get",
@@ -70,10 +73,8 @@ def check_device(device: str) -> str | None:
     return None
 
 
-def refusal(device: str, *, tp: bool, netns: bool, backends: str | None) -> str | None:
+def refusal(device: str, *, netns: bool, backends: str | None) -> str | None:
     """Why ``kvxfer bench --device`` cannot run with the other options or here."""
-    if tp:
-        return "not with --tp (its processes hold host caches)"
     if netns:
         return "not with --netns (device memory moves between processes of one host)"
     if backends and {b.strip() for b in backends.split(",") if b.strip()} != {"ucx"}:
@@ -150,8 +151,7 @@ class TorchKVCache:
 
     def sync(self) -> None:
         """Wait for the device's queued work (a no-op on CPU)."""
-        if self.device.type == "cuda":
-            _torch().cuda.synchronize(self.device)
+        _sync(self.device)
 
     def fill(self) -> None:
         """Write :func:`.data.fill_regions`' provenance pattern, on the device."""
@@ -186,20 +186,80 @@ class TorchKVCache:
         return [int(r.data_ptr()) for r in self.regions]
 
 
+class DevicePool:
+    """A device copy of a cache built in one host allocation (``kvxfer bench --tp
+    --device``): the rank's cache is made and filled on the host as without a device,
+    then copied once to the device, where kvxfer and raw NIXL move it. Its layout is
+    the host layout moved onto the copy; checks read the copy back.
+
+    Args:
+        host: the host pool (every buffer of the cache, one allocation).
+        device: the torch device of the copy (a distinct copy on ``cpu`` too).
+    """
+
+    def __init__(self, host: npt.NDArray[np.uint8], device: str) -> None:
+        torch = _torch()
+        self.host = host
+        self.device = torch.device(device)
+        self.tensor = torch.from_numpy(host).to(self.device, copy=True)
+        _sync(self.device)
+
+    def rebase(self, layout: KVLayout) -> KVLayout:
+        """``layout`` (of the host pool) moved onto the device copy.
+
+        Raises:
+            ValueError: a region lies outside the host pool.
+        """
+        lo = int(self.host.ctypes.data)
+        hi, base = lo + self.host.nbytes, int(self.tensor.data_ptr())
+        gpu = self.device.type != "cpu"
+        regions = []
+        for i, r in enumerate(layout.regions):
+            if not lo <= r.base or r.end > hi:
+                raise ValueError(f"region {i} [{r.base:#x}, {r.end:#x}) is outside the pool")
+            regions.append(
+                msgspec.structs.replace(
+                    r,
+                    base=r.base - lo + base,
+                    mem=MemKind.VRAM if gpu else MemKind.DRAM,
+                    device_id=int(self.device.index or 0) if gpu else 0,
+                )
+            )
+        return msgspec.structs.replace(layout, regions=tuple(regions))
+
+    def download(self) -> None:
+        """Copy the device copy back into the host pool (before a check)."""
+        _sync(self.device)
+        self.host[:] = self.tensor.cpu().numpy()
+
+    def zero_blocks(self, buffers: int, num_blocks: int, rows: npt.NDArray[np.int64]) -> None:
+        """Zero ``rows`` of each of the pool's ``buffers`` equal buffers of
+        ``num_blocks`` blocks, on the device."""
+        torch = _torch()
+        idx = torch.as_tensor(np.ascontiguousarray(rows, dtype=np.int64), device=self.device)
+        self.tensor.view(buffers, num_blocks, -1).index_fill_(1, idx, 0)
+        _sync(self.device)
+
+
+def _sync(device: Any) -> None:
+    if device.type == "cuda":
+        _torch().cuda.synchronize(device)
+
+
 class DeviceMemcpy:
-    """A copy of ``nbytes`` of the consumer's cache into scratch on the same device:
-    the memcpy reference for a device cache (the bytes a transfer moves, moved by the
-    device's own copy engine, with no second process or transport).
+    """A copy of ``nbytes`` of device tensors (the consumer's cache) into scratch on the
+    same device: the memcpy reference for a device cache (the bytes a transfer moves,
+    moved by the device's own copy engine, with no second process or transport).
 
     ``threads`` is accepted for :class:`.data.MemcpyBench`'s interface; a device copy
     is one stream's work either way.
     """
 
-    def __init__(self, cache: TorchKVCache, scratch_bytes: int) -> None:
+    def __init__(self, sources: Sequence[Any], scratch_bytes: int) -> None:
         torch = _torch()
-        self._cache = cache
-        self._src = [r.view(-1).view(torch.uint8) for r in cache.regions]
-        self._scratch = torch.ones(max(scratch_bytes, 1), dtype=torch.uint8, device=cache.device)
+        self.device = sources[0].device
+        self._src = [t.reshape(-1).view(torch.uint8) for t in sources]
+        self._scratch = torch.ones(max(scratch_bytes, 1), dtype=torch.uint8, device=self.device)
 
     def _pieces(self, nbytes: int) -> Sequence[tuple[Any, Any]]:
         out, left, at, cap = [], nbytes, 0, int(self._scratch.numel())
@@ -216,11 +276,11 @@ class DeviceMemcpy:
     def run(self, nbytes: int, threads: int = 1) -> float:
         """Seconds to copy ``nbytes``, from the first copy queued to the device idle."""
         pieces = self._pieces(nbytes)
-        self._cache.sync()
+        _sync(self.device)
         t0 = time.perf_counter()
         for src, dst in pieces:
             dst.copy_(src, non_blocking=True)
-        self._cache.sync()
+        _sync(self.device)
         return time.perf_counter() - t0
 
     def close(self) -> None:

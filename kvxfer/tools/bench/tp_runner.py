@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 
 import kvxfer.tools.bench.cases as bc
+import kvxfer.tools.bench.device as device
 import kvxfer.tools.bench.tp_cases as tc
 from kvxfer.tools import cma
 from kvxfer.tools.bench.procs import BenchError, Children
@@ -50,9 +51,16 @@ class TPRunner:
     """
 
     def __init__(
-        self, *, reps: int, timeout_s: float, max_reps: int | None = None, firsts: int = 1
+        self,
+        *,
+        reps: int,
+        timeout_s: float,
+        max_reps: int | None = None,
+        firsts: int = 1,
+        device: str | None = None,
     ) -> None:
         self.reps, self.timeout_s = reps, timeout_s
+        self.device = device  # --device: every rank's cache copied there
         self.max_reps = max(reps, max_reps if max_reps is not None else reps)
         if firsts < 1:
             raise ValueError(f"firsts={firsts}: must be 1 or more")
@@ -150,13 +158,23 @@ class TPRunner:
         cb = msgspec.to_builtins(case)
         nbytes = tc.expected_bytes(case)
         made = {
-            p: self.call(f"prefill{p}", "cache", {"case": cb, "role": "producer", "rank": p})
+            p: self.call(
+                f"prefill{p}",
+                "cache",
+                {"case": cb, "role": "producer", "rank": p, "device": self.device},
+            )
             for p in ranks
         }
         decode = self.call(
             "decode",
             "cache",
-            {"case": cb, "role": "consumer", "rank": case.decode_rank, "nbytes": nbytes},
+            {
+                "case": cb,
+                "role": "consumer",
+                "rank": case.decode_rank,
+                "nbytes": nbytes,
+                "device": self.device,
+            },
         )
         base, served = self._serve_producers(ranks, case.direction)
         own = self.call("decode", "agent", {"port": 0, "direction": case.direction})
@@ -413,7 +431,9 @@ def main_tp(args: argparse.Namespace, header: dict[str, Any]) -> int:
     max_reps = args.max_reps if args.max_reps is not None else 3 * reps
     firsts = args.firsts or (1 if args.quick else 3)
     header = {**header, "firsts": firsts}
-    runner = TPRunner(reps=reps, timeout_s=args.timeout, max_reps=max_reps, firsts=firsts)
+    runner = TPRunner(
+        reps=reps, timeout_s=args.timeout, max_reps=max_reps, firsts=firsts, device=args.device
+    )
     measured: list[dict[str, Any]] = []
     try:
         for case in cases:
@@ -445,7 +465,8 @@ def report_tp(
         print(
             f"kvxfer bench --tp {header.get('tp', '?')} — {header.get('date', '?')}, "
             f"{header.get('cpus', '?')} CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), "
-            f"loopback{cma.tls_note(header.get('ucx_tls'))}, "
+            f"loopback{cma.tls_note(header.get('ucx_tls'))}"
+            f"{device.report_note(header.get('device'))}, "
             f"{reps} timed reps per case (up to {max_reps} until x runs is known "
             f"to ±0.04), {header.get('firsts', '?')} first request(s) per case"
         )

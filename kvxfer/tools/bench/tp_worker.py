@@ -28,6 +28,7 @@ import numpy.typing as npt
 
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.data import MemcpyBench
+from kvxfer.tools.bench.device import DeviceMemcpy, DevicePool
 from kvxfer.tools.bench.measure import DONE_NOTICE
 from kvxfer.tools.bench.raw_nixl import RawNixl
 from kvxfer.tools.bench.tp_cases import PREFILL_ENGINE, TPCase
@@ -38,9 +39,10 @@ FILL_SEED = 17
 _SECRET = "kvxfer-bench-tp-secret"
 
 
-def _tp_cache(case: TPCase, producer: bool, rank: int) -> Any:
+def _tp_cache(case: TPCase, producer: bool, rank: int) -> tuple[Any, npt.NDArray[np.uint8]]:
     """The rank's cache, its buffers carved out of one (huge-page backed) allocation,
-    filled with the provenance pattern on a prefill rank, pre-touched on decode."""
+    filled with the provenance pattern on a prefill rank, pre-touched on decode; and
+    that allocation."""
     from kvxfer.testing.tp_kvcache import TPHostCache
 
     heads = case.prefill_heads if producer else case.decode_heads
@@ -64,7 +66,7 @@ def _tp_cache(case: TPCase, producer: bool, rank: int) -> Any:
                 buf[:, i] = cache.pattern(FILL_SEED, layer, part, h, every)
     else:
         pool.fill(0)  # touch every page: no first-touch faults in the timings
-    return cache
+    return cache, pool
 
 
 class TPRankProc:
@@ -79,7 +81,8 @@ class TPRankProc:
         self.agent: Any = None
         self.before: Any = None  # the agent's stats as its last hold began
         self.reg: Any = None
-        self.memcpy: MemcpyBench | None = None
+        self.memcpy: MemcpyBench | DeviceMemcpy | None = None
+        self.on_device: DevicePool | None = None  # --device: the cache's copy there
         self.planner: Any = None
         self.dlists: tuple[Any, dict[int, Any]] | None = None
         self.raw_peers: dict[int, str] = {}
@@ -91,23 +94,32 @@ class TPRankProc:
         """Build the rank's cache and register it with raw NIXL."""
         self.case = case = msgspec.convert(payload["case"], TPCase)
         self.producer, self.rank = payload["role"] == "producer", int(payload["rank"])
-        self.cache = _tp_cache(case, self.producer, self.rank)
+        self.cache, pool = _tp_cache(case, self.producer, self.rank)
+        self.on_device = None
+        if payload.get("device") is not None:
+            # Built and filled on the host as without a device, then moved there once.
+            self.on_device = DevicePool(pool, str(payload["device"]))
         self.reg = self.raw.register(self.layout())
         mine, theirs = ("remote", "local") if self.producer else ("local", "remote")
         self.blocks_mine = bc.case_blocks(case.base, mine)
         self.blocks_theirs = bc.case_blocks(case.base, theirs)
         if not self.producer:
             nbytes = min(int(payload["nbytes"]), bc.MEMCPY_SCRATCH)
-            regions = [
-                b.reshape(b.shape[0], -1).view(np.uint16) for b in self.cache.buffers.values()
-            ]
-            self.memcpy = MemcpyBench(regions, nbytes)
+            if self.on_device is not None:
+                self.memcpy = DeviceMemcpy([self.on_device.tensor], nbytes)
+            else:
+                regions = [
+                    b.reshape(b.shape[0], -1).view(np.uint16) for b in self.cache.buffers.values()
+                ]
+                self.memcpy = MemcpyBench(regions, nbytes)
         return {"layout": msgspec.to_builtins(self.layout()), "raw": self.raw.metadata()}
 
     def layout(self) -> Any:
-        """The rank's layout as the vLLM adapter describes it by default."""
+        """The rank's layout as the vLLM adapter describes it by default (on the
+        device copy with ``--device``)."""
         assert self.case is not None
-        return self.cache.layout(per_head=self.case.per_head(self.producer))
+        layout = self.cache.layout(per_head=self.case.per_head(self.producer))
+        return layout if self.on_device is None else self.on_device.rebase(layout)
 
     def cmd_agent(self, payload: dict[str, Any]) -> dict[str, Any]:
         """An Agent of ``direction`` with this rank's TP identity, serving at ``port``
@@ -251,11 +263,18 @@ class TPRankProc:
 
     # -- decode rank ------------------------------------------------------------------
     def zero(self) -> None:
+        if self.on_device is not None:
+            self.on_device.zero_blocks(
+                len(self.cache.buffers), self.cache.num_blocks, self.blocks_mine
+            )
+            return
         for buf in self.cache.buffers.values():
             buf[self.blocks_mine] = 0
 
     def mismatches(self) -> int:
         """Wrong (layer, K/V, head, block, token) rows in the landed blocks (0: exact)."""
+        if self.on_device is not None:
+            self.on_device.download()  # the host buffers then hold what landed
         bad = 0
         for (layer, part), buf in self.cache.buffers.items():
             for i, h in enumerate(self.cache.held):

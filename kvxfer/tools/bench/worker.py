@@ -100,7 +100,7 @@ class Worker:
             if self.state.side == "producer":
                 cache.fill()
             else:
-                self.state.memcpy = DeviceMemcpy(cache, scratch)
+                self.state.memcpy = DeviceMemcpy(cache.regions, scratch)
         else:
             self.state.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
             _pool(self.state.cache)
