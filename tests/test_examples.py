@@ -80,3 +80,28 @@ def test_paged_allocator_properties_example() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("OK: 60 prompt streams landed exactly")
+
+
+def test_torch_pull_push_example_on_torch_cpu_tensors() -> None:
+    """examples/torch_pull_push.py: an engine's torch KV cache (CUDA on a GPU host; here
+    torch's CPU memory), registered with register_tensors, pulled and pushed between two
+    processes and compared bit for bit (the example exits 1 on a mismatch)."""
+    env = dict(os.environ, NIXL_LOG_LEVEL="WARN")
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "torch_pull_push.py"),
+            "--device",
+            "cpu",
+            "--tokens",
+            "160",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["pull", "push"]
+    assert all("of 10 blocks" in line and line.endswith("on cpu: bit-exact") for line in lines)
