@@ -221,3 +221,34 @@ def test_doctor_without_accelerator_numa_judges_the_other_rules(
     reasons = {n["nic"]: n["reasons"] for n in report["nics"]}
     assert reasons["mlx5_1:1"] == [] and reasons["mlx5_2:1"] == []  # NUMA not judged
     assert reasons["mlx5_3:1"] == ["port is DOWN, not ACTIVE"]
+
+
+# ------------------------------------------------------------ GPU hosts
+
+
+@pytest.mark.parametrize(
+    ("value", "status", "words"),
+    [
+        (None, "ok", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (kvxfer's default)"),
+        ("on", "ok", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (set)"),
+        ("auto", "warn", "then go through host memory over TCP"),
+        ("n", "warn", "unset it or set y"),
+    ],
+)
+def test_doctor_says_whether_gpu_pulls_use_cuda_ipc(
+    tmp_path: Path, value: str | None, status: str, words: str
+) -> None:
+    from kvxfer.tools.doctor import cuda_ipc_check
+
+    (tmp_path / "0000:00:06.0").mkdir()
+    env = {} if value is None else {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": value}
+    check = cuda_ipc_check(env, tmp_path)
+    assert check is not None and check.name == "cuda_ipc GETs"
+    assert check.status.value == status and words in check.detail
+
+
+def test_doctor_has_no_cuda_ipc_line_without_a_gpu(tmp_path: Path) -> None:
+    from kvxfer.tools.doctor import cuda_ipc_check
+
+    assert cuda_ipc_check({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, tmp_path / "absent") is None
+    assert cuda_ipc_check({}, tmp_path) is None  # the driver's listing, empty

@@ -8,10 +8,11 @@ Runs, in one go, the checks the vendor manual has operators type by hand::
     ip -4 -brief addr show                           # netdevs with IPv4
     grep . /sys/class/infiniband/*/device/numa_node  # NIC NUMA nodes
 
-plus NIXL's plugins, nixl-rbln, whether the side-channel port is free and whether the
-side channel is authenticated (a WARN when it is not on a non-loopback address); then prints
-every NIC with its verdict and the rails that would be used. Exit status 0 means
-ready, 1 not ready, 2 a usage error. ``--json`` prints one JSON object instead.
+plus NIXL's plugins, nixl-rbln, on a GPU host whether pulls of GPU memory use cuda_ipc,
+whether the side-channel port is free and whether the side channel is authenticated (a
+WARN when it is not on a non-loopback address); then prints every NIC with its verdict
+and the rails that would be used. Exit status 0 means ready, 1 not ready, 2 a usage
+error. ``--json`` prints one JSON object instead.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -42,7 +44,7 @@ from kvxfer.io.rails import (
     ucx_env,
 )
 
-__all__ = ["Check", "NicRow", "Report", "Status", "main", "run_checks"]
+__all__ = ["Check", "NicRow", "Report", "Status", "cuda_ipc_check", "main", "run_checks"]
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 #: The shared secret's environment variable, as the vLLM adapter reads it
@@ -328,6 +330,38 @@ def _nixl_checks(nixl: _Probe, rbln: _Probe) -> list[Check]:
     return [first, second]
 
 
+#: UCX's switch for cuda_ipc GETs, and the values it reads as on.
+_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+_ON = frozenset({"y", "yes", "on", "1"})
+
+
+def cuda_ipc_check(environ: Mapping[str, str], gpus: Path | None = None) -> Check | None:
+    """Whether kvxfer's agents read GPU memory over cuda_ipc, on a host whose NVIDIA
+    driver lists a GPU (``gpus``: that listing; default ``/proc/driver/nvidia/gpus``);
+    None on any other host."""
+    from kvxfer.backends._nixl import ucx_defaults
+
+    default = ucx_defaults(gpus).get(_GET_ZCOPY)
+    if default is None:
+        return None
+    name, value = "cuda_ipc GETs", environ.get(_GET_ZCOPY)
+    uses = "pulls of GPU memory between processes of this host read it over cuda_ipc"
+    if value is None:
+        return Check(
+            name=name, status=Status.OK, detail=f"{_GET_ZCOPY}={default} (kvxfer's default): {uses}"
+        )
+    if value.strip().lower() in _ON:
+        return Check(name=name, status=Status.OK, detail=f"{_GET_ZCOPY}={value} (set): {uses}")
+    return Check(
+        name=name,
+        status=Status.WARN,
+        detail=f"{_GET_ZCOPY}={value} (set): UCX may turn cuda_ipc GETs off (it does on "
+        "GPUs without active NVLink), and pulls of GPU memory between processes of this "
+        "host then go through host memory over TCP (0.5 GB/s against 130 on an H200); "
+        "unset it or set y",
+    )
+
+
 def _nic_rows(selection: Selection, numa_known: bool) -> tuple[NicRow, ...]:
     rows = []
     for v in selection.verdicts:
@@ -413,6 +447,9 @@ def run_checks(
 
     nixl, rbln = _probe_nixl(nixl_timeout_s)
     checks += _nixl_checks(nixl, rbln)
+    gpu = cuda_ipc_check(os.environ)
+    if gpu is not None:  # a GPU host only
+        checks.append(gpu)
     checks.append(_side_channel_check(host, port))
     checks.append(_auth_check(host, port, auth_secret))
 
