@@ -64,6 +64,7 @@ from kvxfer.errors import (
 )
 
 __all__ = [
+    "CUDA_IPC_GET_ZCOPY",
     "NixlCall",
     "NixlEndpoint",
     "NixlErrorMap",
@@ -82,6 +83,8 @@ _UCX_TCP_KEEPALIVE = {"UCX_TCP_KEEPIDLE": "2s", "UCX_TCP_KEEPINTVL": "1s", "UCX_
 
 #: Where the NVIDIA driver lists this host's GPUs (one entry each).
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+#: UCX's switch for cuda_ipc GETs (see :func:`ucx_defaults`).
+CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
 def ucx_defaults(gpus: Path | None = None) -> dict[str, str]:
@@ -108,7 +111,7 @@ def ucx_defaults(gpus: Path | None = None) -> dict[str, str]:
     except OSError:
         present = False
     if present:
-        out["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+        out[CUDA_IPC_GET_ZCOPY] = "y"
     return out
 
 

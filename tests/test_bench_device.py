@@ -94,9 +94,17 @@ def test_verify_reads_a_host_copy_at_the_device_addresses() -> None:
 def test_device_memcpy_copies_the_bytes_asked() -> None:
     dev = TorchKVCache(SHAPE, 16, 4, "cpu")
     dev.fill()
-    copy = DeviceMemcpy(dev.regions, 1 << 20)
-    assert copy.run(3 << 20) > 0 and copy.run(100, threads=2) > 0
-    copy.close()
+    stream = np.concatenate([r.reshape(-1).view(np.uint8) for r in dev.host_regions()])
+    nbytes = int(stream.size) * 2 // 3 + 5  # across regions, not a multiple of anything
+    copy = DeviceMemcpy(dev.regions, nbytes + 3)  # room for all of it: no wrap-around
+    assert copy.run(nbytes) > 0
+    assert np.array_equal(copy.scratch[:nbytes].numpy(), stream[:nbytes])
+    assert bool((copy.scratch[nbytes:] == 1).all())  # nothing past what was asked
+    # More than the scratch holds wraps around it: the last bytes copied end up first.
+    small = DeviceMemcpy(dev.regions, 1000)
+    assert small.run(1500, threads=2) > 0
+    assert np.array_equal(small.scratch[:500].numpy(), stream[1000:1500])
+    small.close()
 
 
 def _pool_cache() -> tuple[Any, np.ndarray]:

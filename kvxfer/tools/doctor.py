@@ -330,8 +330,7 @@ def _nixl_checks(nixl: _Probe, rbln: _Probe) -> list[Check]:
     return [first, second]
 
 
-#: UCX's switch for cuda_ipc GETs, and the values it reads as on.
-_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+#: The values UCX reads as on.
 _ON = frozenset({"y", "yes", "on", "1"})
 
 
@@ -339,6 +338,7 @@ def cuda_ipc_check(environ: Mapping[str, str], gpus: Path | None = None) -> Chec
     """Whether kvxfer's agents read GPU memory over cuda_ipc, on a host whose NVIDIA
     driver lists a GPU (``gpus``: that listing; default ``/proc/driver/nvidia/gpus``);
     None on any other host."""
+    from kvxfer.backends._nixl import CUDA_IPC_GET_ZCOPY as _GET_ZCOPY
     from kvxfer.backends._nixl import ucx_defaults
 
     default = ucx_defaults(gpus).get(_GET_ZCOPY)

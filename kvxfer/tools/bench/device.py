@@ -69,7 +69,7 @@ def check_device(device: str) -> str | None:
         index = int(device.split(":")[1]) if ":" in device else 0
         count = torch.cuda.device_count()
         if index >= count:
-            return f"torch sees {count} CUDA device(s) here"
+            return f"torch sees {count} CUDA device(s) here (cuda:0 to cuda:{count - 1})"
     return None
 
 
@@ -95,10 +95,9 @@ def report_note(device: str | None) -> str:
 def cuda_ipc_get() -> str | None:
     """``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` as the bench's processes start their agents
     (the operator's value, or kvxfer's default on a GPU host)."""
-    from kvxfer.backends._nixl import ucx_defaults
+    from kvxfer.backends._nixl import CUDA_IPC_GET_ZCOPY, ucx_defaults
 
-    key = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
-    return os.environ.get(key, ucx_defaults().get(key))
+    return os.environ.get(CUDA_IPC_GET_ZCOPY, ucx_defaults().get(CUDA_IPC_GET_ZCOPY))
 
 
 def _torch() -> Any:
@@ -259,16 +258,22 @@ class DeviceMemcpy:
         torch = _torch()
         self.device = sources[0].device
         self._src = [t.reshape(-1).view(torch.uint8) for t in sources]
-        self._scratch = torch.ones(max(scratch_bytes, 1), dtype=torch.uint8, device=self.device)
+        #: Where the copies land (one uint8 tensor on the device).
+        self.scratch = torch.ones(max(scratch_bytes, 1), dtype=torch.uint8, device=self.device)
 
     def _pieces(self, nbytes: int) -> Sequence[tuple[Any, Any]]:
-        out, left, at, cap = [], nbytes, 0, int(self._scratch.numel())
+        """(source, destination) slices: the regions in order (again if needed), each
+        cut where the scratch wraps around, as :class:`.data.MemcpyBench` walks them."""
+        out, left, at, cap = [], nbytes, 0, int(self.scratch.numel())
         while left > 0:
             for src in self._src:
-                n = min(left, int(src.numel()), cap - at)
-                out.append((src[:n], self._scratch[at : at + n]))
-                left -= n
-                at = 0 if at + n >= cap else at + n
+                done, size = 0, min(left, int(src.numel()))
+                while done < size:
+                    n = min(size - done, cap - at)
+                    out.append((src[done : done + n], self.scratch[at : at + n]))
+                    done += n
+                    at = 0 if at + n >= cap else at + n
+                left -= size
                 if left <= 0:
                     break
         return out
