@@ -56,6 +56,7 @@ from kvxfer.backend import XferOp, XferStatus
 from kvxfer.core.layout import MemKind
 from kvxfer.errors import (
     BackendError,
+    ConfigError,
     KvxferError,
     PeerError,
     RegistrationError,
@@ -65,12 +66,14 @@ from kvxfer.errors import (
 
 __all__ = [
     "CUDA_IPC_GET_ZCOPY",
+    "LIST_WRITES",
     "NixlCall",
     "NixlEndpoint",
     "NixlErrorMap",
     "PluginAgent",
     "RunsEndpoint",
     "import_nixl",
+    "list_writes",
     "map_nixl_errors",
     "nixl_error",
     "start_plugin_agent",
@@ -85,6 +88,40 @@ _UCX_TCP_KEEPALIVE = {"UCX_TCP_KEEPIDLE": "2s", "UCX_TCP_KEEPINTVL": "1s", "UCX_
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 #: UCX's switch for cuda_ipc GETs (see :func:`ucx_defaults`).
 CUDA_IPC_GET_ZCOPY = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+
+
+#: NIXL's switch for list writes (docs/OPERATIONS.md, "UCX list writes"): set, the UCX
+#: backend posts a WRITE's descriptors as one UCX put of a scatter-gather list.
+LIST_WRITES = "NIXL_UCX_SGL_ENABLE"
+# How NIXL reads a boolean setting (its configTraits<bool>; case does not matter).
+_NIXL_TRUE = ("y", "yes", "on", "1", "true", "enable")
+_NIXL_FALSE = ("n", "no", "off", "0", "false", "disable")
+
+
+def list_writes(environ: Mapping[str, str]) -> bool:
+    """Whether NIXL's UCX backend will post each WRITE as one list (``LIST_WRITES``).
+
+    NIXL reads the variable when it creates a UCX backend, as a boolean; a value it
+    cannot read makes that creation fail with a bare ``NIXL_ERR_BACKEND``, so kvxfer
+    checks it first.
+
+    Raises:
+        ConfigError: the variable is set to something NIXL does not read as a boolean.
+    """
+    value = environ.get(LIST_WRITES)
+    if value is None:
+        return False
+    word = value.lower()  # NIXL compares whole words, ignoring only case
+    if word in _NIXL_TRUE:
+        return True
+    if word in _NIXL_FALSE:
+        return False
+    raise ConfigError(
+        LIST_WRITES,
+        value,
+        f"NIXL reads it as one word, any case: {', '.join(_NIXL_TRUE)} (on) or "
+        f"{', '.join(_NIXL_FALSE)} (off)",
+    )
 
 
 def ucx_defaults(gpus: Path | None = None) -> dict[str, str]:
@@ -529,9 +566,12 @@ def start_plugin_agent(
 
     Raises:
         MissingDependency: NIXL is not installed.
+        ConfigError: ``NIXL_UCX_SGL_ENABLE`` set to a value NIXL cannot read (UCX).
         BackendError: NIXL could not start the agent, or has no such plugin here.
     """
     nixl_agent, nixl_agent_config = import_nixl()
+    if plugin == "UCX":
+        list_writes(os.environ)  # a value NIXL cannot read fails here, by name
     conf = nixl_agent_config(
         enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[]
     )

@@ -84,9 +84,21 @@ def test_mismatched_block_counts_fail_cleanly(pull_pair: tuple[AgentProc, AgentP
     assert "bad-len" not in prod.call("holding")
 
 
-@pytest.mark.parametrize("secret", [None, "push-test-secret-0123456789"], ids=["open", "signed"])
-def test_push_writes_exact_bytes(secret: str | None) -> None:
-    # signed: the PUSHED notice, encoded when the registration arrived, must verify
+#: NIXL's UCX list writes on, and UCX saying which protocol each put took.
+LIST_WRITES = (("NIXL_UCX_SGL_ENABLE", "1"), ("UCX_PROTO_INFO", "y"))
+
+
+@pytest.mark.parametrize(
+    ("secret", "env"),
+    [(None, ()), ("push-test-secret-0123456789", ()), (None, LIST_WRITES)],
+    ids=["open", "signed", "list_writes"],
+)
+def test_push_writes_exact_bytes(
+    secret: str | None, env: tuple[tuple[str, str], ...], capfd: pytest.CaptureFixture[str]
+) -> None:
+    # signed: the PUSHED notice, encoded when the registration arrived, must verify.
+    # list_writes: the producer's writes go out as one UCX list each (scattered blocks,
+    # so a list of many elements); the same bytes must land.
     prod = AgentProc(
         ProcSpec(
             engine_id="prefill-p",
@@ -95,6 +107,7 @@ def test_push_writes_exact_bytes(secret: str | None) -> None:
             num_blocks=NUM_BLOCKS,
             fill_seed=SEED,
             auth_secret=secret,
+            env=env,
         )
     )
     cons = AgentProc(
@@ -108,6 +121,8 @@ def test_push_writes_exact_bytes(secret: str | None) -> None:
     )
     try:
         remote, local, tokens = list(range(8, 20)), list(range(30, 42)), 12 * 16 - 3
+        if env:  # no two blocks abut on both sides: one element per block and region
+            remote, local = list(range(8, 32, 2)), list(range(41, 29, -1))
         stub = {
             "engine_id": "prefill-p",
             "host": prod.host,
@@ -139,3 +154,7 @@ def test_push_writes_exact_bytes(secret: str | None) -> None:
     finally:
         assert cons.close() == 0
         assert prod.close() == 0
+    if env:
+        said = capfd.readouterr()
+        puts = [line for line in (said.out + said.err).splitlines() if "ucp_put" in line]
+        assert any("from sgl" in line for line in puts), puts[-10:]

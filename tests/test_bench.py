@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.backends._nixl import list_writes
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.testing.kvcache import HostKVCache
 from kvxfer.tools.bench import cases as bc
@@ -498,6 +500,7 @@ def test_smoke_tiny_case_through_two_processes(
     assert out.returncode == 0, out.stderr[-3000:]
     objs = [json.loads(line) for line in out.stdout.splitlines()]
     assert objs[0]["kind"] == "run" and objs[0]["cpus"]
+    assert objs[0]["nixl_ucx_sgl"] is list_writes(os.environ)  # as its agents started
     cases = [o for o in objs if o["kind"] == "transfer"]
     assert sorted((r["backend"], r["direction"]) for r in cases) == [
         ("host_bounce", "pull"),

@@ -44,7 +44,16 @@ from kvxfer.io.rails import (
     ucx_env,
 )
 
-__all__ = ["Check", "NicRow", "Report", "Status", "cuda_ipc_check", "main", "run_checks"]
+__all__ = [
+    "Check",
+    "NicRow",
+    "Report",
+    "Status",
+    "cuda_ipc_check",
+    "list_writes_check",
+    "main",
+    "run_checks",
+]
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 #: The shared secret's environment variable, as the vLLM adapter reads it
@@ -362,6 +371,33 @@ def cuda_ipc_check(environ: Mapping[str, str], gpus: Path | None = None) -> Chec
     )
 
 
+def list_writes_check(environ: Mapping[str, str]) -> Check | None:
+    """What NIXL's UCX backend does with a push's writes, when the operator set
+    ``NIXL_UCX_SGL_ENABLE`` (None when unset: one UCX put per descriptor, NIXL's
+    default). A value NIXL cannot read fails: its UCX backend would not start."""
+    from kvxfer.backends._nixl import LIST_WRITES, list_writes
+    from kvxfer.errors import ConfigError
+
+    value = environ.get(LIST_WRITES)
+    if value is None:
+        return None
+    name = "UCX list writes"
+    try:
+        on = list_writes(environ)
+    except ConfigError as exc:
+        return Check(name=name, status=Status.FAIL, detail=str(exc))
+    if not on:
+        detail = f"{LIST_WRITES}={value}: one UCX put per descriptor"
+        return Check(name=name, status=Status.INFO, detail=detail)
+    return Check(
+        name=name,
+        status=Status.INFO,
+        detail=f"{LIST_WRITES}={value}: each WRITE (a push) is one UCX put of a list, which "
+        "UCX can hand to RDMA (mlx5) and, with nixl-cu13, to cuda_ipc in one call, and "
+        "emulates one element at a time elsewhere; READs (pulls) are unchanged",
+    )
+
+
 def _nic_rows(selection: Selection, numa_known: bool) -> tuple[NicRow, ...]:
     rows = []
     for v in selection.verdicts:
@@ -450,6 +486,9 @@ def run_checks(
     gpu = cuda_ipc_check(os.environ)
     if gpu is not None:  # a GPU host only
         checks.append(gpu)
+    writes = list_writes_check(os.environ)
+    if writes is not None:  # set by the operator only
+        checks.append(writes)
     checks.append(_side_channel_check(host, port))
     checks.append(_auth_check(host, port, auth_secret))
 

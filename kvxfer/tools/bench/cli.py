@@ -395,6 +395,7 @@ def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, A
         "ucx_tls": os.environ.get("UCX_TLS") or None,
         "device": args.device,
         "ucx_cuda_ipc_get_zcopy": device.cuda_ipc_get(),
+        "nixl_ucx_sgl": device.list_writes(),
         "reps": args.reps or (5 if args.quick else 7),
         "argv": list(argv if argv is not None else sys.argv[1:]),
     }
@@ -433,6 +434,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if not args.tp:  # --tp runs on ucx and refuses --backends
             args.backends = args.backends or "ucx"
+    if not (args.tables or args.hybrid or args.from_json):
+        try:
+            device.list_writes()
+        except ValueError as exc:  # a NIXL_UCX_SGL_ENABLE its agents could not start with
+            print(f"kvxfer bench: {exc}", file=sys.stderr)
+            return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.from_json:
         try:
@@ -479,7 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"kvxfer bench — {header.get('date', '?')}, {header.get('cpus', '?')} CPUs, "
             f"{header.get('network', '?')}{_cma.tls_note(header.get('ucx_tls'))}"
-            f"{device.report_note(header.get('device'))}, "
+            f"{device.report_note(header.get('device'))}"
+            f"{device.list_writes_note(header.get('nixl_ucx_sgl'))}, "
             f"{header.get('reps', '?')} timed reps per case"
         )
         print(report.format_table(results, bars))

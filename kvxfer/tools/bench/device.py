@@ -100,6 +100,19 @@ def cuda_ipc_get() -> str | None:
     return os.environ.get(CUDA_IPC_GET_ZCOPY, ucx_defaults().get(CUDA_IPC_GET_ZCOPY))
 
 
+def list_writes() -> bool:
+    """Whether the bench's agents post each WRITE as one UCX list (``NIXL_UCX_SGL_ENABLE``,
+    read by NIXL: kvxfer's and raw NIXL's agents alike)."""
+    from kvxfer.backends._nixl import list_writes as _list_writes
+
+    return _list_writes(os.environ)
+
+
+def list_writes_note(on: bool | None) -> str:
+    """The header line's note on UCX list writes (nothing when off)."""
+    return ", UCX list writes (NIXL_UCX_SGL_ENABLE)" if on else ""
+
+
 def _torch() -> Any:
     import torch
 

@@ -466,7 +466,8 @@ def report_tp(
             f"kvxfer bench --tp {header.get('tp', '?')} — {header.get('date', '?')}, "
             f"{header.get('cpus', '?')} CPUs (load {' '.join(f'{x:.2f}' for x in load) or '?'}), "
             f"loopback{cma.tls_note(header.get('ucx_tls'))}"
-            f"{device.report_note(header.get('device'))}, "
+            f"{device.report_note(header.get('device'))}"
+            f"{device.list_writes_note(header.get('nixl_ucx_sgl'))}, "
             f"{reps} timed reps per case (up to {max_reps} until x runs is known "
             f"to ±0.04), {header.get('firsts', '?')} first request(s) per case"
         )
