@@ -18,11 +18,14 @@ from kvxfer.errors import ConfigError
 from kvxfer.types import Direction, Role
 
 __all__ = [
+    "DEFAULT_PROGRESS_INTERVAL_S",
     "DEFAULT_WARM_UP_DESCRIPTORS",
+    "MAX_PROGRESS_INTERVAL_S",
     "MAX_WARM_UP_DESCRIPTORS",
     "AgentConfig",
     "AgentStats",
     "PushPost",
+    "check_progress_interval",
     "check_warm_up_descriptors",
 ]
 
@@ -33,6 +36,24 @@ DEFAULT_WARM_UP_DESCRIPTORS = 1 << 16
 #: The largest :attr:`AgentConfig.warm_up_descriptors`: about 2 s of connect time at
 #: the ~2 µs a descriptor the warm-up costs on one host.
 MAX_WARM_UP_DESCRIPTORS = 1 << 20
+
+#: :attr:`AgentConfig.progress_interval_s` unless set.
+DEFAULT_PROGRESS_INTERVAL_S = 0.0002
+#: The largest :attr:`AgentConfig.progress_interval_s`: a transfer nobody waits on is
+#: settled (its blocks freed, a push's notice sent) up to this long after it ended.
+MAX_PROGRESS_INTERVAL_S = 1.0
+
+
+def check_progress_interval(key: str, value: object) -> float:
+    """``value`` if it is a valid :attr:`AgentConfig.progress_interval_s` (seconds, more
+    than 0 and at most :data:`MAX_PROGRESS_INTERVAL_S`); else a ConfigError naming
+    ``key``. (0 would spin the progress thread.)"""
+    top = MAX_PROGRESS_INTERVAL_S
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= top:
+        raise ConfigError(
+            key, value, f"must be a number of seconds more than 0 and at most {top:g}"
+        )
+    return float(value)
 
 
 def check_warm_up_descriptors(key: str, value: object) -> int:
@@ -88,7 +109,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             ``{"rbln_adapter": "emulated"}`` or ``{"transport": "ucx"}``.
         lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
             producer's lease expiry: clock skew between hosts must stay below it.
-        progress_interval_s: Sleep of the progress thread while transfers are in flight.
+        progress_interval_s: Sleep of the progress thread while transfers are in flight
+            (seconds; more than 0, at most 1). A push producer's write is seen done, and
+            NIXL sends its notice to the consumer, at the next round after it ended.
         warm_up_descriptors: How many descriptors the agent's first warm-up transfer
             posts (:meth:`~kvxfer.agent.Agent.connect` of an agent that posts to the
             peer: a read of its guard word, or a push producer's write of its sink
@@ -125,7 +148,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     auth_secret: str | None = None
     rails: tuple[str, ...] = ()
     stripe_width: int | None = None
-    progress_interval_s: float = 0.0002
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     warm_up_descriptors: int = DEFAULT_WARM_UP_DESCRIPTORS
     lease_guard_s: float = 0.5
     backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
@@ -147,6 +170,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, key)
             if not value > 0:
                 raise ConfigError(key, value, "must be a positive number of seconds")
+        check_progress_interval("progress_interval_s", self.progress_interval_s)
         check_warm_up_descriptors("warm_up_descriptors", self.warm_up_descriptors)
         if not 0 <= self.side_channel_port <= 65535:
             raise ConfigError("side_channel_port", self.side_channel_port, "must be 0..65535")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements docs/PERFORMANCE.md still lacks, as one run on a lent GPU host
 # ("GPU memory through UCX"): what UCX list writes (NIXL_UCX_SGL_ENABLE) do to pushes
-# of scattered blocks and across TP sizes, and TP figures at block sizes 16 and 128.
+# of scattered blocks and across TP sizes, TP figures at block sizes 16 and 128, and
+# whether the producer's poll pace is the sub-millisecond push's gap.
 # Every case is verified byte for byte by the bench; each step has its own time limit,
 # so a stuck step costs only its own.
 #
@@ -14,14 +15,14 @@
 #
 #   DEVICE=cuda (default) | cuda:N | cpu     where the caches live (cpu: try it here)
 #   TOKENS=4000    prompt length        STEP_S=150    seconds per step
-#   STEPS="direct tp"                   which groups of steps to run
+#   STEPS="direct tp poll"              which groups of steps to run
 #   WHEELS=.whl    wheels to install first (when any are there; "" for none)
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 DEVICE=${DEVICE:-cuda}
 TOKENS=${TOKENS:-4000}
 STEP_S=${STEP_S:-150}
-STEPS=${STEPS:-direct tp}
+STEPS=${STEPS:-direct tp poll}
 PY=${PY:-python3}
 WHEELS=${WHEELS-.whl}
 mkdir -p "$OUT"
@@ -55,4 +56,15 @@ for sgl in 0 1; do
             --tokens "$TOKENS" --firsts 1 --reps 5 --max-reps 9 ;;
     esac
 done
+# The push's sub-millisecond gap (0.68x raw NIXL at bs128 contiguous): is it how often
+# the producer polls its write? NIXL sends the write's notice only when a poll finds it
+# done; raw NIXL busy-polls. The same cases at kvxfer's default pace and at 20 us.
+export NIXL_UCX_SGL_ENABLE=0
+case " $STEPS " in *" poll "*)
+    for us in 200 20; do
+        step "poll-${us}us" --device "$DEVICE" --models qwen3-0.6b --block-sizes 128 \
+            --tokens "$TOKENS" --patterns contiguous --directions pull,push --no-planning \
+            --reps 25 --max-reps 25 --progress-interval-us "$us"
+    done ;;
+esac
 grep -h "kvxfer bench\|ucx \|TP.->TP" "$OUT"/*.txt 2> /dev/null

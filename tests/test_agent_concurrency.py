@@ -26,7 +26,11 @@ import pytest
 from kvxfer._agent import progress as _progress
 from kvxfer._agent.progress import RECEPTION_TICK_S, WAITED_TICK_S
 from kvxfer.agent import Agent, AgentConfig, PushPost, Ticket
-from kvxfer.agent_config import MAX_WARM_UP_DESCRIPTORS
+from kvxfer.agent_config import (
+    DEFAULT_PROGRESS_INTERVAL_S,
+    MAX_PROGRESS_INTERVAL_S,
+    MAX_WARM_UP_DESCRIPTORS,
+)
 from kvxfer.backend import BackendOptions, PeerHandle, XferHandle, XferOp, XferStatus
 from kvxfer.core.compat import Fingerprint
 from kvxfer.errors import ConfigError, TransferTimeout
@@ -737,6 +741,22 @@ def test_warm_up_descriptors_out_of_range_is_refused_naming_key_value_rule(value
     for ok in (1, MAX_WARM_UP_DESCRIPTORS):
         config = AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), warm_up_descriptors=ok)
         assert config.warm_up_descriptors == ok
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.001, 1.5, True, "0.0002", None])
+def test_progress_interval_out_of_range_is_refused_naming_key_value_rule(value: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), progress_interval_s=value)
+    assert str(err.value) == (
+        f"progress_interval_s={value!r}: must be a number of seconds more than 0 and at "
+        f"most {MAX_PROGRESS_INTERVAL_S:g}"
+    )
+    for ok in (1e-6, 2e-5, MAX_PROGRESS_INTERVAL_S, 1):
+        config = AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL), progress_interval_s=ok)
+        assert config.progress_interval_s == ok
+    assert AgentConfig(engine_id="e", fingerprint=_fp(Direction.PULL)).progress_interval_s == (
+        DEFAULT_PROGRESS_INTERVAL_S
+    )
 
 
 def test_push_post_must_be_a_push_post() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.agent_config import DEFAULT_PROGRESS_INTERVAL_S
 from kvxfer.backends._nixl import list_writes
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.testing.kvcache import HostKVCache
@@ -501,6 +502,7 @@ def test_smoke_tiny_case_through_two_processes(
     objs = [json.loads(line) for line in out.stdout.splitlines()]
     assert objs[0]["kind"] == "run" and objs[0]["cpus"]
     assert objs[0]["nixl_ucx_sgl"] is list_writes(os.environ)  # as its agents started
+    assert objs[0]["progress_interval_s"] == DEFAULT_PROGRESS_INTERVAL_S
     cases = [o for o in objs if o["kind"] == "transfer"]
     assert sorted((r["backend"], r["direction"]) for r in cases) == [
         ("host_bounce", "pull"),
@@ -628,3 +630,19 @@ def test_raw_nixl_background_polls_pause_during_kvxfers_turn() -> None:
         assert len(drains) >= 5, f"{len(drains)} polls in 0.1 s after resume (1 ms pace)"
     finally:
         raw.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--progress-interval-us", "0"], "progress_interval_s=0.0: must be a number of seconds"),
+        (["--progress-interval-us", "2e6"], "at most 1"),
+        (["--tp", "--progress-interval-us", "20"], "applies to the matrix, not --tp"),
+    ],
+)
+def test_a_bad_progress_interval_is_refused_before_any_process_starts(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main(["--quick", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvxfer bench: --progress-interval-us") and says in err

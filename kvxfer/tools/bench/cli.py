@@ -24,7 +24,8 @@ import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.device as device
 import kvxfer.tools.bench.report as report
 from kvxfer.agent import PushPost
-from kvxfer.errors import MissingDependency
+from kvxfer.agent_config import DEFAULT_PROGRESS_INTERVAL_S, check_progress_interval
+from kvxfer.errors import ConfigError, MissingDependency
 from kvxfer.tools import cma as _cma
 
 __all__ = [
@@ -181,6 +182,14 @@ def parser() -> argparse.ArgumentParser:
         choices=[m.value for m in PushPost],
         default=PushPost.AUTO.value,
         help="which thread posts kvxfer's push writes (AgentConfig.push_post; auto)",
+    )
+    p.add_argument(
+        "--progress-interval-us",
+        type=float,
+        default=None,
+        metavar="US",
+        help="kvxfer's agents poll transfers in flight this often "
+        "(AgentConfig.progress_interval_s; 200). Not with --tp",
     )
     p.add_argument(
         "--engine-busy-ms",
@@ -344,6 +353,7 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
             push_post=args.push_post,
             engine_busy_s=args.engine_busy_ms / 1e3,
             device=args.device,
+            progress_interval_s=_interval_s(args),
         )
         runner.start()
         try:
@@ -384,6 +394,30 @@ def _kernel_copy_rates() -> dict[str, Any]:
     return cma.by_page_size()
 
 
+def _interval_s(args: argparse.Namespace) -> float:
+    """kvxfer's agents' AgentConfig.progress_interval_s for this run."""
+    us = args.progress_interval_us
+    return DEFAULT_PROGRESS_INTERVAL_S if us is None else us / 1e6
+
+
+def _interval_note(seconds: float | None) -> str:
+    """The header line's note on kvxfer's poll pace (nothing at the default)."""
+    if seconds is None or seconds == DEFAULT_PROGRESS_INTERVAL_S:
+        return ""
+    return f", kvxfer polls transfers in flight every {seconds * 1e6:g} us"
+
+
+def _interval_refusal(args: argparse.Namespace) -> str:
+    """Why --progress-interval-us cannot be used as given ("" when it can)."""
+    if args.tp:
+        return "applies to the matrix, not --tp"
+    try:
+        check_progress_interval("progress_interval_s", _interval_s(args))
+    except ConfigError as exc:
+        return f"AgentConfig.{exc}"
+    return ""
+
+
 def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
     """The run's JSON header: when, where, how many reps, the command line."""
     return {
@@ -396,6 +430,7 @@ def _header(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, A
         "device": args.device,
         "ucx_cuda_ipc_get_zcopy": device.cuda_ipc_get(),
         "nixl_ucx_sgl": device.list_writes(),
+        "progress_interval_s": _interval_s(args),
         "reps": args.reps or (5 if args.quick else 7),
         "argv": list(argv if argv is not None else sys.argv[1:]),
     }
@@ -424,6 +459,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.progress_interval_us is not None:
+        refused = _interval_refusal(args)
+        if refused:
+            print(
+                f"kvxfer bench: --progress-interval-us {args.progress_interval_us:g}: {refused}",
+                file=sys.stderr,
+            )
+            return 2
     if args.firsts is not None and not args.tp:
         print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)
         return 2
@@ -487,7 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"kvxfer bench — {header.get('date', '?')}, {header.get('cpus', '?')} CPUs, "
             f"{header.get('network', '?')}{_cma.tls_note(header.get('ucx_tls'))}"
             f"{device.report_note(header.get('device'))}"
-            f"{device.list_writes_note(header.get('nixl_ucx_sgl'))}, "
+            f"{device.list_writes_note(header.get('nixl_ucx_sgl'))}"
+            f"{_interval_note(header.get('progress_interval_s'))}, "
             f"{header.get('reps', '?')} timed reps per case"
         )
         print(report.format_table(results, bars))

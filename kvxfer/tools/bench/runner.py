@@ -82,12 +82,14 @@ class Runner:
         push_post: str = "auto",
         engine_busy_s: float = 0.0,
         device: str | None = None,
+        progress_interval_s: float | None = None,
     ) -> None:
         self.reps = reps
         self.options = {
             "push_post": push_post,
             "engine_busy_s": engine_busy_s,
             "device": device,  # --device: each process's cache in torch memory there
+            "progress_interval_s": progress_interval_s,  # None: AgentConfig's default
         }
         # A noisy case (the paired ratio's confidence interval still wide) gets more
         # reps, up to this many.

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 import kvxfer.tools.bench.cases as bc
+from kvxfer.agent_config import DEFAULT_PROGRESS_INTERVAL_S
 from kvxfer.tools.bench.data import MemcpyBench, fill_regions
 from kvxfer.tools.bench.measure import Measure
 from kvxfer.tools.bench.procs import serve_commands
@@ -78,12 +79,16 @@ class Worker:
         self._push_before: Any = None  # the push agent's stats as its last hold began
         self.push_post = "auto"  # AgentConfig.push_post of the push agents
         self.device: str | None = None  # --device: the cache in torch memory there
+        self.progress_interval_s = DEFAULT_PROGRESS_INTERVAL_S  # --progress-interval-us
 
     def cmd_options(self, payload: dict[str, Any]) -> None:
-        """Run-wide options (``--push-post``, ``--engine-busy-ms``, ``--device``)."""
+        """Run-wide options (``--push-post``, ``--engine-busy-ms``, ``--device``,
+        ``--progress-interval-us``)."""
         self.push_post = str(payload["push_post"])
         self.state.engine_busy_s = float(payload["engine_busy_s"])
         self.device = payload.get("device")
+        interval = payload.get("progress_interval_s")
+        self.progress_interval_s = DEFAULT_PROGRESS_INTERVAL_S if interval is None else interval
 
     # -- set-up -----------------------------------------------------------------------
     def cmd_cache(self, case: bc.Case) -> dict[str, Any]:
@@ -162,6 +167,7 @@ class Worker:
                     auth_secret=_SECRET,
                     backend_extra=extra,
                     push_post=PushPost(self.push_post),
+                    progress_interval_s=self.progress_interval_s,
                 )
             )
             self.state.agents[d] = agent
