@@ -7,6 +7,7 @@ Each subcommand lives in its own module and is imported only when run, so
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +30,18 @@ def _usage() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvxfer`` console script."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rc = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, not at exit: a reader that went away shows up below
+    except BrokenPipeError:
+        # The reader went away (`kvxfer bench ... | head`): stop quietly, as a shell
+        # tool does, and keep Python's own flush at exit from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for such a pipeline
+    return rc
+
+
+def _run(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0

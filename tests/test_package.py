@@ -83,6 +83,21 @@ def test_cli_help_lists_every_command() -> None:
     assert bad.returncode == 2 and "unknown command" in bad.stderr
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--hybrid"]])
+def test_cli_stops_quietly_when_its_reader_went_away(argv: list[str]) -> None:
+    # `kvxfer bench ... | head`: the reader closed before the command wrote.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err
+
+
 def test_registry_duplicates_and_missing_modules() -> None:
     from kvxfer.backend import BACKEND_API_VERSION
     from kvxfer.registry import get_backend, register_backend
