@@ -15,14 +15,14 @@
 #
 #   DEVICE=cuda (default) | cuda:N | cpu     where the caches live (cpu: try it here)
 #   TOKENS=4000    prompt length        STEP_S=150    seconds per step
-#   STEPS="direct tp poll"              which groups of steps to run
+#   STEPS="direct poll tp"              which groups of steps to run (in this order)
 #   WHEELS=.whl    wheels to install first (when any are there; "" for none)
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 DEVICE=${DEVICE:-cuda}
 TOKENS=${TOKENS:-4000}
 STEP_S=${STEP_S:-150}
-STEPS=${STEPS:-direct tp poll}
+STEPS=${STEPS:-direct poll tp}
 PY=${PY:-python3}
 WHEELS=${WHEELS-.whl}
 mkdir -p "$OUT"
@@ -44,27 +44,24 @@ step() {  # step NAME ARGS...: one bench run, its JSON lines to $OUT/NAME.jsonl
     fi
 }
 
+has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+
+# Quick steps first (the TP steps start fresh processes for every case).
 for sgl in 0 1; do
-    export NIXL_UCX_SGL_ENABLE=$sgl
-    case " $STEPS " in *" direct "*)
-        step "direct-sgl$sgl" --device "$DEVICE" --models qwen3-0.6b --block-sizes 16,128 \
-            --tokens "$TOKENS" --patterns contiguous,scattered --directions pull,push \
-            --no-planning --reps 5 --max-reps 9 ;;
-    esac
-    case " $STEPS " in *" tp "*)
-        step "tp-sgl$sgl" --tp 1:2,2:1 --device "$DEVICE" --block-sizes 16,128 \
-            --tokens "$TOKENS" --firsts 1 --reps 5 --max-reps 9 ;;
-    esac
+    has direct && NIXL_UCX_SGL_ENABLE=$sgl step "direct-sgl$sgl" --device "$DEVICE" \
+        --models qwen3-0.6b --block-sizes 16,128 --tokens "$TOKENS" \
+        --patterns contiguous,scattered --directions pull,push --no-planning --reps 5 --max-reps 9
 done
 # The push's sub-millisecond gap (0.68x raw NIXL at bs128 contiguous): is it how often
 # the producer polls its write? NIXL sends the write's notice only when a poll finds it
 # done; raw NIXL busy-polls. The same cases at kvxfer's default pace and at 20 us.
-export NIXL_UCX_SGL_ENABLE=0
-case " $STEPS " in *" poll "*)
-    for us in 200 20; do
-        step "poll-${us}us" --device "$DEVICE" --models qwen3-0.6b --block-sizes 128 \
-            --tokens "$TOKENS" --patterns contiguous --directions pull,push --no-planning \
-            --reps 25 --max-reps 25 --progress-interval-us "$us"
-    done ;;
-esac
+for us in 200 20; do
+    has poll && NIXL_UCX_SGL_ENABLE=0 step "poll-${us}us" --device "$DEVICE" \
+        --models qwen3-0.6b --block-sizes 128 --tokens "$TOKENS" --patterns contiguous \
+        --directions pull,push --no-planning --reps 25 --max-reps 25 --progress-interval-us "$us"
+done
+for sgl in 0 1; do
+    has tp && NIXL_UCX_SGL_ENABLE=$sgl step "tp-sgl$sgl" --tp 1:2,2:1 --device "$DEVICE" \
+        --block-sizes 16,128 --tokens "$TOKENS" --firsts 1 --reps 5 --max-reps 9
+done
 grep -h "kvxfer bench\|ucx \|TP.->TP" "$OUT"/*.txt 2> /dev/null
