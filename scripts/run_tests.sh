@@ -41,10 +41,12 @@ else
   e2e_log=$(mktemp)
   trap '{ [ -z "${e2e_pid:-}" ] || kill "$e2e_pid" 2>/dev/null || true; }; rm -f "$static_log" "$e2e_log"' EXIT
   echo "== pytest -m 'e2e and not own_servers', in the background (its report follows the other half's)"
-  "${PYTEST[@]}" -m "e2e and not own_servers" >"$e2e_log" 2>&1 &
+  # Each half picks its servers' and side channels' ports from its own part of the range
+  # below the kernel's ephemeral ports (tests/ports.py), so the two never pick the same.
+  KVXFER_TEST_PORTS=20000-26383 "${PYTEST[@]}" -m "e2e and not own_servers" >"$e2e_log" 2>&1 &
   e2e_pid=$!
   echo "== pytest -m 'not e2e or own_servers' (mypy and lint-imports run alongside; their output follows)"
-  "${PYTEST[@]}" -m "not e2e or own_servers" || pytest_rc=$?
+  KVXFER_TEST_PORTS=26384-32767 "${PYTEST[@]}" -m "not e2e or own_servers" || pytest_rc=$?
   e2e_rc=0
   wait "$e2e_pid" || e2e_rc=$?
   echo "== pytest -m 'e2e and not own_servers'"

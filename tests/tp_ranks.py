@@ -6,8 +6,6 @@ head indices (the agent places them, ``heads.place_heads``)."""
 from __future__ import annotations
 
 import itertools
-import random
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,33 +23,17 @@ from kvxfer.errors import KvxferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.tp_kvcache import TPHostCache
 from kvxfer.types import Direction, Role
+from tests import ports
 
 NUM_BLOCKS = 12
 _names = itertools.count()
-#: Linux's default ephemeral ports start here: an outgoing connection anywhere on the
-#: host may take any port from it up, at any time (a side channel bound to a random
-#: port below 60000 once found it taken in CI).
-_EPHEMERAL = 32768
 
 
 def free_base_port(span: int = 1, hosts: Sequence[str] = ("127.0.0.1",)) -> int:
     """A base port whose ``span`` ports all bind on every host in ``hosts`` right now,
-    below the ephemeral range, so that only another listener can take one first."""
-    for _ in range(50):
-        base = random.randrange(20000, _EPHEMERAL - span)
-        socks: list[socket.socket] = []
-        try:
-            for host in hosts:
-                for port in range(base, base + span):
-                    socks.append(socket.socket())
-                    socks[-1].bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {span} free consecutive port(s) on {list(hosts)}")
+    below the ephemeral range, in this pytest process's part of it (:mod:`tests.ports`):
+    only another listener can take one first."""
+    return ports.free_base_port(span, hosts)
 
 
 class Rank:

@@ -18,9 +18,7 @@ import dataclasses
 import itertools
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +28,8 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from tests import ports as _ports
 
 from .netns_http import urlopen
 
@@ -177,42 +177,11 @@ def thread_report(interval_s: float = 1.0) -> str:
     return "\n".join(lines)
 
 
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_floor() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago and was never handed out before here.
-
-    Picked below the kernel's ephemeral range: a port the kernel picked (``bind(0)``)
-    can be handed by it to any other socket before the server binds it (UCX and ZMQ
-    open many), which once left a server up but unreachable for the whole start-up
-    timeout.
-    """
-    top = min(_ephemeral_floor(), 32768)
-    rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(max(1024, top - 12000), top)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # crowded: the kernel's pick
-        s.bind((host, 0))
-        port = int(s.getsockname()[1])
-    _HANDED_OUT.add(port)
-    return port
+    """A TCP port for a server: free a moment ago, below the kernel's ephemeral range,
+    in this pytest process's own part of it, never handed out before here
+    (:mod:`tests.ports`)."""
+    return _ports.free_port(host)
 
 
 class ServerStartError(RuntimeError):
