@@ -43,6 +43,7 @@ from typing import Any
 import pytest
 
 from kvxfer.core.heads import HeadLayout, needed_ranks, peer_ranks
+from tests import ports
 
 from . import kv_digests
 from .model import TinyModelSpec, build_tiny_model
@@ -51,7 +52,6 @@ from .servers import (
     E2E_BLOCK_SIZE,
     HttpError,
     VllmServer,
-    free_port,
     sampling,
     start_server,
     wait_all_healthy,
@@ -116,11 +116,9 @@ def _tp_args(tp: int, dtype: str) -> list[str]:
 
 
 def _side_channel_port(tp: int) -> int:
-    # Rank r listens on the base port + r: leave room for every rank.
-    base = free_port()
-    while base + tp - 1 > 65535:
-        base = free_port()
-    return base
+    # Rank r listens on the base port + r: every rank's port is reserved, so that no
+    # server of this process is handed one of them.
+    return ports.free_base_port(span=tp)
 
 
 @pytest.fixture(scope="module")
