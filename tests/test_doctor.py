@@ -15,19 +15,13 @@ from typing import Any
 import pytest
 
 from kvxfer.tools.doctor import AUTH_SECRET_ENV, main
+from tests.ports import free_port
 from tests.railfakes import STANDARD_NICS, NetNs, build_sysfs, netns_context
 
 pytestmark = pytest.mark.proc
 
 HAS_RDMA = Path("/sys/class/infiniband").is_dir()
 HAS_NIXL = importlib.util.find_spec("nixl") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def checks_of(report: dict[str, Any]) -> dict[str, dict[str, str]]:

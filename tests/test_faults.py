@@ -9,7 +9,6 @@ Each test asserts the REQUIRED behaviour (every one failed on the Agent before i
 from __future__ import annotations
 
 import gc
-import socket
 import subprocess
 import sys
 import textwrap
@@ -46,6 +45,7 @@ from tests.faultkit import (
     stub,
     until,
 )
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -60,13 +60,6 @@ def push() -> Iterator[tuple[Side, Engine, Side]]:
     yield producer, Engine(producer), consumer
     consumer.close()
     producer.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- the baseline the faults are measured against ---------------------------------------
