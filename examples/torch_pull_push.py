@@ -20,6 +20,7 @@ import argparse
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -80,13 +81,22 @@ def producer(conn: Connection, device: str, num_blocks: int, prompt: list[int]) 
             conn.send(agent.serve())
             rid = conn.recv()
             if direction is Direction.PUSH:
-                while rid not in agent.holding():  # the consumer's registration is here
-                    time.sleep(0.001)
+                # the consumer's registration is here
+                _step_until(lambda r=rid, a=agent: r in a.holding(), f"{rid} registered")
             ticket = agent.hold(rid, prompt, num_tokens=tokens)
             conn.send(msgspec.to_builtins(ticket))
-            while rid not in agent.freed():  # the engine's step loop
-                time.sleep(0.001)
+            # the engine's step loop; a lease or transfer timeout frees it at the latest
+            _step_until(lambda r=rid, a=agent: r in a.freed(), f"{rid} freed")
             conn.send("freed")  # the blocks are the engine's again
+
+
+def _step_until(done: Callable[[], bool], what: str, timeout_s: float = 180.0) -> None:
+    """Poll ``done`` once a millisecond, as an engine's steps would, up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not {what} after {timeout_s:g} s")
+        time.sleep(0.001)
 
 
 def consumer(conn: Connection, device: str, num_blocks: int, prompt: list[int]) -> int:
