@@ -83,11 +83,14 @@ def test_cli_help_lists_every_command() -> None:
     assert bad.returncode == 2 and "unknown command" in bad.stderr
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["bench", "--hybrid"]])
-def test_cli_stops_quietly_when_its_reader_went_away(argv: list[str]) -> None:
-    # `kvxfer bench ... | head`: the reader closed before the command wrote.
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--from-json", "{saved}"]])
+def test_cli_stops_quietly_when_its_reader_went_away(argv: list[str], tmp_path: Path) -> None:
+    # `kvxfer bench --from-json run.jsonl | head`: the reader closed before the command
+    # wrote. (A saved run's report: a bench that measures would take seconds to write.)
+    saved = tmp_path / "run.jsonl"
+    saved.write_text('{"kind": "run", "date": "2026-01-01 00:00 UTC", "cpus": 2}\n')
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvxfer.cli", *argv],
+        [sys.executable, "-m", "kvxfer.cli", *(a.format(saved=saved) for a in argv)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
