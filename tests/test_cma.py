@@ -106,6 +106,21 @@ def test_both_page_sizes_as_json_and_one_line() -> None:
 
 
 @pytest.mark.parametrize(
+    ("moved", "sample"),
+    [
+        (0, 16 << 20),
+        (2_490_368, 16 << 20),  # the demo test's 300 tokens, 2 layers
+        ((16 << 20) + 1, 17 << 20),  # rounded up to whole MiB (the measurement's iovecs)
+        (100 << 20, 100 << 20),
+        (469_762_048, 128 << 20),  # the demo's default 4096 tokens, 28 layers
+    ],
+)
+def test_the_kernels_sample_follows_the_transfer_within_bounds(moved: int, sample: int) -> None:
+    assert cma.sample_bytes(moved) == sample
+    assert sample % (1 << 20) == 0  # tiles measure()'s 1 MiB iovecs
+
+
+@pytest.mark.parametrize(
     ("nbytes", "segment", "reps"), [(0, 1, 1), (10, 3, 1), (8, 4, 0), (8, -4, 1)]
 )
 def test_measure_rejects_sizes_that_do_not_tile(nbytes: int, segment: int, reps: int) -> None:

@@ -50,6 +50,8 @@ def test_demo_json_reports_verified_pull_and_push() -> None:
         rates = report["cma"][pages]
         assert rates["read_gbps"] > 0 and rates["write_gbps"] > 0, rates
         assert rates["write_over_read"] > 0 and rates["huge_pages"] is (pages == "huge")
+        # Sized after the bytes the demo moved (2.5 MB here: the 16 MiB floor).
+        assert rates["nbytes"] == 16 << 20
     assert report["cache_pages"] in ("huge", "small")
 
 

@@ -277,6 +277,6 @@ def coordinate(
         out["cache_pages"] = cma.numpy_pages()
         out["ucx_tls"] = os.environ.get("UCX_TLS") or None
         if cma.ucx_uses_cma(out["ucx_tls"]):
-            out["cma"] = cma.by_page_size()
+            out["cma"] = cma.by_page_size(cma.sample_bytes(out["pull"]["bytes"]))
     out["ok"] = total_ok
     return out

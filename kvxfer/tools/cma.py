@@ -47,6 +47,7 @@ __all__ = [
     "describe",
     "measure",
     "numpy_pages",
+    "sample_bytes",
     "thp_mode",
     "tls_note",
     "ucx_uses_cma",
@@ -240,6 +241,19 @@ def tls_note(tls: str | None) -> str:
     if not tls:
         return ""
     return f" (UCX_TLS={tls}{'' if ucx_uses_cma(tls) else ': no CMA'})"
+
+
+#: The bounds of :func:`sample_bytes`.
+SAMPLE_MIN_BYTES, SAMPLE_MAX_BYTES = 16 << 20, 128 << 20
+
+
+def sample_bytes(moved: int) -> int:
+    """How many bytes to measure the kernel's copy with, beside a transfer of ``moved``
+    bytes: as many, in whole MiB, but at least 16 MiB (a few huge pages, and reps long
+    against the timer) and at most 128 MiB (the measurement, whose copies and page
+    faults are mostly kernel time, stays a second or two however large the transfer)."""
+    mib = 1 << 20
+    return min(SAMPLE_MAX_BYTES, max(SAMPLE_MIN_BYTES, -(-moved // mib) * mib))
 
 
 def by_page_size(nbytes: int = 128 << 20) -> dict[str, Any]:
