@@ -15,10 +15,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvxfer.core.descriptors import DescriptorTable, build_plan
+from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.core.heads import (
     HeadLayout,
     check_head_layouts,
@@ -153,6 +153,39 @@ def _execute(case: tps.TPCase) -> None:
 
 @given(tps.tp_cases())
 def test_every_consumer_byte_is_written_once_from_the_same_head_token_and_byte(
+    case: tps.TPCase,
+) -> None:
+    _execute(case)
+
+
+@st.composite
+def _sectioned_cases(draw: st.DrawFn) -> tps.TPCase:
+    """Cases whose tables have every section: whole blocks, chunks of the last block
+    and the window granules of a sliding group (the drawn options have each only some
+    of the time; the sub-table ids of the later sections map by their own offsets)."""
+    block_size = draw(st.sampled_from((8, 16)))
+    model = tps.TPModel(
+        num_kv_heads=draw(st.sampled_from(tps.KV_HEADS)),
+        layers=draw(st.integers(2, 3)),
+        head_bytes=draw(st.integers(1, 3)),
+        block_size=block_size,
+        window=draw(st.sampled_from((1, 2, 4))),
+    )
+    case = draw(tps.tp_cases(st.just(model)))
+    options = PlanOptions(
+        chunk_mode=True,
+        chunk_tokens=draw(st.integers(1, block_size // 2)),
+        swa_window_mode=True,
+        coalesce=draw(st.booleans()),
+    )
+    # A window granule that is a chunk already gets no section of its own.
+    table = DescriptorTable.build(case.local, options)
+    assume(table.chunk_tokens < case.local.tokens_per_desc and (table.window_offset >= 0).any())
+    return msgspec.structs.replace(case, options=options)
+
+
+@given(_sectioned_cases())
+def test_plans_over_chunk_and_window_sections_write_every_byte_once_from_the_right_byte(
     case: tps.TPCase,
 ) -> None:
     _execute(case)
