@@ -136,27 +136,20 @@ def test_regions_of_several_heads_must_agree_on_their_interior_order() -> None:
 
 def test_a_region_one_side_lacks_is_named_with_present_and_absent() -> None:
     local, remote = _pair()
-    # The producer lacks layer 1's V regions; the consumer lacks them the other way.
-    fewer = _with(
-        remote, regions=tuple(r for r in remote.regions if (r.layer, r.part.name) != (1, "V"))
-    )
-    with pytest.raises(LayoutMismatch) as e:
-        check_head_layouts(local, fewer, local_heads=C, remote_heads=P, local_rank=1)
-    assert (e.value.field, e.value.local, e.value.remote) == (
-        "regions of layer 1 V",
-        "present",
-        "absent",
-    )
-    mine = _with(
-        local, regions=tuple(r for r in local.regions if (r.layer, r.part.name) != (1, "V"))
-    )
-    with pytest.raises(LayoutMismatch) as e:
-        check_head_layouts(mine, remote, local_heads=C, remote_heads=P, local_rank=1)
-    assert (e.value.field, e.value.local, e.value.remote) == (
-        "regions of layer 1 V",
-        "absent",
-        "present",
-    )
+
+    def without_layer1_v(layout: KVLayout) -> KVLayout:
+        return _with(
+            layout, regions=tuple(r for r in layout.regions if (r.layer, r.part.name) != (1, "V"))
+        )
+
+    # The producer lacks layer 1's V regions, then the consumer does.
+    for mine, theirs, values in (
+        (local, without_layer1_v(remote), ("present", "absent")),
+        (without_layer1_v(local), remote, ("absent", "present")),
+    ):
+        with pytest.raises(LayoutMismatch) as e:
+            check_head_layouts(mine, theirs, local_heads=C, remote_heads=P, local_rank=1)
+        assert (e.value.field, e.value.local, e.value.remote) == ("regions of layer 1 V", *values)
 
 
 def test_which_side_disagrees_with_its_own_heads_is_said() -> None:
