@@ -166,8 +166,9 @@ class ReceptionState(msgspec.Struct, kw_only=True):
         covered: Its blocks announced so far, per group.
         final: It saw its final notice.
         stage_in: Complete: copy the staging buffers in (host bounce).
-        unreachable_since: Failed: since when its producer has had no route
-            (kvxfer._agent.liveness), 0 while it has one.
+        unreachable_since: Since when its producer has had no route (for the log:
+            no route proves nothing about its write, kvxfer._agent.liveness), 0 while
+            it has one.
         siblings: Across TP sizes, the receptions of the same request from the other
             producer ranks. A copy in moves the whole blocks, every rank's heads, so
             one reception copies, the first to settle once all of them are complete,
@@ -222,6 +223,8 @@ class TransferMeta(msgspec.Struct, kw_only=True):
         quarantined: Doomed and waiting for its bytes to stop (counted in
             ``AgentStats.quarantined`` until it settles).
         pull, reception, write: The state of its kind.
+        parts: The one Transfer that folds several producer ranks' parts
+            (kvxfer._agent.fanout): those parts, each tracked on its own.
     """
 
     posting: bool = False
@@ -238,6 +241,7 @@ class TransferMeta(msgspec.Struct, kw_only=True):
     pull: PullState | None = None
     reception: ReceptionState | None = None
     write: WriteState | None = None
+    parts: tuple[Transfer, ...] = ()
 
     @property
     def moving(self) -> bool:
@@ -310,8 +314,26 @@ class Transfer:
         """True once it is sure to end FAILED while bytes of it may still land: an
         aborted or failed transfer whose transport is still moving bytes, or a push
         reception whose producer has not said its writes ended (R-SAFE-5). Its blocks
-        stay with it (quarantined) until it settles; engines need not act on this."""
-        return self.meta.doomed is not None and self._state is TransferState.PENDING
+        stay with it (quarantined) until it settles. An engine may end its request
+        now (the failure is decided: :attr:`doomed_error` says why), but must not reuse
+        the blocks before the transfer is :attr:`done`. A transfer made of several
+        producer ranks' parts is doomed once one of them is doomed or failed."""
+        return self.doomed_error is not None
+
+    @property
+    def doomed_error(self) -> KvxferError | None:
+        """Why a :attr:`doomed` transfer will fail (a part's error, for one made of
+        several producer ranks' parts); None while it is not doomed."""
+        if self._state is not TransferState.PENDING:
+            return None
+        if self.meta.doomed is not None:
+            return self.meta.doomed[1]
+        for part in self.meta.parts:
+            if part.meta.doomed is not None:
+                return part.meta.doomed[1]
+            if part.state is TransferState.FAILED:
+                return part.error
+        return None
 
     @property
     def error(self) -> KvxferError | None:

@@ -260,6 +260,44 @@ def test_one_producer_rank_failing_fails_the_push_with_every_block_invalid(
     assert _freed(producers[:1], "req-f") == {0: True}
 
 
+def test_a_push_across_tp_sizes_is_doomed_once_one_rank_is_and_final_once_all_are(
+    closing: list[Rank],
+) -> None:
+    """R-SAFE-5 across TP sizes: one producer rank's WRITE in flight past the deadline
+    (stalled, uncancellable as over UCX) dooms the one Transfer the engine sees at
+    once, so the engine can fail the request (Transfer.doomed, doomed_error), but it
+    is final only once that WRITE ended: its blocks are quarantined until then."""
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    cap = wire.new_capability()
+    warm = _ticket(producers, "warm", 4, cap)
+    t = consumer.agent.expect_push(warm, [0])
+    for p in producers:
+        p.agent.hold("warm", [0], 4, capability=cap)
+    t.wait(5)
+    producers[1].backend.faults = Faults(stall=True, uncancellable=True)
+    cap = wire.new_capability()
+    transfer = consumer.agent.expect_push(_ticket(producers, "req-d", 12, cap), [7, 8, 9])
+    for p in producers:
+        p.agent.hold("req-d", [3, 4, 5], 12, capability=cap)
+    t0 = time.monotonic()
+    while not transfer.doomed:
+        assert time.monotonic() - t0 < 8, "not doomed after the deadline"
+        transfer.poll()
+        time.sleep(0.01)
+    assert transfer.state is TransferState.PENDING and transfer.doomed_error is not None
+    time.sleep(0.3)
+    assert transfer.poll() is TransferState.PENDING  # rank 1's WRITE may still land
+    assert consumer.agent.stats().quarantined == 1
+    producers[1].backend.faults = Faults()  # the WRITE ends; rank 1 says so
+    with pytest.raises(TransferError):
+        transfer.wait(10)
+    assert transfer.invalid_blocks == (7, 8, 9) and not transfer.doomed
+    assert transfer.doomed_error is None
+    assert consumer.agent.stats().quarantined == 0
+
+
 def test_a_consumer_rank_aborting_releases_every_producer_rank_it_registered_with(
     closing: list[Rank],
 ) -> None:

@@ -132,6 +132,13 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
+        # Loads vLLM was told failed while their transfer is still doomed, not final
+        # (R-SAFE-5): their blocks stay with vLLM until the transfer settles.
+        self._failed_early: set[str] = set()
+        self._released: set[str] = set()  # loads vLLM ended itself (an abort)
+        # vLLM takes block-level load errors for a single KV cache group only; with
+        # several (a hybrid model) a failed load is reported by request id alone.
+        self._block_errors = len(layout.groups) == 1
         self._orphan_frees: list[str] = []  # held by vLLM, never by the Agent
         self._producer = config.role is not Role.CONSUMER
         self._interval = _Interval(push=config.direction is Direction.PUSH)
@@ -263,6 +270,8 @@ class WorkerSide:
         for load in plan.loads:
             self._start_load(load)
         for rel in plan.releases:
+            if rel.request_id in self._inflight:
+                self._released.add(rel.request_id)
             self._release_remote(rel.transfer_id, rel.remote_params, rel.reason)
 
     def after_forward(self, plan: StepPlan) -> None:
@@ -336,7 +345,8 @@ class WorkerSide:
     def _fail_load(self, request_id: str, local_blocks: Groups, why: str) -> None:
         self._failed_recving.add(request_id)
         self._finished_recving.add(request_id)
-        self._invalid_blocks.update(b for g in local_blocks for b in g)
+        if self._block_errors:
+            self._invalid_blocks.update(b for g in local_blocks for b in g)
         self._interval.failed(why)
 
     def _paired_rank(self, params: Mapping[str, Any]) -> int:
@@ -360,14 +370,26 @@ class WorkerSide:
         A failed load is reported in both receive sets and its blocks in
         :meth:`block_ids_with_load_errors` in the same step, as vLLM requires. Every id
         is reported once, and only ids vLLM still holds (vLLM asserts on others).
+
+        A load that failed while bytes of it may still land (doomed, not final: a push
+        whose producer cannot be reached to say its write ended) fails its request
+        now (R-SAFE-4, R-VLLM-7) and keeps its blocks: it is reported failed without
+        ``finished_recving``, so vLLM ends the request with an error but holds its
+        blocks; ``finished_recving`` follows once the transfer is final, and vLLM
+        frees them then (R-SAFE-5).
         """
         if self._idle_step and self._consumer and self._inflight:
             self._await_landing()
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
             if state is TransferState.PENDING:
+                if transfer.doomed and rid not in self._failed_early:
+                    self._fail_early(rid, transfer)
                 continue
             del self._inflight[rid]
+            self._released.discard(rid)
+            early = rid in self._failed_early
+            self._failed_early.discard(rid)
             timeline.mark(
                 "d_landed",
                 rid,
@@ -379,7 +401,11 @@ class WorkerSide:
             self._interval.observe(transfer)
             if state is TransferState.FAILED:
                 self._failed_recving.add(rid)
-                self._invalid_blocks.update(transfer.invalid_blocks)
+                if early:
+                    log.info("kvxfer: KV load of %s is final; its blocks are freed now", rid)
+                    continue
+                if self._block_errors:
+                    self._invalid_blocks.update(transfer.invalid_blocks)
                 log.warning(
                     "kvxfer: KV load of %s failed (%s): %s",
                     rid,
@@ -398,6 +424,23 @@ class WorkerSide:
         recving, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return sending, recving, failed
+
+    def _fail_early(self, rid: str, transfer: Transfer) -> None:
+        """Tell vLLM that the load of ``rid`` failed, before it is final (see
+        :meth:`transfer_results`). Not for a load vLLM ended itself: that request is
+        over, and its blocks wait for ``finished_recving`` already."""
+        self._failed_early.add(rid)
+        if rid in self._released:
+            return
+        self._failed_recving.add(rid)
+        if self._block_errors:
+            self._invalid_blocks.update(b for g in transfer.local_blocks for b in g)
+        log.warning(
+            "kvxfer: KV load of %s failed: %s; its blocks stay quarantined until no byte "
+            "of it can land",
+            rid,
+            transfer.doomed_error,
+        )
 
     def _on_landed(self, transfer: Transfer) -> None:
         self._landed.set()  # on the settling thread: quick, never raises

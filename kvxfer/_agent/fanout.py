@@ -61,6 +61,8 @@ class Fanout:
         self._settled: dict[int, bool] = {}
         for rank, sub in self.subs.items():
             sub.meta.on_settled = self._callback(rank)
+        # The aggregate is doomed as soon as a part is (Transfer.doomed).
+        transfer.meta.parts = tuple(self.subs[r] for r in sorted(self.subs))
 
     def planned(self, rank: int, local_blocks: tuple[tuple[int, ...], ...]) -> None:
         """Rank ``rank`` writes into exactly ``local_blocks`` (its plan's)."""

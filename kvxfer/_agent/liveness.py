@@ -23,6 +23,14 @@ default backlog), is alive as far as a probe can tell: its transfer waits, bound
   notice was lost), ``failed``/``released``/``unknown`` fail it with that reason,
   ``held``/``writing`` (or no word: the producer was busy) mean alive: asked again
   after another quiet period.
+
+A producer with no route ("Network/host unreachable": a link down) is neither dead nor
+done writing: its WRITE stays in flight in its kernel's TCP retransmissions and lands
+when the route returns, whatever the consumer's keepalive did meanwhile (measured:
+tens of MiB into reused blocks 4-8 s after a 13 s outage). Its reception is failed at
+its deadline and stays quarantined until the producer, reachable again, says its write
+ended (R-SAFE-5); only the consumer's own transport handle (a pull's READ) ends with
+its connection.
 """
 
 from __future__ import annotations
@@ -40,15 +48,12 @@ from kvxfer.errors import KvxferError, PeerError, TransferError
 from kvxfer.io.control import dead, probe_port
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["LINK_DEAD_S", "PING_TIMEOUT_S", "QUIET_S", "Liveness"]
+__all__ = ["PING_TIMEOUT_S", "QUIET_S", "Liveness"]
 
 log = logging.getLogger("kvxfer.agent")
 
 #: A transfer without progress this long gets a probe.
 QUIET_S = 0.4
-#: How long a push reception's producer must have had no route before the
-#: transport's keepalive has surely ended their connections (see Liveness._cut_off).
-LINK_DEAD_S = 10.0
 _NO_ROUTE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH})
 
 #: How long the Ping waits for its answer once the port accepted (the process lives,
@@ -157,8 +162,7 @@ class Liveness:
         if isinstance(watch, OSError):
             self._verdict(t, host, port, watch)
             return None
-        if t.meta.reception is not None:
-            t.meta.reception.unreachable_since = 0.0  # a route again
+        self._routed(t, host, port)
         with watch:
             try:
                 return self._ping(
@@ -189,27 +193,30 @@ class Liveness:
     def _verdict(self, t: Transfer, host: str, port: int, exc: OSError) -> None:
         """A connect to the peer's port failed with ``exc``: gone on evidence, else
         (a timeout: a loaded host, a frozen peer's full accept queue) alive."""
-        if self._cut_off(t, exc):
-            self._settler.fail(
-                t,
-                FailureKind.PEER_GONE,
-                PeerError(
-                    f"peer {host}:{port} unreachable for {LINK_DEAD_S:g}s ({exc}): the "
-                    "transport's keepalive has ended its connections, no write of it can "
-                    "land any more"
-                ),
-                FailureStage.TRANSFER,
-            )
-            return
         if not dead(exc):
-            log.info(
-                "liveness probe of %s:%d: no connection (%s); not evidence of death, "
-                "%s waits (its deadline bounds it)",
-                host,
-                port,
-                exc,
-                t.request_id,
-            )
+            if self._unrouted(t, exc):
+                pass  # said when the route went; probed on, quietly, until it returns
+            elif t.doomed:
+                log.info(
+                    "liveness probe of %s:%d: no connection (%s); %s stays quarantined "
+                    "until %s (R-SAFE-5)",
+                    host,
+                    port,
+                    exc,
+                    t.request_id,
+                    "its producer says its write ended"
+                    if t.meta.reception is not None
+                    else "its transport handle ends",
+                )
+            else:
+                log.info(
+                    "liveness probe of %s:%d: no connection (%s); not evidence of death, "
+                    "%s waits (its deadline bounds it)",
+                    host,
+                    port,
+                    exc,
+                    t.request_id,
+                )
             self._alive(t)
             return
         self._settler.fail(
@@ -223,26 +230,33 @@ class Liveness:
         )
 
     @staticmethod
-    def _cut_off(t: Transfer, exc: OSError) -> bool:
-        """Whether a push reception's producer has had no route for longer than the
-        transport keeps a silent connection (:data:`LINK_DEAD_S`): the reception can
-        then neither complete nor receive another byte, and fails. "Network/host
-        unreachable" is not death (the producer runs on), but while the route is gone
-        no byte moves, and UCX's TCP keepalive (kvxfer's default: ~5 s; an RDMA queue
-        pair's retry limit, likewise seconds) ends the connection on both sides, so the
-        producer's write can no longer land when the route returns (R-SAFE-5). A
-        connect that merely times out proves nothing of the kind (a frozen peer's
-        kernel still keeps the connection alive)."""
+    def _unrouted(t: Transfer, exc: OSError) -> bool:
+        """Whether a push reception's producer had no route already at the previous
+        probe (said once, not at every probe of a long outage); notes when it went.
+        No route proves nothing about the producer's write (see the module's doc)."""
         reception = t.meta.reception
-        if reception is None:
+        if reception is None or exc.errno not in _NO_ROUTE:
             return False
-        if not reception.writer_live or exc.errno not in _NO_ROUTE:
-            reception.unreachable_since = 0.0
-            return False
-        now = time.monotonic()
-        if not reception.unreachable_since:
-            reception.unreachable_since = now
-        return now - reception.unreachable_since >= LINK_DEAD_S
+        if reception.unreachable_since:
+            return True
+        reception.unreachable_since = time.monotonic()
+        return False
+
+    @staticmethod
+    def _routed(t: Transfer, host: str, port: int) -> None:
+        """The producer's port accepted: say how long its route was gone, if it was."""
+        reception = t.meta.reception
+        if reception is None or not reception.unreachable_since:
+            return
+        gone_s = time.monotonic() - reception.unreachable_since
+        reception.unreachable_since = 0.0
+        log.info(
+            "liveness probe of %s:%d: a route again after %.1f s; asking how %s's write stands",
+            host,
+            port,
+            gone_s,
+            t.request_id,
+        )
 
     def _alive(self, t: Transfer) -> None:
         t.meta.last_progress = time.monotonic()

@@ -173,3 +173,27 @@ def through_pd(
 def reference(unified: VllmServer, prompt: str | Sequence[int]) -> list[int]:
     p = list(prompt) if not isinstance(prompt, str) else prompt
     return tokens(unified.complete(p, max_tokens=MAX_TOKENS, logprobs=None, return_token_ids=True))
+
+
+def divergence(unified: VllmServer, prompt: str | Sequence[int], got: Sequence[int]) -> str:
+    """Where ``got`` leaves unified's greedy output for ``prompt``, and unified's top
+    logprobs there: a wrong KV moves logits far, while two tokens within float noise
+    of each other (a near tie) flip on a different batch alone. For failure messages."""
+    p = list(prompt) if not isinstance(prompt, str) else prompt
+    out = unified.complete(
+        p,
+        max_tokens=MAX_TOKENS,
+        logprobs=5,
+        return_token_ids=True,
+        return_tokens_as_token_ids=True,
+    )
+    ref = tokens(out)
+    k = next((i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b), None)
+    if k is None:
+        return f"got {list(got)}, unified {ref}: equal now"
+    top = out["choices"][0]["logprobs"]["top_logprobs"][k]
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
+    return (
+        f"first differs at token {k} of {len(ref)}: got {got[k]}, unified {ref[k]}; "
+        f"unified's top logprobs there {ranked}; got {list(got)}, unified {ref}"
+    )

@@ -541,6 +541,45 @@ def test_a_load_from_a_vanished_producer_fails_with_its_blocks_invalid() -> None
         c.close()
 
 
+def test_a_push_that_fails_while_its_write_may_land_fails_now_and_frees_blocks_later() -> None:
+    """R-VLLM-7 with R-SAFE-5: a push past its deadline whose producer's WRITE is still
+    in flight (the link down: its bytes land when it returns) is reported failed at
+    once, without ``finished_recving``: vLLM ends the request and keeps its blocks.
+    ``finished_recving`` comes once the producer says its write ended."""
+    from kvxfer.testing.fake_backend import Faults
+
+    p, c, ps, cs = _pair("push")
+    try:
+        prod_req = FakeRequest("p-5", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
+        _, params = ps.request_finished(prod_req, [[2, 3]])
+        assert params is not None
+        # The WRITE posts and moves nothing, and cannot be cancelled (as over UCX).
+        p.agent.backend.faults = Faults(stall=True, uncancellable=True)
+        cons_req = FakeRequest("d-5", params, num_prompt_tokens=40)
+        cs.update_state_after_alloc(cons_req, [[6, 7]], 40, 0)
+        _drive(p, c, ps, cs)
+        acc = _new_acc()
+        t0 = time.monotonic()
+        _until(lambda: "d-5" in _results(c, acc)["failed"], "no failure at the deadline", 10)
+        assert time.monotonic() - t0 < 3.0 + 2.0  # transfer_timeout_s, not the write's end
+        assert acc["invalid"] == {"6", "7"} and "d-5" not in acc["recving"]
+        for _ in range(20):  # held: a stalled write may still land
+            time.sleep(0.01)
+            assert "d-5" not in _results(c, acc)["recving"]
+        assert c.agent.stats().quarantined == 1
+        # Reported once: the failure is not repeated while the quarantine lasts.
+        acc = _new_acc()
+        p.agent.backend.faults = Faults()  # the write ends; the producer says so
+        _until(lambda: "d-5" in _results(c, acc)["recving"], "blocks never freed", 10)
+        assert acc["invalid"] == set()  # vLLM has them already (the request is over)
+        assert c.agent.stats().quarantined == 0
+        stats = c.interval_stats()
+        assert stats is not None and stats["num_failed"] == 1
+    finally:
+        c.close()
+        p.close()
+
+
 def test_a_load_that_cannot_start_is_a_failed_load_not_an_exception() -> None:
     c = _worker("kv_consumer", "pull", _caches(fill=False))
     try:

@@ -15,7 +15,9 @@ against a unified float32 instance on the test host:
 - the link taken down mid-transfer (bytes already crossing a veth shaped to a few
   Mbit/s) fails that request with an HTTP error within ``transfer_timeout_s``; decode
   keeps serving; with the link back up the next request through the sidecar succeeds,
-  nothing restarted (pull: a strict expected failure on main, it waits for the link);
+  nothing restarted. A push's blocks stay quarantined past the request's failure,
+  until the producer can say its write ended (its bytes still land when the link
+  returns);
 - clients that hang up while their KV moves, interleaved with normal requests at
   concurrency 8 for a bounded time: every completed request equals unified, none
   hangs, and decode's ``vllm:kvxfer_quarantined`` is back at 0.
@@ -51,7 +53,7 @@ from .hosts import (
     through_sidecar,
     two_hosts,
 )
-from .pd import MAX_TOKENS, decode, prefill, prompt_ids, reference
+from .pd import MAX_TOKENS, decode, divergence, prefill, prompt_ids, reference
 from .servers import HttpError, VllmServer
 from .sidecar import PREFILL_HEADER
 from .test_unified_baseline import PROMPTS
@@ -179,9 +181,11 @@ def test_negative_control_across_hosts(site: Site, unified32: VllmServer) -> Non
 def test_link_down_mid_transfer_fails_in_time_and_recovers(
     site: Site, unified32: VllmServer
 ) -> None:
-    """R-VLLM-7 with R-SAFE-5: a transfer cut by a dead link ends once no byte of it can
-    land, and that is within ``transfer_timeout_s``: UCX's TCP keepalive (kvxfer's
-    default, ~4 s) fails the endpoint while the link is down. The link back, the next
+    """R-VLLM-7 with R-SAFE-5: a request whose transfer a dead link cut fails within
+    ``transfer_timeout_s``, and its blocks stay quarantined until no byte of it can
+    land. Pull: UCX's TCP keepalive (kvxfer's default, ~4 s) fails the READ's endpoint
+    while the link is down, and the READ is over. Push: the request fails at its
+    deadline, its blocks held until the producer says its WRITE ended. The link back, the next
     request succeeds without a restart (the peer is handshaken and connected anew)."""
     hosts, d = site.hosts, site.decode
     prompt = f"The link goes down under the {site.mode} transfer: {PROMPTS['long']}"
@@ -223,26 +227,39 @@ def test_link_down_mid_transfer_fails_in_time_and_recovers(
         try:
             thread.join(timeout=TIMEOUT_S + 5)
             in_time = not thread.is_alive()
-            held = d.metric("vllm:kvxfer_quarantined")
             # Decode keeps serving (on its own: prefill is unreachable).
             assert d.complete("decode still serves", max_tokens=4)["choices"][0]["text"]
+            # The gauge reaches the metrics with the next stats interval (1 s).
+            held = d.metric("vllm:kvxfer_quarantined")
+            for _ in range(20 if site.mode == "push" else 0):
+                if held:
+                    break
+                time.sleep(0.25)
+                held = d.metric("vllm:kvxfer_quarantined")
         finally:
             hosts.set_link(True)
             up_at = time.monotonic()
     thread.join(timeout=240)
     assert not thread.is_alive(), "the request still hangs 240 s after the link came back"
     took = outcome["t"] - down_at
+    # The cut transfer is final once no byte of it can land: pull, with its READ;
+    # push, once the producer's WRITE ended (TCP resumes it on its retransmission
+    # timer after the link came back) and the producer said so.
+    settle_s = _wait_quarantine_empty(d)
     print(
         f"{site.mode}: link down -> {outcome} {took:.2f} s after it went down "
-        f"({outcome['t'] - up_at:.2f} s after it came back up); quarantined while down: {held}"
+        f"({outcome['t'] - up_at:.2f} s after it came back up); quarantined while down: "
+        f"{held}, final {settle_s:.1f} s after the link came back"
     )
     assert "tokens" not in outcome, "a transfer cut mid-way answered 200"
     assert outcome.get("status") == 500, outcome
+    if site.mode == "push":
+        # R-SAFE-5: the request failed, its blocks did not go back to vLLM (the
+        # producer's WRITE goes on in its TCP retransmissions; no word from it yet).
+        assert held == 1, f"push: {held} loads quarantined while the link was down"
     assert d.metric("vllm:kvxfer_failed_transfers_total") - failed0 == 1
-    # The link is back: a request through the sidecar succeeds, nothing restarted. The
-    # first one may still fail at its deadline (push: its WRITE queues behind the cut
-    # one on a connection in TCP retransmission backoff, until that times out and the
-    # producer drops the peer); the next one connects anew.
+    # The link is back: a request through the sidecar succeeds, nothing restarted (the
+    # route may take a moment to come back with the carrier).
     again = f"After the link came back ({site.mode}): {PROMPTS['multi_block_partial']}"
     deadline = time.monotonic() + 3 * TIMEOUT_S
     while True:
@@ -370,8 +387,10 @@ def test_clients_hanging_up_while_kv_moves(site: Site, unified32: VllmServer) ->
     assert not failed, f"{len(failed)} requests failed: {failed[:3]}"
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         refs = list(pool.map(lambda item: reference(unified32, item[0]), done))
-    wrong = [p for (p, got, _), ref in zip(done, refs, strict=True) if got != ref]
-    assert not wrong, f"{len(wrong)} of {len(done)} outputs differ from unified: {wrong[:2]}"
+    wrong = [(p, got) for (p, got, _), ref in zip(done, refs, strict=True) if got != ref]
+    assert not wrong, f"{len(wrong)} of {len(done)} outputs differ from unified: " + "; ".join(
+        f"{p!r}: {divergence(unified32, p, got)}" for p, got in wrong[:2]
+    )
     delta = {name: d.metric(name) - v for name, v in metrics0.items()}
     # Loads cut because vLLM aborted the request (its client hung up): the hang-ups
     # reached kvxfer's transfers, which were then held until their READ or write ended.
