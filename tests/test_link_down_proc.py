@@ -3,14 +3,21 @@
 Two real processes on two "hosts" (network namespaces joined by a veth pair shaped to
 200 Mbit/s with ``tc tbf``), NIXL over UCX's TCP transport, a Qwen3-0.6B-shaped cache,
 64 blocks of 16 tokens (112 MiB, ~5 s on the wire). About a second into the transfer
-decode's end of the veth goes down; 3 s later it comes back up. The consumer's engine
+decode's end of the veth goes down, and comes back up 3 s later, or 13 s later (longer
+than UCX's TCP keepalive window, which kvxfer sets to ~5 s). The consumer's engine
 waits for the transfer to be final and at once writes a sentinel into its blocks (as
-vLLM reuses them after ``finished_recving``); 3 s after the link is back not one
-element may have changed: a transfer is final only when no byte of it can land.
+vLLM reuses them after ``finished_recving``); 3 s after the link is back, and after it
+was final, not one element may have changed: a transfer is final only when no byte of
+it can land.
 
 An unreachable peer is not a dead one: while the link is down the side channel's
 connect fails with "Network is unreachable", the producer runs on and its write is
-still in flight, and TCP delivers the rest of it when the link returns.
+still in flight, and TCP delivers the rest of it when the link returns. That holds
+after the consumer's keepalive fired too: the producer's connection has unacknowledged
+bytes, so keepalive never ends it, and they land 4-8 s after a 13 s outage. A push
+whose deadline passes while the link is down therefore fails (the engine may end the
+request) but stays quarantined until the producer, reachable again, says its write
+ended; a pull ends with its own READ's handle, when the keepalive fails its endpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvxfer.tools.bench.netns import NetnsPair
@@ -78,30 +86,48 @@ def _start(direction: str, prod: AgentProc, cons: AgentProc, blocks: int) -> tup
     return rid, local
 
 
-@pytest.mark.parametrize("direction", ["pull", "push"])
+@pytest.mark.parametrize(
+    ("direction", "down_s", "deadline_s"),
+    [
+        ("pull", 3.0, 60.0),
+        ("push", 3.0, 60.0),
+        # Down past the keepalive window and past both deadlines: the push fails on
+        # both sides while the link is down; the producer's WRITE goes on (removing
+        # its peer would not stop the bytes in its TCP send queue), and the consumer
+        # is final only once the producer, reachable again, says the WRITE ended.
+        ("push", 13.0, 8.0),
+    ],
+    ids=["pull", "push", "push-long-outage"],
+)
 def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
-    direction: str, link: NetnsPair, record_property: Any
+    direction: str, down_s: float, deadline_s: float, link: NetnsPair, record_property: Any
 ) -> None:
     prod = AgentProc(
-        qwen_spec(
-            "prefill-ld",
-            direction,
-            "kv_producer",
-            link.producer_ns,
-            link.producer_addr,
-            num_blocks=NUM_BLOCKS,
+        msgspec.structs.replace(
+            qwen_spec(
+                "prefill-ld",
+                direction,
+                "kv_producer",
+                link.producer_ns,
+                link.producer_addr,
+                num_blocks=NUM_BLOCKS,
+            ),
+            transfer_timeout_s=deadline_s,
         ),
         start_timeout=120,
     )
     try:
         cons = AgentProc(
-            qwen_spec(
-                "decode-ld",
-                direction,
-                "kv_consumer",
-                link.consumer_ns,
-                link.consumer_addr,
-                num_blocks=NUM_BLOCKS,
+            msgspec.structs.replace(
+                qwen_spec(
+                    "decode-ld",
+                    direction,
+                    "kv_consumer",
+                    link.consumer_ns,
+                    link.consumer_addr,
+                    num_blocks=NUM_BLOCKS,
+                ),
+                transfer_timeout_s=deadline_s,
             ),
             start_timeout=120,
         )
@@ -117,12 +143,15 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
         _set_link(link, False)
         try:
             cons.send("final_and_reuse", rid, local, SENTINEL, 120.0)
-            time.sleep(3.0)
+            time.sleep(down_s)
         finally:
             _set_link(link, True)
         res = cons.reply(timeout=150)
-        time.sleep(3.0)  # whatever was still in flight lands now
-        changed = cons.call("changed", local, SENTINEL)
+        for _ in range(3):  # whatever was still in flight lands now
+            time.sleep(1.0)
+            changed = cons.call("changed", local, SENTINEL)
+            if changed:
+                break
         record_property("final_s", round(res["final_s"], 3))
         print(f"{direction}: final ({res['state']}, {res['failure']}) after {res['final_s']:.2f} s")
         assert res["state"] in ("done", "failed"), res
@@ -132,6 +161,13 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
                 f"final ({res['state']}, {res['failure']}, {res['final_s']:.2f} s after the "
                 "link went down)"
             )
+        if deadline_s < down_s:
+            # Failed at its deadline, or done (the WRITE completed once the link was
+            # back, its notice last), and final only once the producer could say the
+            # WRITE ended: after the link came back (before, the bytes still in flight
+            # landed in the reused blocks seconds later).
+            assert res["state"] == "done" or res["failure"] == "timeout", res
+            assert res["final_s"] > down_s, res
     finally:
         cons.close()
         prod.close()
