@@ -91,13 +91,16 @@ def _start(direction: str, prod: AgentProc, cons: AgentProc, blocks: int) -> tup
     [
         ("pull", 3.0, 60.0),
         ("push", 3.0, 60.0),
-        # Down past the keepalive window and past both deadlines: the push fails on
-        # both sides while the link is down; the producer's WRITE goes on (removing
-        # its peer would not stop the bytes in its TCP send queue), and the consumer
-        # is final only once the producer, reachable again, says the WRITE ended.
+        # Down past the keepalive window and past both deadlines. A pull fails at its
+        # deadline, final at once: the peer removed, NIXL ends the READ, whose bytes
+        # would come in through the connection that went. A push fails on both sides
+        # while the link is down; the producer's WRITE goes on (removing its peer
+        # would not stop the bytes in its TCP send queue), and the consumer is final
+        # only once the producer, reachable again, says the WRITE ended.
+        ("pull", 13.0, 3.0),
         ("push", 13.0, 8.0),
     ],
-    ids=["pull", "push", "push-long-outage"],
+    ids=["pull", "push", "pull-long-outage", "push-long-outage"],
 )
 def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
     direction: str, down_s: float, deadline_s: float, link: NetnsPair, record_property: Any
@@ -161,7 +164,9 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
                 f"final ({res['state']}, {res['failure']}, {res['final_s']:.2f} s after the "
                 "link went down)"
             )
-        if deadline_s < down_s:
+        if deadline_s < down_s and direction == "pull":
+            assert res["failure"] == "timeout" and res["final_s"] < down_s, res
+        elif deadline_s < down_s:
             # Failed at its deadline, or done (the WRITE completed once the link was
             # back, its notice last), and final only once the producer could say the
             # WRITE ended: after the link came back (before, the bytes still in flight
