@@ -65,6 +65,20 @@ def _freed(producers: list[Rank], rid: str, timeout: float = 5.0) -> dict[int, b
     return got
 
 
+def _tp2_to_tp1_warm(closing: list[Rank]) -> tuple[list[Rank], Rank]:
+    """Two producer ranks and one consumer rank (4 KV heads), both producer ranks
+    handshaken by a first push: what fails next fails in the data plane."""
+    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
+    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
+    closing += [*producers, consumer]
+    cap = wire.new_capability()
+    t = consumer.agent.expect_push(_ticket(producers, "warm", 4, cap), [0])
+    for p in producers:
+        p.agent.hold("warm", [0], 4, capability=cap)
+    t.wait(5)
+    return producers, consumer
+
+
 PAIRS = [(4, 1, 2), (4, 2, 1), (4, 2, 4), (4, 4, 2), (2, 1, 2), (2, 2, 1), (1, 2, 1)]
 #: Pairs where a producer rank writes two heads or more into one consumer rank, which
 #: abut on both sides: its writes post rows of chain lists (core.block_lists).
@@ -232,15 +246,7 @@ def test_a_producer_rank_frees_only_once_it_wrote_to_every_consumer_rank(
 def test_one_producer_rank_failing_fails_the_push_with_every_block_invalid(
     closing: list[Rank],
 ) -> None:
-    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
-    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
-    closing += [*producers, consumer]
-    cap = wire.new_capability()
-    warm = _ticket(producers, "warm", 4, cap)
-    t = consumer.agent.expect_push(warm, [0])
-    for p in producers:
-        p.agent.hold("warm", [0], 4, capability=cap)
-    t.wait(5)  # both producer ranks handshaken: the failure is in the data plane
+    producers, consumer = _tp2_to_tp1_warm(closing)
     producers[1].backend.faults = Faults(fail_post=True)  # rank 1's write fails
     cap = wire.new_capability()
     ticket = _ticket(producers, "req-f", 12, cap)
@@ -267,15 +273,7 @@ def test_a_push_across_tp_sizes_is_doomed_once_one_rank_is_and_final_once_all_ar
     (stalled, uncancellable as over UCX) dooms the one Transfer the engine sees at
     once, so the engine can fail the request (Transfer.doomed, doomed_error), but it
     is final only once that WRITE ended: its blocks are quarantined until then."""
-    p_heads, d_heads = HeadLayout(num_kv_heads=4, tp_size=2), HeadLayout(num_kv_heads=4, tp_size=1)
-    producers, (consumer,) = _producers(p_heads), _consumers(d_heads)
-    closing += [*producers, consumer]
-    cap = wire.new_capability()
-    warm = _ticket(producers, "warm", 4, cap)
-    t = consumer.agent.expect_push(warm, [0])
-    for p in producers:
-        p.agent.hold("warm", [0], 4, capability=cap)
-    t.wait(5)
+    producers, consumer = _tp2_to_tp1_warm(closing)
     producers[1].backend.faults = Faults(stall=True, uncancellable=True)
     cap = wire.new_capability()
     transfer = consumer.agent.expect_push(_ticket(producers, "req-d", 12, cap), [7, 8, 9])
