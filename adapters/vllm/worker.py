@@ -270,8 +270,14 @@ class WorkerSide:
         for load in plan.loads:
             self._start_load(load)
         for rel in plan.releases:
-            if rel.request_id in self._inflight:
-                self._released.add(rel.request_id)
+            # vLLM ended the request itself (an abort): a load of it that runs is not
+            # reported failed early. Matched by the producer's id, as the Agent's abort
+            # is: the release may come from another vLLM request for the same
+            # producer request (seen in the hang-up soak: an aborted one that never
+            # loaded), and it dooms this load all the same.
+            self._released.update(
+                rid for rid, t in self._inflight.items() if t.request_id == rel.transfer_id
+            )
             self._release_remote(rel.transfer_id, rel.remote_params, rel.reason)
 
     def after_forward(self, plan: StepPlan) -> None:
@@ -383,7 +389,7 @@ class WorkerSide:
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
             if state is TransferState.PENDING:
-                if transfer.doomed and rid not in self._failed_early:
+                if transfer.doomed and not (rid in self._failed_early or rid in self._released):
                     self._fail_early(rid, transfer)
                 continue
             del self._inflight[rid]
@@ -430,8 +436,6 @@ class WorkerSide:
         :meth:`transfer_results`). Not for a load vLLM ended itself: that request is
         over, and its blocks wait for ``finished_recving`` already."""
         self._failed_early.add(rid)
-        if rid in self._released:
-            return
         self._failed_recving.add(rid)
         if self._block_errors:
             self._invalid_blocks.update(b for g in transfer.local_blocks for b in g)

@@ -580,6 +580,36 @@ def test_a_push_that_fails_while_its_write_may_land_fails_now_and_frees_blocks_l
         p.close()
 
 
+def test_a_load_its_engine_aborted_is_reported_once_final_not_early() -> None:
+    """A release (vLLM ended the request) dooms the load of the same producer request,
+    whichever vLLM id it came with; that request is over, so the load is reported
+    only once final, failed and in ``finished_recving`` together."""
+    from kvxfer.testing.fake_backend import Faults
+
+    p, c, ps, cs = _pair("push")
+    try:
+        prod_req = FakeRequest("p-6", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
+        _, params = ps.request_finished(prod_req, [[2, 3]])
+        assert params is not None
+        p.agent.backend.faults = Faults(stall=True, uncancellable=True)
+        cons_req = FakeRequest("d-6", params, num_prompt_tokens=40)
+        cs.update_state_after_alloc(cons_req, [[6, 7]], 40, 0)
+        _drive(p, c, ps, cs)
+        # Aborted under another id, before its own load: its release names p-6.
+        assert cs.request_finished(FakeRequest("d-6-alias", dict(params)), [[]]) == (False, None)
+        c.start_step(cs.build_step_plan())
+        acc = _new_acc()
+        for _ in range(30):  # doomed, quarantined: the write may still land
+            time.sleep(0.01)
+            assert not _results(c, acc)["failed"]
+        p.agent.backend.faults = Faults()
+        _until(lambda: "d-6" in _results(c, acc)["recving"], "abort never final", 10)
+        assert acc["failed"] == {"d-6"} and acc["invalid"] == {"6", "7"}
+    finally:
+        c.close()
+        p.close()
+
+
 def test_a_load_that_cannot_start_is_a_failed_load_not_an_exception() -> None:
     c = _worker("kv_consumer", "pull", _caches(fill=False))
     try:
