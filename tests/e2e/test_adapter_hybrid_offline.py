@@ -20,7 +20,7 @@ import torch
 
 from kvxfer.adapters.vllm.kv_transfer_config import parse_kv_transfer_config
 from kvxfer.adapters.vllm.params import remote_ticket
-from kvxfer.adapters.vllm.scheduler import SchedulerSide
+from kvxfer.adapters.vllm.scheduler import LoadSpec, SchedulerSide, StepPlan
 from kvxfer.adapters.vllm.worker import WorkerSide, describe_kv_caches, token_major_groups
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions, build_plan
 from kvxfer.core.layout import Group, GroupKind, KVPart
@@ -459,3 +459,25 @@ def test_host_bounce_stages_the_blocks_the_hold_will_name() -> None:
     (hold,) = s.build_step_plan().holds
     assert hold.block_ids == stage.block_ids
     assert params is not None and params["remote_block_ids"] == [[8, 9], [4, 5, 6]]
+
+
+def test_a_failed_load_of_a_hybrid_model_is_reported_by_request_id_only() -> None:
+    """vLLM refuses block-level load errors with more than one KV cache group (its
+    ``_handle_invalid_blocks`` raises, which would stop the engine core): a hybrid
+    model's failed load is reported through ``failed_recving`` alone."""
+    c = _worker("kv_consumer", "pull", {}, _caches(fill=False))
+    try:
+        bad = LoadSpec(
+            request_id="d-h",
+            transfer_id="t",
+            remote_params={"remote_engine_id": "x"},  # no address: cannot even start
+            local_blocks=((1, 2), (3, 4)),
+            skip_blocks=0,
+            num_tokens=40,
+        )
+        c.start_step(StepPlan(loads=[bad]))
+        _, recving, failed = c.transfer_results()
+        assert recving == failed == {"d-h"}
+        assert c.block_ids_with_load_errors() == set()
+    finally:
+        c.close()
