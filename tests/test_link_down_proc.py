@@ -176,3 +176,60 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
     finally:
         cons.close()
         prod.close()
+
+
+def test_a_push_right_after_the_link_returns_queues_behind_the_cut_write_and_lands(
+    link: NetnsPair,
+) -> None:
+    """The producer's WRITE timed out while the link was down: its consumer is suspect
+    but not dropped (its bytes are still queued). The next push to that consumer, sent
+    the moment the link is back, handshakes anew onto the same NIXL connection
+    (re-added, not cut when the old WRITE ends), queues behind the cut WRITE and lands
+    exactly; the cut one completes too."""
+
+    def spec(engine_id: str, role: str, ns: str, host: str, deadline_s: float) -> Any:
+        base = qwen_spec(engine_id, "push", role, ns, host, num_blocks=NUM_BLOCKS)
+        return msgspec.structs.replace(base, transfer_timeout_s=deadline_s)
+
+    prod = AgentProc(
+        spec("prefill-ld", "kv_producer", link.producer_ns, link.producer_addr, 8.0),
+        start_timeout=120,
+    )
+    try:
+        cons = AgentProc(
+            spec("decode-ld", "kv_consumer", link.consumer_ns, link.consumer_addr, 60.0),
+            start_timeout=120,
+        )
+    except BaseException:
+        prod.close()
+        raise
+    try:
+        rid, _ = _start("push", prod, cons, 4)
+        assert cons.call("wait", rid, 60, timeout=90)["ok"]
+        rid, _ = _start("push", prod, cons, BLOCKS)
+        time.sleep(1.0)
+        _set_link(link, False)
+        try:
+            time.sleep(13.0)  # past the producer's 8 s deadline
+        finally:
+            _set_link(link, True)
+        handshakes = prod.call("stats")["handshakes"]
+        ticket = {
+            "engine_id": "prefill-ld",
+            "host": prod.host,
+            "port": prod.port,
+            "request_id": "after",
+            "block_ids": [[]],
+            "num_tokens": 4 * BLOCK,
+        }
+        cons.call("expect_push", ticket, [0, 1, 2, 3], 4 * BLOCK)
+        time.sleep(0.5)  # its registration reaches the producer
+        prod.call("hold", "after", [10, 11, 12, 13], 4 * BLOCK)
+        after = cons.call("wait", "after", 60, timeout=90)
+        assert after["ok"], after
+        assert cons.call("check", [0, 1, 2, 3], [10, 11, 12, 13], 7) == 0
+        assert prod.call("stats")["handshakes"] == handshakes + 1  # the suspect peer
+        assert cons.call("wait", rid, 60, timeout=90)["ok"]  # every byte of it landed
+    finally:
+        cons.close()
+        prod.close()
