@@ -41,6 +41,7 @@ from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
 from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS
 from kvxfer.errors import ConfigError, KvxferError, RailError
+from kvxfer.testing.fake_backend import Faults
 from kvxfer.types import Direction, Role
 from tests.railfakes import FakeNic, build_sysfs
 
@@ -541,34 +542,40 @@ def test_a_load_from_a_vanished_producer_fails_with_its_blocks_invalid() -> None
         c.close()
 
 
+def _stalled_push(n: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, dict[str, Any]]:
+    """A push pair whose producer's WRITE of ``p-n`` into the consumer's ``d-n`` (blocks
+    6, 7) posts and moves nothing, and cannot be cancelled (as over UCX): the two
+    workers, the consumer's scheduler side and the producer's ticket."""
+    p, c, ps, cs = _pair("push")
+    prod_req = FakeRequest(f"p-{n}", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
+    _, params = ps.request_finished(prod_req, [[2, 3]])
+    assert params is not None
+    p.agent.backend.faults = Faults(stall=True, uncancellable=True)
+    cs.update_state_after_alloc(
+        FakeRequest(f"d-{n}", params, num_prompt_tokens=40), [[6, 7]], 40, 0
+    )
+    _drive(p, c, ps, cs)
+    return p, c, cs, params
+
+
 def test_a_push_that_fails_while_its_write_may_land_fails_now_and_frees_blocks_later() -> None:
     """R-VLLM-7 with R-SAFE-5: a push past its deadline whose producer's WRITE is still
     in flight (the link down: its bytes land when it returns) is reported failed at
     once, without ``finished_recving``: vLLM ends the request and keeps its blocks.
     ``finished_recving`` comes once the producer says its write ended."""
-    from kvxfer.testing.fake_backend import Faults
-
-    p, c, ps, cs = _pair("push")
+    p, c, _, _ = _stalled_push("5")
     try:
-        prod_req = FakeRequest("p-5", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
-        _, params = ps.request_finished(prod_req, [[2, 3]])
-        assert params is not None
-        # The WRITE posts and moves nothing, and cannot be cancelled (as over UCX).
-        p.agent.backend.faults = Faults(stall=True, uncancellable=True)
-        cons_req = FakeRequest("d-5", params, num_prompt_tokens=40)
-        cs.update_state_after_alloc(cons_req, [[6, 7]], 40, 0)
-        _drive(p, c, ps, cs)
         acc = _new_acc()
         t0 = time.monotonic()
         _until(lambda: "d-5" in _results(c, acc)["failed"], "no failure at the deadline", 10)
         assert time.monotonic() - t0 < 3.0 + 2.0  # transfer_timeout_s, not the write's end
         assert acc["invalid"] == {"6", "7"} and "d-5" not in acc["recving"]
+        acc = _new_acc()
         for _ in range(20):  # held: a stalled write may still land
             time.sleep(0.01)
-            assert "d-5" not in _results(c, acc)["recving"]
+            _results(c, acc)
+        assert acc == _new_acc()  # nothing more while the quarantine lasts
         assert c.agent.stats().quarantined == 1
-        # Reported once: the failure is not repeated while the quarantine lasts.
-        acc = _new_acc()
         p.agent.backend.faults = Faults()  # the write ends; the producer says so
         _until(lambda: "d-5" in _results(c, acc)["recving"], "blocks never freed", 10)
         assert acc["invalid"] == set()  # vLLM has them already (the request is over)
@@ -584,17 +591,8 @@ def test_a_load_its_engine_aborted_is_reported_once_final_not_early() -> None:
     """A release (vLLM ended the request) dooms the load of the same producer request,
     whichever vLLM id it came with; that request is over, so the load is reported
     only once final, failed and in ``finished_recving`` together."""
-    from kvxfer.testing.fake_backend import Faults
-
-    p, c, ps, cs = _pair("push")
+    p, c, cs, params = _stalled_push("6")
     try:
-        prod_req = FakeRequest("p-6", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
-        _, params = ps.request_finished(prod_req, [[2, 3]])
-        assert params is not None
-        p.agent.backend.faults = Faults(stall=True, uncancellable=True)
-        cons_req = FakeRequest("d-6", params, num_prompt_tokens=40)
-        cs.update_state_after_alloc(cons_req, [[6, 7]], 40, 0)
-        _drive(p, c, ps, cs)
         # Aborted under another id, before its own load: its release names p-6.
         assert cs.request_finished(FakeRequest("d-6-alias", dict(params)), [[]]) == (False, None)
         c.start_step(cs.build_step_plan())
