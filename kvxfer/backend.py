@@ -173,12 +173,7 @@ class Backend(ABC):
 
     @abstractmethod
     def remove_peer(self, peer: PeerHandle) -> None:
-        """Forget a peer: no new post to it. A READ still in flight fails (its bytes
-        come in through our own connection, which goes). A WRITE still in flight goes
-        on until it ends on its own, completed or failed by the transport, and its
-        connection with it: cut any other way, bytes already queued for the peer (a
-        TCP send queue drains after its socket closes) would land in its blocks after
-        it was told the write ended (R-SAFE-5)."""
+        """Forget a peer; transfers still posted to it fail."""
 
     @abstractmethod
     def post(

@@ -17,7 +17,7 @@ after the consumer's keepalive fired too: the producer's connection has unacknow
 bytes, so keepalive never ends it, and they land 4-8 s after a 13 s outage. A push
 whose deadline passes while the link is down therefore fails (the engine may end the
 request) but stays quarantined until the producer, reachable again, says its write
-ended; a pull ends with its own READ's handle, when the keepalive fails its endpoint.
+ended; a pull ends with its own READ's handle (its peer removed at its deadline).
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ def _start(direction: str, prod: AgentProc, cons: AgentProc, blocks: int) -> tup
     [
         ("pull", 3.0, 60.0),
         ("push", 3.0, 60.0),
-        # Down past the keepalive window and past both deadlines. A pull fails at its
-        # deadline, final at once: the peer removed, NIXL ends the READ, whose bytes
-        # would come in through the connection that went. A push fails on both sides
-        # while the link is down; the producer's WRITE goes on (removing its peer
-        # would not stop the bytes in its TCP send queue), and the consumer is final
-        # only once the producer, reachable again, says the WRITE ended.
+        # Down past the keepalive window and past the consumer's deadline. A pull
+        # fails at its deadline, final at once: the peer removed, NIXL ends the READ,
+        # whose bytes would come in through the connection that went. A push fails
+        # while the link is down, and is final only once the producer, reachable
+        # again, says its WRITE ended (the producer's own deadline is 60 s here: one
+        # that passes during the outage is the gap docs/RELIABILITY.md names).
         ("pull", 13.0, 3.0),
         ("push", 13.0, 8.0),
     ],
@@ -106,16 +106,13 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
     direction: str, down_s: float, deadline_s: float, link: NetnsPair, record_property: Any
 ) -> None:
     prod = AgentProc(
-        msgspec.structs.replace(
-            qwen_spec(
-                "prefill-ld",
-                direction,
-                "kv_producer",
-                link.producer_ns,
-                link.producer_addr,
-                num_blocks=NUM_BLOCKS,
-            ),
-            transfer_timeout_s=deadline_s,
+        qwen_spec(
+            "prefill-ld",
+            direction,
+            "kv_producer",
+            link.producer_ns,
+            link.producer_addr,
+            num_blocks=NUM_BLOCKS,
         ),
         start_timeout=120,
     )
@@ -173,63 +170,6 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
             # landed in the reused blocks seconds later).
             assert res["state"] == "done" or res["failure"] == "timeout", res
             assert res["final_s"] > down_s, res
-    finally:
-        cons.close()
-        prod.close()
-
-
-def test_a_push_right_after_the_link_returns_queues_behind_the_cut_write_and_lands(
-    link: NetnsPair,
-) -> None:
-    """The producer's WRITE timed out while the link was down: its consumer is suspect
-    but not dropped (its bytes are still queued). The next push to that consumer, sent
-    the moment the link is back, handshakes anew onto the same NIXL connection
-    (re-added, not cut when the old WRITE ends), queues behind the cut WRITE and lands
-    exactly; the cut one completes too."""
-
-    def spec(engine_id: str, role: str, ns: str, host: str, deadline_s: float) -> Any:
-        base = qwen_spec(engine_id, "push", role, ns, host, num_blocks=NUM_BLOCKS)
-        return msgspec.structs.replace(base, transfer_timeout_s=deadline_s)
-
-    prod = AgentProc(
-        spec("prefill-ld", "kv_producer", link.producer_ns, link.producer_addr, 8.0),
-        start_timeout=120,
-    )
-    try:
-        cons = AgentProc(
-            spec("decode-ld", "kv_consumer", link.consumer_ns, link.consumer_addr, 60.0),
-            start_timeout=120,
-        )
-    except BaseException:
-        prod.close()
-        raise
-    try:
-        rid, _ = _start("push", prod, cons, 4)
-        assert cons.call("wait", rid, 60, timeout=90)["ok"]
-        rid, _ = _start("push", prod, cons, BLOCKS)
-        time.sleep(1.0)
-        _set_link(link, False)
-        try:
-            time.sleep(13.0)  # past the producer's 8 s deadline
-        finally:
-            _set_link(link, True)
-        handshakes = prod.call("stats")["handshakes"]
-        ticket = {
-            "engine_id": "prefill-ld",
-            "host": prod.host,
-            "port": prod.port,
-            "request_id": "after",
-            "block_ids": [[]],
-            "num_tokens": 4 * BLOCK,
-        }
-        cons.call("expect_push", ticket, [0, 1, 2, 3], 4 * BLOCK)
-        time.sleep(0.5)  # its registration reaches the producer
-        prod.call("hold", "after", [10, 11, 12, 13], 4 * BLOCK)
-        after = cons.call("wait", "after", 60, timeout=90)
-        assert after["ok"], after
-        assert cons.call("check", [0, 1, 2, 3], [10, 11, 12, 13], 7) == 0
-        assert prod.call("stats")["handshakes"] == handshakes + 1  # the suspect peer
-        assert cons.call("wait", rid, 60, timeout=90)["ok"]  # every byte of it landed
     finally:
         cons.close()
         prod.close()

@@ -357,7 +357,12 @@ def _caches(fill: bool) -> dict[str, Any]:
 
 
 def _worker(
-    role: str, direction: str, caches: dict[str, Any], *, stages: bool = False
+    role: str,
+    direction: str,
+    caches: dict[str, Any],
+    *,
+    stages: bool = False,
+    timeout_s: float = 3.0,
 ) -> WorkerSide:
     from kvxfer.agent import Agent, AgentConfig
     from kvxfer.backend import BackendOptions
@@ -384,7 +389,7 @@ def _worker(
                 fingerprint=fingerprint,
                 role=cfg.role,
                 direction=cfg.direction,
-                transfer_timeout_s=3.0,
+                transfer_timeout_s=timeout_s,
                 handshake_timeout_s=0.5,
                 handshake_retries=0,
             ),
@@ -403,8 +408,10 @@ def _worker(
     )
 
 
-def _pair(direction: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, SchedulerSide]:
-    p = _worker("kv_producer", direction, _caches(fill=True))
+def _pair(
+    direction: str, producer_timeout_s: float = 3.0
+) -> tuple[WorkerSide, WorkerSide, SchedulerSide, SchedulerSide]:
+    p = _worker("kv_producer", direction, _caches(fill=True), timeout_s=producer_timeout_s)
     c = _worker("kv_consumer", direction, _caches(fill=False))
     d = Direction(direction)
     # The scheduler sides name their workers' engines (a pull's handshake checks it).
@@ -545,8 +552,10 @@ def test_a_load_from_a_vanished_producer_fails_with_its_blocks_invalid() -> None
 def _stalled_push(n: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, dict[str, Any]]:
     """A push pair whose producer's WRITE of ``p-n`` into the consumer's ``d-n`` (blocks
     6, 7) posts and moves nothing, and cannot be cancelled (as over UCX): the two
-    workers, the consumer's scheduler side and the producer's ticket."""
-    p, c, ps, cs = _pair("push")
+    workers, the consumer's scheduler side and the producer's ticket. The producer's
+    own deadline is longer than the consumer's 3 s (at its own, it would remove the
+    suspect consumer and NIXL would end the WRITE)."""
+    p, c, ps, cs = _pair("push", producer_timeout_s=30.0)
     prod_req = FakeRequest(f"p-{n}", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
     _, params = ps.request_finished(prod_req, [[2, 3]])
     assert params is not None
