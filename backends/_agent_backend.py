@@ -153,6 +153,10 @@ class AgentBackend(Backend):
         self.lists_posted = 0  # posts of chain-list rows (stats, tests)
         self.runs_posted = 0  # posts sent as per-request run lists (stats, tests)
         self._xfers: dict[XferHandle, tuple[object, PeerHandle]] = {}
+        # WRITEs into a peer's memory, and removed peers whose NIXL connection stays
+        # until their WRITEs in flight end on their own (see remove_peer).
+        self._writes: set[XferHandle] = set()
+        self._retiring: set[PeerHandle] = set()
         self._ids = itertools.count(1)
         self._registered: KVLayout | None = None
         self._metadata: bytes | None = None  # NIXL's blob for peers; None: read it again
@@ -379,6 +383,9 @@ class AgentBackend(Backend):
             agent = self._live()
             with map_nixl_errors(NixlCall.PEER, f"{self._description} rejected a peer"):
                 name = PeerHandle(agent.add_remote(metadata))
+            # Removed while a WRITE to it was in flight: NIXL kept the connection, and
+            # it serves the peer again (it must not be cut when that WRITE ends).
+            self._retiring.discard(name)
             old = self._peers.pop(name, None)
             try:
                 with map_nixl_errors(NixlCall.PEER, f"preparing descriptors of peer {name}"):
@@ -408,6 +415,7 @@ class AgentBackend(Backend):
             agent = self._agent
             if prepared is None or agent is None:
                 return
+            writing = False
             for handle, (xfer, owner) in list(self._xfers.items()):
                 if owner != peer:
                     continue
@@ -417,6 +425,8 @@ class AgentBackend(Backend):
                     in_flight = False
                 if not in_flight:
                     self._release_locked(handle, xfer)
+                elif handle in self._writes:
+                    writing = True
                 # A transfer still in flight stays known: its handle holds the
                 # connection, and status()/cancel() must keep saying whether its bytes
                 # can still land (R-SAFE-5) until it ends.
@@ -442,7 +452,21 @@ class AgentBackend(Backend):
                 partial(agent.release_descs, prepared),
                 logging.WARNING,
             )
-            self._disconnect(agent, peer)
+            if writing:
+                # NIXL reports a removed agent's transfers over, but its UCX backend
+                # closes the endpoint by flushing it: a WRITE's bytes go on and land in
+                # the peer's blocks after we told it the write ended (measured: 4.5-47 M
+                # elements, seconds after a cut link came back). The connection goes
+                # when its last WRITE ended on its own (_release_locked); a dead link
+                # ends it within the stall limit (BackendOptions.stall_limit_s).
+                self._retiring.add(peer)
+                log.info(
+                    "%s: peer %s removed; its connection stays until its writes end",
+                    self._description,
+                    peer,
+                )
+            else:
+                self._disconnect(agent, peer)
 
     # -- chain lists (kvxfer.core.block_lists) ---------------------------------------------
     def prepare_lists(self, peer: PeerHandle, lists: ChainLists) -> bool:
@@ -501,7 +525,7 @@ class AgentBackend(Backend):
                 what = f"{self._description}: {op.value} of chain rows to {peer}"
                 raise nixl_error(exc, NixlCall.POST, what) from exc
             self.lists_posted += 1
-            return self._track(xfer, peer)
+            return self._track(xfer, peer, op)
 
     # -- transfers ------------------------------------------------------------------
     def post(
@@ -535,12 +559,14 @@ class AgentBackend(Backend):
             except Exception as exc:
                 what = f"{self._description}: {op.value} to {peer}"
                 raise nixl_error(exc, NixlCall.POST, what) from exc
-            return self._track(xfer, peer)
+            return self._track(xfer, peer, op)
 
-    def _track(self, xfer: object, peer: PeerHandle) -> XferHandle:
+    def _track(self, xfer: object, peer: PeerHandle, op: XferOp) -> XferHandle:
         """The handle of a transfer just posted to ``peer`` (under the lock)."""
         handle = XferHandle(next(self._ids))
         self._xfers[handle] = (xfer, peer)
+        if op is XferOp.WRITE:
+            self._writes.add(handle)
         return handle
 
     def _runs(
@@ -612,8 +638,19 @@ class AgentBackend(Backend):
             return self._failed.get(handle, "")
 
     def _release_locked(self, handle: XferHandle, xfer: object) -> None:
-        self._xfers.pop(handle, None)
+        entry = self._xfers.pop(handle, None)
         self._failed.pop(handle, None)
+        if handle in self._writes:
+            self._writes.discard(handle)
+            peer = entry[1] if entry is not None else None
+            if peer in self._retiring and not any(
+                owner == peer and h in self._writes for h, (_, owner) in self._xfers.items()
+            ):
+                # The removed peer's last WRITE ended (the agent releases a transfer's
+                # handle only once it is over): its connection can go now.
+                self._retiring.discard(peer)
+                if self._agent is not None:
+                    self._disconnect(self._agent, peer)
         word = self._guard_reads.pop(handle, None)
         if word is not None:
             self._landing_free.append(word)

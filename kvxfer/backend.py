@@ -125,6 +125,13 @@ class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
     """None: one rail per transfer; 0: every rail both peers share."""
     progress_thread: bool = False
     """NIXL's own progress thread; off by default because it spins a core while idle."""
+    stall_limit_s: float | None = None
+    """How long a connection may hold bytes the peer has not acknowledged before the
+    transport ends it, and the transfers on it fail (over kernel TCP: the socket's
+    ``TCP_USER_TIMEOUT``). A WRITE cut by a dead link then ends, its bytes with it, at
+    most this long after the link went quiet, instead of resuming whenever TCP's
+    backed-off retransmission timer fires (up to minutes after the link came back).
+    None: the transport's default (TCP: about 15 minutes)."""
     extra: dict[str, str] = msgspec.field(default_factory=dict)
 
 
@@ -173,7 +180,15 @@ class Backend(ABC):
 
     @abstractmethod
     def remove_peer(self, peer: PeerHandle) -> None:
-        """Forget a peer; transfers still posted to it fail."""
+        """Forget a peer: no new post to it. A READ still in flight fails (its bytes
+        come in through our own connection, which goes). A WRITE still in flight goes
+        on until it ends on its own, completed or failed by the transport, and its
+        connection with it: cut any other way, bytes already on their way to the peer
+        would land in its blocks after it was told the write ended (R-SAFE-5). NIXL's
+        UCX backend closes a removed agent's endpoint by flushing it, so the WRITE's
+        bytes keep going after NIXL reported it over, and a TCP socket's send queue
+        drains after it was closed. :attr:`BackendOptions.stall_limit_s` bounds how
+        long such a WRITE lasts on a dead link."""
 
     @abstractmethod
     def post(

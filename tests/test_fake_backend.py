@@ -86,6 +86,27 @@ def test_read_and_write_move_exactly_the_posted_descriptors(
     assert np.array_equal(producer.cache.snapshot(), expected)
 
 
+def test_removing_a_peer_fails_its_reads_in_flight_but_not_its_writes(
+    pair: tuple[Side, Side, PeerHandle],
+) -> None:
+    """The Backend.remove_peer contract, as the NIXL edge keeps it: a WRITE in flight
+    goes on and lands (over TCP its queued bytes would), a READ fails."""
+    consumer, producer, peer = pair
+    lids = rids = np.arange(4)
+    consumer.backend.faults = Faults(complete_after_polls=1)
+    read = consumer.backend.post(XferOp.READ, peer, lids, rids)
+    write = consumer.backend.post(XferOp.WRITE, peer, lids, rids)
+    consumer.backend.remove_peer(peer)
+    assert wait(consumer.backend, read) is XferStatus.FAILED
+    assert wait(consumer.backend, write) is XferStatus.DONE
+    expected = expected_after(
+        producer.cache, producer.seed, consumer.seed, (producer.table, rids), (consumer.table, lids)
+    )
+    assert np.array_equal(producer.cache.snapshot(), expected)
+    with pytest.raises(PeerError):
+        consumer.backend.post(XferOp.WRITE, peer, lids, rids)
+
+
 def test_transfer_moves_only_when_polled_and_notifies_after(
     pair: tuple[Side, Side, PeerHandle],
 ) -> None:

@@ -257,6 +257,71 @@ def test_a_refused_post_is_a_backend_error_and_a_failed_poll_is_failed(
     be.close()
 
 
+class _InFlight(_Failing):
+    """An endpoint whose transfers stay in flight until ``ended`` holds them, and that
+    records the agents it disconnected."""
+
+    def __init__(self) -> None:
+        super().__init__(on_post=BaseException())
+        self.posted: list[int] = []
+        self.ended: set[int] = set()
+        self.removed: list[str] = []
+
+    def post(self, op: XferOp, *args: object) -> object:
+        self.posted.append(len(self.posted))
+        return self.posted[-1]
+
+    def state(self, xfer: object) -> XferStatus:
+        return XferStatus.DONE if xfer in self.ended else XferStatus.PENDING
+
+    def release_xfer(self, xfer: object) -> None:
+        pass
+
+    def remove_remote(self, agent: str) -> None:
+        self.removed.append(agent)
+
+
+def test_a_removed_peer_keeps_its_connection_until_its_writes_in_flight_end() -> None:
+    """R-SAFE-5 at the NIXL edge: NIXL reports a removed agent's transfers over, but its
+    UCX backend flushes the endpoint, and a WRITE's bytes still land in the peer's
+    blocks (measured across a cut link: 4.5-47 M elements, seconds after it came
+    back). So a peer
+    with a WRITE in flight stays connected, and the WRITE in flight, until it ends on
+    its own; a READ (its bytes come in through our own connection) holds nothing."""
+    endpoint = _InFlight()
+    be = _Backend(BackendOptions(agent_name="edge"), endpoint, "test endpoint")
+    table = DescriptorTable.build(be.register(PatternCache(CacheShape(num_blocks=4)).layout))
+    be.prepare_local(table)
+    ids = np.arange(2, dtype=np.int64)
+    peer = be.add_peer(b"md", table)
+    read = be.post(XferOp.READ, peer, ids, ids)
+    be.remove_peer(peer)
+    assert endpoint.removed == ["peer"]  # a READ: disconnected at once
+    be.release(read)
+
+    peer = be.add_peer(b"md", table)
+    write = be.post(XferOp.WRITE, peer, ids, ids)
+    be.remove_peer(peer)
+    assert endpoint.removed == ["peer"]  # still connected: the WRITE goes on
+    with pytest.raises(PeerError):
+        be.post(XferOp.WRITE, peer, ids, ids)  # but nothing new goes to it
+    assert be.status(write) is XferStatus.PENDING and not be.cancel(write)
+    endpoint.ended.add(endpoint.posted[-1])
+    assert be.cancel(write)  # ended on its own: released, and the connection goes
+    assert endpoint.removed == ["peer", "peer"]
+
+    # Added again while a WRITE to it is in flight: the connection serves it again,
+    # and is not cut when that WRITE ends.
+    peer = be.add_peer(b"md", table)
+    write = be.post(XferOp.WRITE, peer, ids, ids)
+    be.remove_peer(peer)
+    peer = be.add_peer(b"md", table)
+    endpoint.ended.add(endpoint.posted[-1])
+    assert be.cancel(write)
+    assert endpoint.removed == ["peer", "peer"]
+    be.close()
+
+
 # -- the transport host bounce picks ---------------------------------------------------
 def test_without_nixl_host_bounce_raises_the_nixl_hint_not_the_rbln_line(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture

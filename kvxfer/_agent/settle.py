@@ -130,12 +130,15 @@ class Settler:
                 with self._lock:
                     if meta.handle is handle:
                         meta.handle = None
-            elif meta.doomed[0] in _SUSPECT_KINDS:
-                # In flight after a timeout or a transport failure: its connection is
-                # likely dead (a link that died mid-write leaves TCP in retransmission
-                # backoff for minutes). Removing the peer now makes the transport end
-                # it; at the next use it would wait for a request that may not come,
-                # and a new write to that peer would queue behind it.
+            elif meta.doomed[0] in _SUSPECT_KINDS and meta.write is None:
+                # A READ in flight after a timeout or a transport failure: its
+                # connection is likely dead. Removing the peer now makes the transport
+                # end it (its bytes come through our own connection, which goes); at
+                # the next use it would wait for a request that may not come. A WRITE
+                # is left to end on its own (Backend.remove_peer): removed, NIXL calls
+                # it over while its bytes go on, and they land when a cut link returns.
+                # The transport ends it once its connection stalled for the backend's
+                # stall_limit_s (the agent's transfer_timeout_s).
                 busy = True
                 for peer in meta.peers():
                     self._peers.drop_suspect(peer)

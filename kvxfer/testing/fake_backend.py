@@ -149,6 +149,7 @@ class _Xfer:
     state: XferStatus = XferStatus.PENDING
     bytes_moved: int = 0
     lists: ChainLists | None = None  # rows of these chain lists, not table ids
+    remote: DescriptorTable | None = None  # the peer's table when it was posted
 
 
 class _Rows(NamedTuple):
@@ -371,8 +372,14 @@ class FakeBackend(Backend):
             self._peer_guards.pop(peer, None)
             if self._peers.pop(peer, None) is None:
                 return
+            # As the NIXL edge does (Backend.remove_peer): a READ in flight fails, a
+            # WRITE goes on until it ends on its own (its bytes may still land).
             for xfer in self._xfers.values():
-                if xfer.peer == peer and xfer.state is XferStatus.PENDING:
+                if (
+                    xfer.peer == peer
+                    and xfer.state is XferStatus.PENDING
+                    and xfer.op is not XferOp.WRITE
+                ):
                     xfer.state = XferStatus.FAILED
 
     # -- transfers ------------------------------------------------------------------
@@ -455,6 +462,7 @@ class FakeBackend(Backend):
             notification=bytes(notification),
             faults=msgspec.structs.replace(self.faults),
             lists=lists,
+            remote=self._peers[peer].table,
         )
         return handle
 
@@ -481,7 +489,7 @@ class FakeBackend(Backend):
             if self.faults.stall:
                 return xfer.state  # a transport that has not noticed anything yet
             peer = self._live(xfer.peer)
-            known = self._peers.get(PeerHandle(xfer.peer))
+            known = xfer.remote
             if self._closed or peer is None or known is None or self._table is None:
                 xfer.state = XferStatus.FAILED
                 return xfer.state
@@ -492,7 +500,7 @@ class FakeBackend(Backend):
                 return xfer.state
             if xfer.lists is None:
                 local = _Rows(self._table.addr, self._table.length)
-                remote = _Rows(known.table.addr, known.table.length)
+                remote = _Rows(known.addr, known.length)
             else:
                 rows = xfer.lists
                 local = _Rows(rows.local[:, 0], rows.local[:, 1])
