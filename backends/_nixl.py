@@ -39,12 +39,14 @@ two method calls per transfer or poll.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
@@ -67,6 +69,7 @@ from kvxfer.errors import (
 __all__ = [
     "CUDA_IPC_GET_ZCOPY",
     "LIST_WRITES",
+    "STALL_LIMIT",
     "NixlCall",
     "NixlEndpoint",
     "NixlErrorMap",
@@ -76,6 +79,7 @@ __all__ = [
     "list_writes",
     "map_nixl_errors",
     "nixl_error",
+    "stall_limit",
     "start_plugin_agent",
     "ucx_defaults",
 ]
@@ -83,6 +87,11 @@ __all__ = [
 
 #: UCX's TCP keepalive for kvxfer's agents (see :func:`import_nixl`).
 _UCX_TCP_KEEPALIVE = {"UCX_TCP_KEEPIDLE": "2s", "UCX_TCP_KEEPINTVL": "1s", "UCX_TCP_KEEPCNT": "3"}
+
+#: UCX's TCP_USER_TIMEOUT for its sockets (see :func:`stall_limit`).
+STALL_LIMIT = "UCX_TCP_USER_TIMEOUT"
+# One agent's creation at a time changes the environment UCX reads.
+_environ_lock = threading.Lock()
 
 #: Where the NVIDIA driver lists this host's GPUs (one entry each).
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -150,6 +159,34 @@ def ucx_defaults(gpus: Path | None = None) -> dict[str, str]:
     if present:
         out[CUDA_IPC_GET_ZCOPY] = "y"
     return out
+
+
+@contextlib.contextmanager
+def stall_limit(seconds: float | None) -> Iterator[None]:
+    """While a NIXL agent is created in it, UCX over TCP ends a connection whose bytes
+    stay unacknowledged for ``seconds`` (:attr:`BackendOptions.stall_limit_s
+    <kvxfer.backend.BackendOptions.stall_limit_s>`): ``UCX_TCP_USER_TIMEOUT``, which UCX
+    reads when it creates the agent's transport.
+
+    Why the writer needs it: NIXL's UCX backend closes a removed peer's endpoint by
+    flushing it, so a WRITE's bytes go on after NIXL said it failed; the writer
+    therefore waits for the WRITE to end on its own. On a dead link that is when TCP
+    gives up, 15 minutes by the kernel's default, and a link that came back resumes it
+    only when the backed-off retransmission timer fires (over 90 s later, measured). A
+    user timeout bounds both: the kernel ends the socket, and UCX the endpoint, once
+    no byte was acknowledged for ``seconds``; the WRITE fails and none of its bytes
+    can land any more. A peer that acknowledges, however slowly, keeps its
+    connection. A value the operator set wins; ``None`` changes nothing. The variable
+    is restored afterwards, so that the process's other agents keep their own."""
+    if seconds is None or STALL_LIMIT in os.environ:
+        yield
+        return
+    with _environ_lock:
+        os.environ[STALL_LIMIT] = f"{max(1, round(seconds * 1000))}ms"
+        try:
+            yield
+        finally:
+            os.environ.pop(STALL_LIMIT, None)
 
 
 def import_nixl() -> Any:

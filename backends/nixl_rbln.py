@@ -36,7 +36,7 @@ from typing import ClassVar
 
 from kvxfer.backend import BackendOptions, Capabilities
 from kvxfer.backends._agent_backend import AgentBackend
-from kvxfer.backends._nixl import NixlCall, map_nixl_errors
+from kvxfer.backends._nixl import NixlCall, map_nixl_errors, stall_limit
 from kvxfer.backends.rbln_adapter import NixlAgentAdapter, RblnAdapter
 from kvxfer.core.layout import MemKind
 from kvxfer.errors import BackendError, MissingDependency
@@ -127,7 +127,7 @@ class NixlRblnBackend(AgentBackend):
     def __init__(self, options: BackendOptions, *, adapter: RblnAdapter | None = None) -> None:
         self.adapter = adapter if adapter is not None else load_adapter(_selection(options))
         what = f"{self.adapter.description}: could not start agent {options.agent_name}"
-        with map_nixl_errors(NixlCall.START, what):
+        with map_nixl_errors(NixlCall.START, what), stall_limit(options.stall_limit_s):
             agent = self.adapter.create_agent(
                 options.agent_name,
                 rails=options.rails,

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from kvxfer.backend import BackendOptions, Capabilities
 from kvxfer.backends._agent_backend import AgentBackend, merged_intervals
-from kvxfer.backends._nixl import import_nixl, start_plugin_agent
+from kvxfer.backends._nixl import import_nixl, stall_limit, start_plugin_agent
 from kvxfer.core.layout import MemKind
 
 __all__ = ["UcxBackend", "import_nixl", "merged_intervals"]
@@ -39,13 +39,14 @@ class UcxBackend(AgentBackend):
 
             os.environ.update(ucx_environment(options.rails, options.stripe_width))
         # NIXL's progress thread spins a core while idle; the agent polls instead.
-        agent = start_plugin_agent(
-            options.agent_name,
-            self._plugin,
-            params={},
-            progress_thread=options.progress_thread,
-            mem_names=_NIXL_MEM,
-        )
+        with stall_limit(options.stall_limit_s):
+            agent = start_plugin_agent(
+                options.agent_name,
+                self._plugin,
+                params={},
+                progress_thread=options.progress_thread,
+                mem_names=_NIXL_MEM,
+            )
         super().__init__(options, agent, f"NIXL plugin {self._plugin}")
 
     @property

@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from kvxfer.backend import BackendOptions
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.descriptors import PlanOptions
 from kvxfer.core.heads import TPRank
@@ -186,6 +187,29 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.push_stream and self.direction is not Direction.PUSH:
             raise ConfigError("push_stream", True, "only valid with the push direction")
+
+    @property
+    def writes(self) -> bool:
+        """Whether this agent WRITEs KV into its peers' blocks (a push producer)."""
+        return self.direction is Direction.PUSH and self.role is not Role.CONSUMER
+
+    def backend_options(self, agent_name: str, **changes: object) -> BackendOptions:
+        """The options this agent's backend opens with, for ``agent_name``; ``changes``
+        replace fields (e.g. the rails a vLLM worker selected).
+
+        A writing agent's connections end once they held unacknowledged bytes for
+        ``transfer_timeout_s`` (:attr:`BackendOptions.stall_limit_s`): a WRITE cut by a
+        dead link then ends, its bytes with it, by the time its deadline has passed,
+        and the consumer can be told that no byte of it will land (R-SAFE-5). A
+        consumer frozen for less than that is never taken for dead (R-SAFE-6)."""
+        options = BackendOptions(
+            agent_name=agent_name,
+            rails=self.rails,
+            stripe_width=self.stripe_width,
+            stall_limit_s=self.transfer_timeout_s if self.writes else None,
+            extra=dict(self.backend_extra),
+        )
+        return msgspec.structs.replace(options, **changes) if changes else options
 
 
 class AgentStats(msgspec.Struct, kw_only=True):

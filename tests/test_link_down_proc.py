@@ -18,6 +18,13 @@ bytes, so keepalive never ends it, and they land 4-8 s after a 13 s outage. A pu
 whose deadline passes while the link is down therefore fails (the engine may end the
 request) but stays quarantined until the producer, reachable again, says its write
 ended; a pull ends with its own READ's handle (its peer removed at its deadline).
+
+A producer whose own deadline passes during the outage does not remove the consumer
+to end its WRITE: NIXL would call the WRITE over while UCX flushed its bytes on, and
+they landed in the reused blocks after the consumer was told (measured: 4.5 M elements
+with the producer's deadline 6 s in a 13 s outage). Its connection ends instead once
+no byte was acknowledged for the producer's ``transfer_timeout_s`` (TCP's user
+timeout), and the WRITE with it, while the link is still down.
 """
 
 from __future__ import annotations
@@ -87,32 +94,44 @@ def _start(direction: str, prod: AgentProc, cons: AgentProc, blocks: int) -> tup
 
 
 @pytest.mark.parametrize(
-    ("direction", "down_s", "deadline_s"),
+    ("direction", "down_s", "deadline_s", "producer_deadline_s"),
     [
-        ("pull", 3.0, 60.0),
-        ("push", 3.0, 60.0),
+        ("pull", 3.0, 60.0, 60.0),
+        ("push", 3.0, 60.0, 60.0),
         # Down past the keepalive window and past the consumer's deadline. A pull
         # fails at its deadline, final at once: the peer removed, NIXL ends the READ,
         # whose bytes would come in through the connection that went. A push fails
         # while the link is down, and is final only once the producer, reachable
-        # again, says its WRITE ended (the producer's own deadline is 60 s here: one
-        # that passes during the outage is the gap docs/RELIABILITY.md names).
-        ("pull", 13.0, 3.0),
-        ("push", 13.0, 8.0),
+        # again, says its WRITE ended: here TCP resumes it when the link is back.
+        ("pull", 13.0, 3.0, 60.0),
+        ("push", 13.0, 8.0, 60.0),
+        # The producer's deadline passes during the outage too. Its WRITE is not cut
+        # by removing the consumer (NIXL would call it over while UCX flushed its
+        # bytes on): the connection ends once it stalled for the producer's
+        # transfer_timeout_s (TCP_USER_TIMEOUT), while the link is still down.
+        ("push", 13.0, 8.0, 6.0),
     ],
-    ids=["pull", "push", "pull-long-outage", "push-long-outage"],
+    ids=["pull", "push", "pull-long-outage", "push-long-outage", "push-cut-by-producer"],
 )
 def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
-    direction: str, down_s: float, deadline_s: float, link: NetnsPair, record_property: Any
+    direction: str,
+    down_s: float,
+    deadline_s: float,
+    producer_deadline_s: float,
+    link: NetnsPair,
+    record_property: Any,
 ) -> None:
     prod = AgentProc(
-        qwen_spec(
-            "prefill-ld",
-            direction,
-            "kv_producer",
-            link.producer_ns,
-            link.producer_addr,
-            num_blocks=NUM_BLOCKS,
+        msgspec.structs.replace(
+            qwen_spec(
+                "prefill-ld",
+                direction,
+                "kv_producer",
+                link.producer_ns,
+                link.producer_addr,
+                num_blocks=NUM_BLOCKS,
+            ),
+            transfer_timeout_s=producer_deadline_s,
         ),
         start_timeout=120,
     )
@@ -144,6 +163,9 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
         try:
             cons.send("final_and_reuse", rid, local, SENTINEL, 120.0)
             time.sleep(down_s)
+            # The producer's WRITE ended on its own while the link was down once it
+            # stalled for the producer's deadline (else it waits for TCP to resume).
+            ended = prod.call("stats")["transfers_failed"]
         finally:
             _set_link(link, True)
         res = cons.reply(timeout=150)
@@ -161,6 +183,8 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
                 f"final ({res['state']}, {res['failure']}, {res['final_s']:.2f} s after the "
                 "link went down)"
             )
+        if producer_deadline_s + 4.0 < down_s:
+            assert ended == 1, f"the producer's WRITE had not ended {down_s} s into the outage"
         if deadline_s < down_s and direction == "pull":
             assert res["failure"] == "timeout" and res["final_s"] < down_s, res
         elif deadline_s < down_s:

@@ -26,7 +26,7 @@ from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_tra
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
 from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS, check_warm_up_descriptors
-from kvxfer.backend import Backend, BackendOptions
+from kvxfer.backend import Backend
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank, place_heads, region_heads
 from kvxfer.core.layout import Group, GroupKind, KVLayout, MemKind
@@ -381,11 +381,7 @@ def agent_factory(
             from kvxfer.backends.host_bounce import HostBounceBackend, torch_copy_op
 
             backend = HostBounceBackend(
-                BackendOptions(
-                    agent_name=f"{engine_id}#r{tp_rank}#{secrets.token_hex(8)}",
-                    rails=rail_names,
-                    stripe_width=cfg.stripe_width,
-                ),
+                config.backend_options(f"{engine_id}#r{tp_rank}#{secrets.token_hex(8)}"),
                 copy_op=torch_copy_op(list(tensors)),
             )
         try:

@@ -30,7 +30,7 @@ from kvxfer._agent.tp_producers import ProducerGroup
 from kvxfer._agent.tp_pull import TPPuller
 from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import AgentConfig, AgentStats
-from kvxfer.backend import Backend, BackendOptions
+from kvxfer.backend import Backend
 from kvxfer.core import wire
 from kvxfer.errors import ConfigError
 from kvxfer.io.control import SideChannelClient
@@ -45,14 +45,7 @@ IO_THREADS = 8
 
 def open_backend(config: AgentConfig, agent_name: str) -> Backend:
     """The backend ``config`` names (the registry's), opened for ``agent_name``."""
-    return get_backend(config.backend)(
-        BackendOptions(
-            agent_name=agent_name,
-            rails=config.rails,
-            stripe_width=config.stripe_width,
-            extra=dict(config.backend_extra),
-        )
-    )
+    return get_backend(config.backend)(config.backend_options(agent_name))
 
 
 def check_backend(config: AgentConfig, backend: Backend) -> None:
