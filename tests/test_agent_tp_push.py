@@ -280,8 +280,8 @@ def test_a_push_across_tp_sizes_is_doomed_once_one_rank_is_and_final_once_all_ar
     (stalled, uncancellable as over UCX) dooms the one Transfer the engine sees at
     once, so the engine can fail the request (Transfer.doomed, doomed_error), but it
     is final only once that WRITE ended: its blocks are quarantined until then."""
-    # The producer ranks' own deadline is longer: at theirs, a suspect consumer is
-    # removed and NIXL ends the WRITE (the producer-side gap in docs/RELIABILITY.md).
+    # The producer ranks' own deadline is longer: only the consumer's is under test
+    # (theirs would fail the hold, and tell the consumer once the WRITE ended).
     producers, consumer = _tp2_to_tp1_warm(closing, producer_timeout_s=30.0)
     producers[1].backend.faults = Faults(stall=True, uncancellable=True)
     cap = wire.new_capability()

@@ -45,10 +45,6 @@ SIDECAR_PORT = 8000
 #: The engines' ``transfer_timeout_s``: twice the other e2e pairs' 10 s, as a shaped veth
 #: and a loaded host make a load under concurrency take several seconds (7.4 s seen).
 TRANSFER_TIMEOUT_S = 20
-#: Prefill's: above decode's and the link-down test's outage (docs/DEPLOYMENT.md: a
-#: producer whose WRITE deadline passes while the link is down removes the consumer,
-#: and bytes its kernel had queued can still land after decode was told it ended).
-PRODUCER_TIMEOUT_S = 60
 #: Float32 (the test bed's float32 tiny model): AVX2-only hosts have no bf16 kernels.
 DTYPE_ARGS = F32_ARGS
 
@@ -251,7 +247,7 @@ def start_site(
                     "kv_producer",
                     mode,
                     extra={
-                        "transfer_timeout_s": PRODUCER_TIMEOUT_S,
+                        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
                         **(ahead_by_name(mode) if mode == "push" else {}),
                     },
                 ),

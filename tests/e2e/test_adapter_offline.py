@@ -553,8 +553,7 @@ def _stalled_push(n: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, dict[s
     """A push pair whose producer's WRITE of ``p-n`` into the consumer's ``d-n`` (blocks
     6, 7) posts and moves nothing, and cannot be cancelled (as over UCX): the two
     workers, the consumer's scheduler side and the producer's ticket. The producer's
-    own deadline is longer than the consumer's 3 s (at its own, it would remove the
-    suspect consumer and NIXL would end the WRITE)."""
+    own deadline is longer than the consumer's 3 s: only the consumer's is under test."""
     p, c, ps, cs = _pair("push", producer_timeout_s=30.0)
     prod_req = FakeRequest(f"p-{n}", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
     _, params = ps.request_finished(prod_req, [[2, 3]])
