@@ -189,24 +189,30 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("push_stream", True, "only valid with the push direction")
 
     @property
-    def writes(self) -> bool:
-        """Whether this agent WRITEs KV into its peers' blocks (a push producer)."""
-        return self.direction is Direction.PUSH and self.role is not Role.CONSUMER
+    def stall_limit_s(self) -> float | None:
+        """How long this agent's connections may stall before its backend ends them
+        (:attr:`BackendOptions.stall_limit_s`): ``transfer_timeout_s`` for a push
+        producer (role producer or both), None (the transport's default) otherwise.
+
+        A WRITE cut by a dead link then ends, its bytes with it, by the time its
+        deadline passed, and its consumer can be told that no byte of it will land
+        (R-SAFE-5); a consumer frozen for less is never taken for dead (R-SAFE-6). The
+        consumer learns the value at its registration: a producer that dies while the
+        link is down leaves its WRITE's bytes in its kernel, which keeps sending them
+        for at most this long (:mod:`kvxfer._agent.liveness`)."""
+        if self.direction is Direction.PUSH and self.role is not Role.CONSUMER:
+            return self.transfer_timeout_s
+        return None
 
     def backend_options(self, agent_name: str, **changes: object) -> BackendOptions:
         """The options this agent's backend opens with, for ``agent_name``; ``changes``
-        replace fields (e.g. the rails a vLLM worker selected).
-
-        A writing agent's connections end once they held unacknowledged bytes for
-        ``transfer_timeout_s`` (:attr:`BackendOptions.stall_limit_s`): a WRITE cut by a
-        dead link then ends, its bytes with it, by the time its deadline has passed,
-        and the consumer can be told that no byte of it will land (R-SAFE-5). A
-        consumer frozen for less than that is never taken for dead (R-SAFE-6)."""
+        replace fields (e.g. the rails a vLLM worker selected). See
+        :attr:`stall_limit_s`."""
         options = BackendOptions(
             agent_name=agent_name,
             rails=self.rails,
             stripe_width=self.stripe_width,
-            stall_limit_s=self.transfer_timeout_s if self.writes else None,
+            stall_limit_s=self.stall_limit_s,
             extra=dict(self.backend_extra),
         )
         return msgspec.structs.replace(options, **changes) if changes else options

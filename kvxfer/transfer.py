@@ -169,6 +169,13 @@ class ReceptionState(msgspec.Struct, kw_only=True):
         unreachable_since: Since when its producer has had no route (for the log:
             no route proves nothing about its write, kvxfer._agent.liveness), 0 while
             it has one.
+        silent_at: When a probe first reached neither its producer nor evidence of its
+            death (no route, a connect that timed out); 0 if none did.
+        producer_stall_s: The producer's stall limit, from its answer to the
+            registration (:attr:`kvxfer.core.wire.Ack.stall_limit_s`); 0: none.
+        writer_until: Its producer is gone, but until then bytes of its write could
+            still land (a producer that died while the link was down leaves them in
+            its kernel: kvxfer._agent.liveness); 0: no such wait.
         siblings: Across TP sizes, the receptions of the same request from the other
             producer ranks. A copy in moves the whole blocks, every rank's heads, so
             one reception copies, the first to settle once all of them are complete,
@@ -184,6 +191,9 @@ class ReceptionState(msgspec.Struct, kw_only=True):
     final: bool = False
     stage_in: bool = False
     unreachable_since: float = 0.0
+    silent_at: float = 0.0
+    producer_stall_s: float = 0.0
+    writer_until: float = 0.0
     siblings: list[ReceptionState] = msgspec.field(default_factory=list)
     copies_in: bool = False
 
@@ -251,8 +261,11 @@ class TransferMeta(msgspec.Struct, kw_only=True):
 
     @property
     def writer_live(self) -> bool:
-        """A push reception whose producer may still write into its blocks."""
-        return self.reception is not None and self.reception.writer_live
+        """A push reception whose producer may still write into its blocks: it did
+        not say its writes ended, or it is gone and its kernel may still deliver some
+        (until ``writer_until``)."""
+        r = self.reception
+        return r is not None and (r.writer_live or r.writer_until > time.monotonic())
 
     def peers(self) -> tuple[PeerRef, ...]:
         """The peers its bytes move with (marked suspect when it fails)."""

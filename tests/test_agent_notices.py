@@ -194,6 +194,24 @@ def test_the_announced_final_notice_settles_a_push_without_decoding(
         prod.close()
 
 
+def test_the_registration_reply_announces_the_producers_stall_limit() -> None:
+    # How long the producer's kernel may go on sending a WRITE of a producer that died
+    # (its connections' user timeout, its transfer_timeout_s): the consumer waits that
+    # long after an outage before it settles a reception whose producer it finds gone
+    # (kvxfer._agent.liveness).
+    prod = _push_agent(
+        Role.PRODUCER, None, HostKVCache(SHAPE, 16, 8, fill_seed=5), transfer_timeout_s=7.5
+    )
+    cons = _push_agent(Role.CONSUMER, None, HostKVCache(SHAPE, 16, 8), transfer_timeout_s=3.0)
+    try:
+        transfer = _register(prod, cons, "req-stall", [4, 5], 32)
+        assert transfer.meta.reception is not None
+        assert transfer.meta.reception.producer_stall_s == 7.5
+    finally:
+        cons.close()
+        prod.close()
+
+
 def test_an_announced_notice_that_does_not_qualify_is_not_learned() -> None:
     # Only the one notice that settles the transfer alone is learned: final, PUSHED,
     # this request, every expected block, and (with a secret) signed by it. Anything

@@ -29,6 +29,8 @@ timeout), and the WRITE with it, while the link is still down.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -194,6 +196,86 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
             # landed in the reused blocks seconds later).
             assert res["state"] == "done" or res["failure"] == "timeout", res
             assert res["final_s"] > down_s, res
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_no_byte_of_a_producer_that_died_during_the_outage_lands_after_the_push_is_final(
+    link: NetnsPair, record_property: Any
+) -> None:
+    """The producer is killed 3 s into a 10 s outage, its WRITE's bytes left in its
+    kernel's orphaned socket, which retransmits them once the link is back. The
+    consumer proves it gone then (its port refuses), but stays quarantined until that
+    socket surely ended: the producer's stall limit (its transfer_timeout_s, 12 s,
+    announced at the registration) past the first probe that found no route. Before,
+    it settled at once and 453,929 elements landed in the reused blocks a second
+    later."""
+    prod = AgentProc(
+        msgspec.structs.replace(
+            qwen_spec(
+                "prefill-ld",
+                "push",
+                "kv_producer",
+                link.producer_ns,
+                link.producer_addr,
+                num_blocks=NUM_BLOCKS,
+            ),
+            transfer_timeout_s=12.0,
+        ),
+        start_timeout=120,
+    )
+    try:
+        cons = AgentProc(
+            msgspec.structs.replace(
+                qwen_spec(
+                    "decode-ld",
+                    "push",
+                    "kv_consumer",
+                    link.consumer_ns,
+                    link.consumer_addr,
+                    num_blocks=NUM_BLOCKS,
+                ),
+                transfer_timeout_s=8.0,
+            ),
+            start_timeout=120,
+        )
+    except BaseException:
+        prod.close()
+        raise
+    try:
+        rid, local = _start("push", prod, cons, 4)
+        assert cons.call("wait", rid, 60, timeout=90)["ok"]
+        rid, local = _start("push", prod, cons, BLOCKS)
+        time.sleep(1.0)  # ~1/5 of the transfer is over
+        _set_link(link, False)
+        try:
+            cons.send("final_and_reuse", rid, local, SENTINEL, 120.0)
+            time.sleep(3.0)
+            os.kill(prod.proc.pid, signal.SIGKILL)
+            time.sleep(7.0)
+        finally:
+            _set_link(link, True)
+        res = cons.reply(timeout=150)
+        changed = 0
+        for _ in range(5):  # the orphaned socket's next retransmission
+            time.sleep(1.0)
+            changed = cons.call("changed", local, SENTINEL)
+            if changed:
+                break
+        record_property("final_s", round(res["final_s"], 3))
+        print(
+            f"push, producer killed: final ({res['state']}, {res['failure']}) "
+            f"after {res['final_s']:.2f} s"
+        )
+        assert res["state"] == "failed", res
+        if changed:
+            raise LateBytes(
+                f"{changed:,} elements of the reused blocks changed after the push was final "
+                f"({res['failure']}, {res['final_s']:.2f} s after the link went down)"
+            )
+        # Not before the orphaned socket surely ended: 12 s after the outage began.
+        assert res["final_s"] > 12.0, res
     finally:
         cons.close()
         prod.close()

@@ -148,7 +148,16 @@ def test_bytearray_and_memoryview_decode() -> None:
 
 def test_the_tag_names_the_type() -> None:
     body = msgspec.msgpack.decode(msgspec.msgpack.encode(wire.Ack(request_id="r")))
-    assert body == {"type": "ack", "request_id": "r", "notice": b""}
+    assert body == {"type": "ack", "request_id": "r", "notice": b"", "stall_limit_s": 0.0}
+
+
+def test_an_ack_without_a_stall_limit_reads_as_none_and_a_negative_one_is_refused() -> None:
+    # An older producer's reply to a registration has no stall_limit_s: 0, "none".
+    old = msgspec.msgpack.encode({"type": "ack", "request_id": "r", "notice": b""})
+    assert msgspec.msgpack.decode(old, type=wire.Ack).stall_limit_s == 0.0
+    bad = msgspec.msgpack.encode({"type": "ack", "stall_limit_s": -1.0})
+    with pytest.raises(msgspec.ValidationError, match="stall_limit_s"):
+        msgspec.msgpack.decode(bad, type=wire.Ack)
 
 
 # -- two-phase decode, version, magic -------------------------------------------------

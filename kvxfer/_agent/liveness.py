@@ -31,6 +31,19 @@ tens of MiB into reused blocks 4-8 s after a 13 s outage). Its reception is fail
 its deadline and stays quarantined until the producer, reachable again, says its write
 ended (R-SAFE-5); only the consumer's own transport handle (a pull's READ) ends with
 its connection.
+
+A producer that *died* while the link was down is proven gone once the link is back
+(its port refuses), but its kernel still holds the WRITE's queued bytes in the
+orphaned socket and delivers them at its next retransmission (measured: 453,929
+elements landed after the reception settled). The consumer's end of the connection
+does not help: it has nothing to send, so neither keepalive nor a user timeout ends
+it. The orphaned socket keeps the producer's stall limit (TCP's user timeout, which
+the producer announced in its answer to the registration,
+:attr:`~kvxfer.core.wire.Ack.stall_limit_s`), and the kernel ends it that long after
+the oldest unacknowledged byte was sent, before the link went down. So a reception
+whose producer was out of reach at some probe (``silent_at``) and is then proven gone
+stays quarantined until ``silent_at`` plus that limit plus :data:`STALL_MARGIN_S`
+(``writer_until``). A producer that announced none (an older one) is not waited for.
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ from kvxfer.errors import KvxferError, PeerError, TransferError
 from kvxfer.io.control import dead, probe_port
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 
-__all__ = ["PING_TIMEOUT_S", "QUIET_S", "Liveness"]
+__all__ = ["PING_TIMEOUT_S", "QUIET_S", "STALL_MARGIN_S", "Liveness"]
 
 log = logging.getLogger("kvxfer.agent")
 
@@ -59,6 +72,11 @@ _NO_ROUTE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH})
 #: How long the Ping waits for its answer once the port accepted (the process lives,
 #: but it may be frozen or starved of CPU on a loaded host).
 PING_TIMEOUT_S = 1.0
+
+#: Past the producer's stall limit, until its kernel surely ended the orphaned
+#: connection: it checks the user timeout when a retransmission timer fires, which it
+#: shortens to the time left (seconds of slack for timers and clocks).
+STALL_MARGIN_S = 3.0
 
 
 def _broken(watch: socket.socket) -> bool:
@@ -193,7 +211,10 @@ class Liveness:
     def _verdict(self, t: Transfer, host: str, port: int, exc: OSError) -> None:
         """A connect to the peer's port failed with ``exc``: gone on evidence, else
         (a timeout: a loaded host, a frozen peer's full accept queue) alive."""
+        reception = t.meta.reception
         if not dead(exc):
+            if reception is not None and not reception.silent_at:
+                reception.silent_at = time.monotonic()
             if self._unrouted(t, exc):
                 pass  # said when the route went; probed on, quietly, until it returns
             elif t.doomed:
@@ -219,6 +240,7 @@ class Liveness:
                 )
             self._alive(t)
             return
+        self._orphaned(t, host, port)
         self._settler.fail(
             t,
             FailureKind.PEER_GONE,
@@ -227,6 +249,29 @@ class Liveness:
                 f"probe after {QUIET_S:g}s without progress ({exc})"
             ),
             FailureStage.TRANSFER,
+        )
+
+    def _orphaned(self, t: Transfer, host: str, port: int) -> None:
+        """``t``'s producer is gone; if it was out of reach before, it may have died
+        with the link down, its WRITE's bytes still queued in its kernel: ``t`` waits
+        until its own end of the connection surely ended (see the module's doc)."""
+        reception = t.meta.reception
+        if reception is None or not reception.silent_at or not reception.producer_stall_s:
+            return
+        now = time.monotonic()
+        until = reception.silent_at + reception.producer_stall_s + STALL_MARGIN_S
+        if reception.writer_until or until <= now:
+            return  # said already (probed on while it waits), or over
+        reception.writer_until = until
+        log.info(
+            "%s: its producer %s:%d is gone, and was out of reach %.1f s before; its "
+            "blocks stay quarantined %.1f s more, until no byte its kernel kept can land "
+            "(R-SAFE-5)",
+            t.request_id,
+            host,
+            port,
+            now - reception.silent_at,
+            until - now,
         )
 
     @staticmethod
@@ -299,6 +344,8 @@ class Liveness:
             self._settler.pushed(t)
         elif hold in (wire.HoldState.FAILED, wire.HoldState.RELEASED, wire.HoldState.UNKNOWN):
             assert isinstance(reply, wire.Pong)
+            if hold is wire.HoldState.UNKNOWN:
+                self._orphaned(t, host, port)  # a new incarnation: the old one died
             reason = reply.hold_reason or hold.value
             self._settler.fail(
                 t,

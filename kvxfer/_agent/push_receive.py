@@ -153,8 +153,10 @@ class PushReceiver:
                 transfer, FailureKind.HANDSHAKE, exc, FailureStage.REGISTRATION, quiet=refused
             )
             return
-        if isinstance(reply, wire.Ack) and reply.notice:
-            self._receptions.learn_final_notice(transfer, reply.notice)
+        if isinstance(reply, wire.Ack):
+            reception.producer_stall_s = reply.stall_limit_s
+            if reply.notice:
+                self._receptions.learn_final_notice(transfer, reply.notice)
         # Registered: from now on a quiet reception asks this producer how it stands.
         transfer.meta.last_progress = time.monotonic()
         reception.push_from = (ticket.host, ticket.port)

@@ -177,6 +177,7 @@ class PushWriter:
         # these bytes now, so that it recognises the notice when it arrives instead of
         # decoding and authenticating it on the transfer's path.
         encoded = (time.monotonic(), self._local.encode(final))
+        ack = wire.Ack(notice=encoded[1], stall_limit_s=self._config.stall_limit_s or 0.0)
         with self._lock:
             held = leases.held.get(msg.request_id)
             refusal = self._refusal(held, msg)
@@ -195,7 +196,8 @@ class PushWriter:
             if bound is not None and _same_consumer(bound, msg):
                 slot = lease.targets.get(msg.reader)
                 if slot is not None and slot.parts_posted:
-                    return wire.Ack(request_id=msg.request_id)  # a retry: writes under way
+                    # A retry, writes under way.
+                    return msgspec.structs.replace(ack, request_id=msg.request_id, notice=b"")
                 if msg.readers != lease.readers:
                     return wire.Reject(
                         code=wire.RejectCode.INVALID,
@@ -206,12 +208,12 @@ class PushWriter:
                 # Before hold(): which of them is the consumer is known only when the
                 # hold brings the router's capability (LeaseBook.arm keeps that one).
                 lease.rivals.append((msg, encoded))
-                return wire.Ack(notice=encoded[1])
+                return ack
             lease.targets[msg.reader] = Target(register=msg, final_notice=encoded)
             lease.readers = msg.readers
             leases.registered(msg.request_id)
         self._runtime.wake()
-        return wire.Ack(notice=encoded[1])
+        return ack
 
     @staticmethod
     def _refusal(held: Lease | None, msg: wire.PushRegister) -> wire.Reject | None:

@@ -340,6 +340,7 @@ class Settler:
                 t.meta.posting = False
                 if t.meta.reception is not None:
                     t.meta.reception.writer_live = False
+                    t.meta.reception.writer_until = 0.0
                 self.fail(
                     t, FailureKind.ABORTED, TransferError("agent closed"), FailureStage.TRANSFER
                 )

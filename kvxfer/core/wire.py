@@ -287,6 +287,12 @@ class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
     #: (empty when it cannot say in advance). The consumer checks it once, here, and
     #: then knows it by its bytes: no decoding or MAC check on the transfer's path.
     notice: Annotated[bytes, Meta(max_length=DEFAULT_MAX_BYTES)] = b""
+    #: Reply to a :class:`PushRegister` only: the producer's stall limit, how long its
+    #: connections may hold unacknowledged bytes before its kernel ends them (its
+    #: ``transfer_timeout_s``), also once its process died; 0 when it has none. A
+    #: consumer that finds the producer gone after the link was down waits this long
+    #: past the outage's start before it reuses the blocks (kvxfer._agent.liveness).
+    stall_limit_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Ping(WireMessage, frozen=True, kw_only=True, tag="ping"):
