@@ -254,7 +254,7 @@ class Liveness:
     def _orphaned(self, t: Transfer, host: str, port: int) -> None:
         """``t``'s producer is gone; if it was out of reach before, it may have died
         with the link down, its WRITE's bytes still queued in its kernel: ``t`` waits
-        until its own end of the connection surely ended (see the module's doc)."""
+        until the kernel surely ended that orphaned socket (see the module's doc)."""
         reception = t.meta.reception
         if reception is None or not reception.silent_at or not reception.producer_stall_s:
             return
