@@ -95,6 +95,39 @@ def _start(direction: str, prod: AgentProc, cons: AgentProc, blocks: int) -> tup
     return rid, local
 
 
+def _pair(
+    link: NetnsPair, direction: str, producer_s: float, consumer_s: float
+) -> tuple[AgentProc, AgentProc]:
+    """A producer and a consumer on the two hosts, with these ``transfer_timeout_s``."""
+    spec = qwen_spec(
+        "prefill-ld",
+        direction,
+        "kv_producer",
+        link.producer_ns,
+        link.producer_addr,
+        num_blocks=NUM_BLOCKS,
+    )
+    prod = AgentProc(
+        msgspec.structs.replace(spec, transfer_timeout_s=producer_s), start_timeout=120
+    )
+    try:
+        spec = qwen_spec(
+            "decode-ld",
+            direction,
+            "kv_consumer",
+            link.consumer_ns,
+            link.consumer_addr,
+            num_blocks=NUM_BLOCKS,
+        )
+        cons = AgentProc(
+            msgspec.structs.replace(spec, transfer_timeout_s=consumer_s), start_timeout=120
+        )
+    except BaseException:
+        prod.close()
+        raise
+    return prod, cons
+
+
 @pytest.mark.parametrize(
     ("direction", "down_s", "deadline_s", "producer_deadline_s"),
     [
@@ -123,38 +156,7 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
     link: NetnsPair,
     record_property: Any,
 ) -> None:
-    prod = AgentProc(
-        msgspec.structs.replace(
-            qwen_spec(
-                "prefill-ld",
-                direction,
-                "kv_producer",
-                link.producer_ns,
-                link.producer_addr,
-                num_blocks=NUM_BLOCKS,
-            ),
-            transfer_timeout_s=producer_deadline_s,
-        ),
-        start_timeout=120,
-    )
-    try:
-        cons = AgentProc(
-            msgspec.structs.replace(
-                qwen_spec(
-                    "decode-ld",
-                    direction,
-                    "kv_consumer",
-                    link.consumer_ns,
-                    link.consumer_addr,
-                    num_blocks=NUM_BLOCKS,
-                ),
-                transfer_timeout_s=deadline_s,
-            ),
-            start_timeout=120,
-        )
-    except BaseException:
-        prod.close()
-        raise
+    prod, cons = _pair(link, direction, producer_deadline_s, deadline_s)
     try:
         # Handshake and UCX wire-up first, with a small request.
         rid, local = _start(direction, prod, cons, 4)
@@ -211,38 +213,7 @@ def test_no_byte_of_a_producer_that_died_during_the_outage_lands_after_the_push_
     announced at the registration) past the first probe that found no route. Before,
     it settled at once and 453,929 elements landed in the reused blocks a second
     later."""
-    prod = AgentProc(
-        msgspec.structs.replace(
-            qwen_spec(
-                "prefill-ld",
-                "push",
-                "kv_producer",
-                link.producer_ns,
-                link.producer_addr,
-                num_blocks=NUM_BLOCKS,
-            ),
-            transfer_timeout_s=12.0,
-        ),
-        start_timeout=120,
-    )
-    try:
-        cons = AgentProc(
-            msgspec.structs.replace(
-                qwen_spec(
-                    "decode-ld",
-                    "push",
-                    "kv_consumer",
-                    link.consumer_ns,
-                    link.consumer_addr,
-                    num_blocks=NUM_BLOCKS,
-                ),
-                transfer_timeout_s=8.0,
-            ),
-            start_timeout=120,
-        )
-    except BaseException:
-        prod.close()
-        raise
+    prod, cons = _pair(link, "push", 12.0, 8.0)
     try:
         rid, local = _start("push", prod, cons, 4)
         assert cons.call("wait", rid, 60, timeout=90)["ok"]
