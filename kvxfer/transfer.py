@@ -169,13 +169,13 @@ class ReceptionState(msgspec.Struct, kw_only=True):
         unreachable_since: Since when its producer has had no route (for the log:
             no route proves nothing about its write, kvxfer._agent.liveness), 0 while
             it has one.
-        silent_at: When a probe first reached neither its producer nor evidence of its
-            death (no route, a connect that timed out); 0 if none did.
         producer_stall_s: The producer's stall limit, from its answer to the
             registration (:attr:`kvxfer.core.wire.Ack.stall_limit_s`); 0: none.
+        producer_incarnation: The producer's incarnation, from the ticket (0: the
+            ticket did not say): a probe answered by another one found it restarted.
         writer_until: Its producer is gone, but until then bytes of its write could
-            still land (a producer that died while the link was down leaves them in
-            its kernel: kvxfer._agent.liveness); 0: no such wait.
+            still land (a dead process's kernel still sends what it had queued:
+            kvxfer._agent.liveness); 0: no such wait.
         siblings: Across TP sizes, the receptions of the same request from the other
             producer ranks. A copy in moves the whole blocks, every rank's heads, so
             one reception copies, the first to settle once all of them are complete,
@@ -191,8 +191,8 @@ class ReceptionState(msgspec.Struct, kw_only=True):
     final: bool = False
     stage_in: bool = False
     unreachable_since: float = 0.0
-    silent_at: float = 0.0
     producer_stall_s: float = 0.0
+    producer_incarnation: int = 0
     writer_until: float = 0.0
     siblings: list[ReceptionState] = msgspec.field(default_factory=list)
     copies_in: bool = False

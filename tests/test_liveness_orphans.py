@@ -1,9 +1,9 @@
-"""A push reception whose producer is proven gone after it was out of reach waits for
-the producer's orphaned socket to end (R-SAFE-5, ``kvxfer._agent.liveness``).
+"""A push reception whose producer is found gone waits for the producer's orphaned
+socket to end (R-SAFE-5, ``kvxfer._agent.liveness``).
 
-The probes' connects are replaced here by scripted outcomes: "no route" while the link
-is down, then "refused" (the producer died meanwhile). Between two real hosts the same
-case is ``tests/test_link_down_proc.py -k died``.
+The probes' connects are replaced here by scripted outcomes: "no route" while a link
+is down, "refused" once the producer died. Between two real hosts the same cases are
+``tests/test_link_down_proc.py -k "killed or died"``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ class _Settler:
 def _reception(producer_stall_s: float) -> Transfer:
     t = Transfer("req", ((1, 2),), progress=lambda: None, deadline=time.monotonic() + 60)
     t.meta.reception = ReceptionState(
-        push_from=("10.0.0.1", 5600), writer_live=True, producer_stall_s=producer_stall_s
+        push_from=("10.0.0.1", 5600),
+        writer_live=True,
+        producer_stall_s=producer_stall_s,
+        producer_incarnation=1,
     )
     return t
 
@@ -59,61 +62,58 @@ def _probe(
     return settler
 
 
-def test_a_producer_gone_after_an_outage_is_waited_for_until_its_socket_surely_ended(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("outage", [False, True], ids=["link-up", "after-an-outage"])
+def test_a_producer_found_gone_is_waited_for_until_its_orphaned_socket_surely_ended(
+    monkeypatch: pytest.MonkeyPatch, outage: bool
 ) -> None:
     t = _reception(producer_stall_s=12.0)
-    unreachable = OSError(errno.ENETUNREACH, "Network is unreachable")
+    if outage:
+        unreachable = OSError(errno.ENETUNREACH, "Network is unreachable")
+        assert not _probe(monkeypatch, t, unreachable, None).failed  # alive, for all we know
     before = time.monotonic()
-    assert not _probe(monkeypatch, t, unreachable, None).failed  # alive, as far as we know
+    settler = _probe(monkeypatch, t, ConnectionRefusedError(errno.ECONNREFUSED, "refused"), None)
+    after = time.monotonic()
+    assert [kind for _, kind in settler.failed] == [FailureKind.PEER_GONE]
+    # Gone, yet its kernel may still send what the WRITE had queued, until its
+    # orphaned socket ended: the producer's stall limit, and the margin.
     reception = t.meta.reception
     assert reception is not None
-    silent_at = reception.silent_at
-    assert before <= silent_at <= time.monotonic()
-    _probe(monkeypatch, t, unreachable, None)
-    assert reception.silent_at == silent_at  # the first probe that found it out of reach
-    settler = _probe(monkeypatch, t, ConnectionRefusedError(errno.ECONNREFUSED, "refused"), None)
-    assert [kind for _, kind in settler.failed] == [FailureKind.PEER_GONE]
-    # Gone, yet its writer may still land bytes until its orphaned socket ended: the
-    # producer's stall limit past the outage's start, and the margin.
-    assert reception.writer_until == pytest.approx(silent_at + 12.0 + liveness.STALL_MARGIN_S)
+    wait = 12.0 + liveness.STALL_MARGIN_S
+    assert before + wait <= reception.writer_until <= after + wait
+    _probe(monkeypatch, t, ConnectionRefusedError(errno.ECONNREFUSED, "refused"), None)
+    assert reception.writer_until <= after + wait  # probed on while it waits: not pushed back
     reception.writer_live = False  # what the settler's quiet fail does
     assert t.meta.writer_live  # so the settler keeps it quarantined
     reception.writer_until = time.monotonic() - 0.001
     assert not t.meta.writer_live  # and lets it settle once that passed
 
 
-@pytest.mark.parametrize(
-    ("outage", "producer_stall_s"),
-    [(False, 12.0), (True, 0.0)],
-    ids=["never-out-of-reach", "no-stall-limit-announced"],
-)
-def test_no_wait_without_an_outage_or_a_limit(
-    monkeypatch: pytest.MonkeyPatch, outage: bool, producer_stall_s: float
+def test_no_wait_for_a_producer_that_announced_no_stall_limit(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A producer found gone without an outage before is settled at once (its kernel
-    delivered what it had while the link was up); one that announced no stall limit
-    (an older producer) too, as nothing bounds the wait."""
-    t = _reception(producer_stall_s)
-    if outage:
-        _probe(monkeypatch, t, TimeoutError("timed out"), None)
+    """An older producer announces none: nothing bounds the wait, so none is made."""
+    t = _reception(producer_stall_s=0.0)
     settler = _probe(monkeypatch, t, ConnectionRefusedError(errno.ECONNREFUSED, "refused"), None)
     assert [kind for _, kind in settler.failed] == [FailureKind.PEER_GONE]
     reception = t.meta.reception
     assert reception is not None and reception.writer_until == 0.0
 
 
+@pytest.mark.parametrize(
+    ("incarnation", "waits"), [(2, True), (1, False)], ids=["restarted", "same"]
+)
 def test_a_restarted_producer_is_waited_for_like_a_dead_one(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, incarnation: int, waits: bool
 ) -> None:
-    """After an outage the producer answers, as a new process: the hold is UNKNOWN to
-    it, and the old process's socket may still deliver."""
+    """The producer answers that it does not know the hold. As a new process (another
+    incarnation than the ticket's) the old one died, and its socket may still
+    deliver; the same process does not know it any more because the hold ended."""
     t = _reception(producer_stall_s=12.0)
     _probe(monkeypatch, t, OSError(errno.EHOSTUNREACH, "No route to host"), None)
     conn = socket.socket()
     pong = wire.Pong(
         engine_id="prefill",
-        incarnation=2,
+        incarnation=incarnation,
         protocol_version=PROTOCOL_VERSION,
         compat_hash="0" * 64,
         hold=wire.HoldState.UNKNOWN,
@@ -124,4 +124,5 @@ def test_a_restarted_producer_is_waited_for_like_a_dead_one(
         conn.close()
     assert [kind for _, kind in settler.failed] == [FailureKind.PEER_GONE]
     reception = t.meta.reception
-    assert reception is not None and reception.writer_until > time.monotonic()
+    assert reception is not None
+    assert (reception.writer_until > time.monotonic()) is waits

@@ -96,7 +96,9 @@ class PushReceiver:
                 self._agent_name,
             )
         transfer = runtime.new_transfer(ticket.request_id, groups)
-        reception = transfer.meta.reception = ReceptionState()
+        reception = transfer.meta.reception = ReceptionState(
+            producer_incarnation=ticket.incarnation
+        )
         # Probed while its registration has not returned (a producer that died refuses
         # its port at once; the registration's own timeout is seconds per try).
         transfer.meta.producer_at = (ticket.host, ticket.port)

@@ -105,7 +105,9 @@ class TPReceiver:
         states: dict[int, ReceptionState] = {}
         for p, sub in subs.items():
             sub.meta.capability = capability
-            sub.meta.reception = reception = ReceptionState(source=p)
+            sub.meta.reception = reception = ReceptionState(
+                source=p, producer_incarnation=tickets[p].incarnation
+            )
             sub.meta.producer_at = (tickets[p].host, tickets[p].port)  # probed while quiet
             sub.stats.bytes = nbytes * share[p] // max(1, len(sources))
             self._receptions.expect(sub)
