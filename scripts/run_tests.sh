@@ -34,22 +34,24 @@ else
   # Two pytest processes side by side (KVXFER_TEST_SPLIT=0: one). The end-to-end tests
   # spend much of their time waiting on engines and sockets, so one half is the e2e
   # tests that share the session's vLLM engines (tests/e2e/conftest.py), in the
-  # background; the other is every other test, with the e2e tests that start only
-  # servers of their own (marker own_servers) to even the halves. Each prints its own
+  # background, with tests that mostly wait on the wire (marker e2e_half); the other is
+  # every other test, with the e2e tests that start only servers of their own (marker
+  # own_servers). Both markers are there to even the halves. Each prints its own
   # report, the background half's after the other's; the run fails if either failed.
   # On two cores this takes about the longer half instead of the sum (docs/TESTING.md).
   e2e_log=$(mktemp)
   trap '{ [ -z "${e2e_pid:-}" ] || kill "$e2e_pid" 2>/dev/null || true; }; rm -f "$static_log" "$e2e_log"' EXIT
-  echo "== pytest -m 'e2e and not own_servers', in the background (its report follows the other half's)"
+  e2e_half="(e2e and not own_servers) or e2e_half"
+  echo "== pytest -m '$e2e_half', in the background (its report follows the other half's)"
   # Each half picks its servers' and side channels' ports from its own part of the range
   # below the kernel's ephemeral ports (tests/ports.py), so the two never pick the same.
-  KVXFER_TEST_PORTS=20000-26383 "${PYTEST[@]}" -m "e2e and not own_servers" >"$e2e_log" 2>&1 &
+  KVXFER_TEST_PORTS=20000-26383 "${PYTEST[@]}" -m "$e2e_half" >"$e2e_log" 2>&1 &
   e2e_pid=$!
-  echo "== pytest -m 'not e2e or own_servers' (mypy and lint-imports run alongside; their output follows)"
-  KVXFER_TEST_PORTS=26384-32767 "${PYTEST[@]}" -m "not e2e or own_servers" || pytest_rc=$?
+  echo "== pytest -m 'not ($e2e_half)' (mypy and lint-imports run alongside; their output follows)"
+  KVXFER_TEST_PORTS=26384-32767 "${PYTEST[@]}" -m "not ($e2e_half)" || pytest_rc=$?
   e2e_rc=0
   wait "$e2e_pid" || e2e_rc=$?
-  echo "== pytest -m 'e2e and not own_servers'"
+  echo "== pytest -m '$e2e_half'"
   cat "$e2e_log"
   if [ "$pytest_rc" -eq 0 ]; then pytest_rc=$e2e_rc; fi
 fi

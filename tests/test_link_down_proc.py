@@ -144,7 +144,7 @@ def _pair(
         # by removing the consumer (NIXL would call it over while UCX flushed its
         # bytes on): the connection ends once it stalled for the producer's
         # transfer_timeout_s (TCP_USER_TIMEOUT), while the link is still down.
-        ("push", 13.0, 8.0, 6.0),
+        pytest.param("push", 13.0, 8.0, 6.0, marks=pytest.mark.e2e_half),
     ],
     ids=["pull", "push", "pull-long-outage", "push-long-outage", "push-cut-by-producer"],
 )
@@ -203,6 +203,7 @@ def test_no_byte_lands_after_a_transfer_cut_by_a_dead_link_is_final(
         prod.close()
 
 
+@pytest.mark.e2e_half
 @pytest.mark.parametrize(
     ("down_s", "producer_s"),
     [(0.0, 5.0), (10.0, 12.0)],
