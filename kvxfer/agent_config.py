@@ -197,25 +197,23 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         A WRITE cut by a dead link then ends, its bytes with it, by the time its
         deadline passed, and its consumer can be told that no byte of it will land
         (R-SAFE-5); a consumer frozen for less is never taken for dead (R-SAFE-6). The
-        consumer learns the value at its registration: a producer that dies while the
-        link is down leaves its WRITE's bytes in its kernel, which keeps sending them
-        for at most this long (:mod:`kvxfer._agent.liveness`)."""
+        consumer learns the value at its registration: a producer that dies mid-push
+        leaves what its WRITE had queued in its kernel, which sends it on for at most
+        this long (:mod:`kvxfer._agent.liveness`)."""
         if self.direction is Direction.PUSH and self.role is not Role.CONSUMER:
             return self.transfer_timeout_s
         return None
 
-    def backend_options(self, agent_name: str, **changes: object) -> BackendOptions:
-        """The options this agent's backend opens with, for ``agent_name``; ``changes``
-        replace fields (e.g. the rails a vLLM worker selected). See
-        :attr:`stall_limit_s`."""
-        options = BackendOptions(
+    def backend_options(self, agent_name: str) -> BackendOptions:
+        """The options this agent's backend opens with, for ``agent_name`` (see
+        :attr:`stall_limit_s`)."""
+        return BackendOptions(
             agent_name=agent_name,
             rails=self.rails,
             stripe_width=self.stripe_width,
             stall_limit_s=self.stall_limit_s,
             extra=dict(self.backend_extra),
         )
-        return msgspec.structs.replace(options, **changes) if changes else options
 
 
 class AgentStats(msgspec.Struct, kw_only=True):
