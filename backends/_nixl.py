@@ -177,7 +177,11 @@ def stall_limit(seconds: float | None) -> Iterator[None]:
     no byte was acknowledged for ``seconds``; the WRITE fails and none of its bytes
     can land any more. A peer that acknowledges, however slowly, keeps its
     connection. A value the operator set wins; ``None`` changes nothing. The variable
-    is restored afterwards, so that the process's other agents keep their own."""
+    is restored afterwards, so that the process's other agents keep their own.
+
+    The producer announces ``seconds`` to its consumers (:attr:`wire.Ack.stall_limit_s
+    <kvxfer.core.wire.Ack.stall_limit_s>`), who wait that long after it died: an
+    operator's own value should not exceed the producer's ``transfer_timeout_s``."""
     if seconds is None or STALL_LIMIT in os.environ:
         yield
         return

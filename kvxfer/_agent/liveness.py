@@ -42,9 +42,9 @@ socket keeps the producer's stall limit (TCP's user timeout, which the producer
 announced in its answer to the registration, :attr:`~kvxfer.core.wire.Ack.stall_limit_s`):
 stalled that long, the kernel ends it, and a live link drains its few MiB long before.
 So a reception whose producer is found gone, or answers as a new process (another
-incarnation than its ticket's), stays
-quarantined for that limit plus :data:`STALL_MARGIN_S` (``writer_until``). A producer
-that announced none (an older one) is not waited for.
+incarnation than its ticket's), stays quarantined for that limit plus
+:data:`STALL_MARGIN_S` (``writer_until``). A producer that announced none (an older
+one) is not waited for.
 """
 
 from __future__ import annotations
@@ -250,9 +250,9 @@ class Liveness:
         )
 
     def _orphaned(self, t: Transfer, host: str, port: int) -> None:
-        """``t``'s producer is gone; if it was out of reach before, it may have died
-        with the link down, its WRITE's bytes still queued in its kernel: ``t`` waits
-        until the kernel surely ended that orphaned socket (see the module's doc)."""
+        """``t``'s producer is gone, and its kernel may still send what its WRITE had
+        queued: ``t`` waits until the kernel surely ended that orphaned socket (see the
+        module's doc)."""
         reception = t.meta.reception
         if reception is None or not reception.producer_stall_s or reception.writer_until:
             return  # not a push reception, no limit announced, or said already

@@ -290,8 +290,8 @@ class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
     #: Reply to a :class:`PushRegister` only: the producer's stall limit, how long its
     #: connections may hold unacknowledged bytes before its kernel ends them (its
     #: ``transfer_timeout_s``), also once its process died; 0 when it has none. A
-    #: consumer that finds the producer gone after the link was down waits this long
-    #: past the outage's start before it reuses the blocks (kvxfer._agent.liveness).
+    #: consumer that finds the producer gone waits this long (and a margin) before it
+    #: reuses the blocks (kvxfer._agent.liveness).
     stall_limit_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
