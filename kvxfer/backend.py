@@ -109,6 +109,14 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     the whole-block table, :func:`kvxfer.core.tp_plan.prepared_rows`) and posts any of its
     ids; False leaves a posting agent without one, and pairs across TP sizes that
     need it are refused by name."""
+    writes_outlive_process: bool = True
+    """A WRITE's bytes may go on landing at the peer after this process died: over
+    kernel TCP the dead process's socket keeps what was queued and sends it until
+    :attr:`BackendOptions.stall_limit_s` ends it. A producer announces that limit to
+    its consumers, who keep a dead producer's blocks quarantined that long (R-SAFE-5);
+    False (writes end with the process, as on the in-process fake fabric) announces
+    none. True unless a backend knows better: a wrong False lets bytes land in reused
+    blocks, a wrong True only holds them longer."""
     log_prefix: str = "kvxfer: "
     """How the agent's log lines about this transport begin (a vendor's backend names
     itself there, as operators of that hardware grep for it)."""

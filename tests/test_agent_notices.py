@@ -121,7 +121,13 @@ def test_malformed_notifications_are_ignored(caplog: pytest.LogCaptureFixture) -
 PUSH_FP = msgspec.structs.replace(FP, direction=Direction.PUSH)
 
 
-def _push_agent(role: Role, secret: str | None, cache: HostKVCache, **kw: float) -> Agent:
+def _push_agent(
+    role: Role,
+    secret: str | None,
+    cache: HostKVCache,
+    extra: dict[str, str] | None = None,
+    **kw: float,
+) -> Agent:
     name = f"{role.value}-{next(_names)}"
     agent = Agent(
         AgentConfig(
@@ -132,7 +138,7 @@ def _push_agent(role: Role, secret: str | None, cache: HostKVCache, **kw: float)
             auth_secret=secret,
             **kw,  # type: ignore[arg-type]
         ),
-        backend=FakeBackend(BackendOptions(agent_name=name)),
+        backend=FakeBackend(BackendOptions(agent_name=name, extra=extra or {})),
     )
     agent.register(cache.layout())
     agent.serve()
@@ -194,19 +200,25 @@ def test_the_announced_final_notice_settles_a_push_without_decoding(
         prod.close()
 
 
-def test_the_registration_reply_announces_the_producers_stall_limit() -> None:
+@pytest.mark.parametrize("outlive", [True, False], ids=["tcp-like", "ends-with-process"])
+def test_the_registration_reply_announces_the_producers_stall_limit(outlive: bool) -> None:
     # How long the producer's kernel may go on sending a WRITE of a producer that died
     # (its connections' user timeout, its transfer_timeout_s): the consumer waits that
     # long after an outage before it settles a reception whose producer it finds gone
-    # (kvxfer._agent.liveness).
+    # (kvxfer._agent.liveness). A transport whose writes end with the process (the
+    # fake fabric's default) announces none: nothing is waited for.
     prod = _push_agent(
-        Role.PRODUCER, None, HostKVCache(SHAPE, 16, 8, fill_seed=5), transfer_timeout_s=7.5
+        Role.PRODUCER,
+        None,
+        HostKVCache(SHAPE, 16, 8, fill_seed=5),
+        extra={"writes_outlive_process": str(outlive)},
+        transfer_timeout_s=7.5,
     )
     cons = _push_agent(Role.CONSUMER, None, HostKVCache(SHAPE, 16, 8), transfer_timeout_s=3.0)
     try:
         transfer = _register(prod, cons, "req-stall", [4, 5], 32)
         assert transfer.meta.reception is not None
-        assert transfer.meta.reception.producer_stall_s == 7.5
+        assert transfer.meta.reception.producer_stall_s == (7.5 if outlive else 0.0)
     finally:
         cons.close()
         prod.close()

@@ -3,7 +3,9 @@ socket to end (R-SAFE-5, ``kvxfer._agent.liveness``).
 
 The probes' connects are replaced here by scripted outcomes: "no route" while a link
 is down, "refused" once the producer died. Between two real hosts the same cases are
-``tests/test_link_down_proc.py -k "killed or died"``.
+``tests/test_link_down_proc.py -k "killed or died"``. The last test runs two agents on
+the fake fabric: whether the producer's transport lets its writes outlive it decides
+whether there is anything to wait for.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import pytest
 from kvxfer._agent import liveness
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.core import wire
-from kvxfer.transfer import FailureKind, ReceptionState, Transfer
+from kvxfer.transfer import FailureKind, ReceptionState, Transfer, TransferState
+from kvxfer.types import Direction, Role
+from tests.faultkit import BLOCK, PRODUCER_SEED, Side, push_registered, stub, until
 
 
 class _Settler:
@@ -126,3 +130,52 @@ def test_a_restarted_producer_is_waited_for_like_a_dead_one(
     reception = t.meta.reception
     assert reception is not None
     assert (reception.writer_until > time.monotonic()) is waits
+
+
+@pytest.mark.parametrize("outlive", [False, True], ids=["ends-with-process", "tcp-like"])
+def test_a_dead_producer_is_waited_for_only_where_its_writes_outlive_it(outlive: bool) -> None:
+    """Two agents on the fake fabric: the producer dies with its WRITE in flight and
+    its FAILED notice lost, so the consumer's probe finds it gone. Its writes end
+    with its process there, so it announced no stall limit and its reception settles
+    at once; a transport whose writes outlive the process (TCP) holds it quarantined
+    for the limit and the margin (CI run of 03534c4: the fake fabric's producer had
+    announced its limit, and a reception waited 4 s past its deadline)."""
+    producer = Side(
+        Role.PRODUCER,
+        Direction.PUSH,
+        seed=PRODUCER_SEED,
+        backend_extra={"writes_outlive_process": str(outlive)},
+        transfer_timeout_s=5.0,
+    )
+    consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=1.0)
+    posted: list[object] = []
+
+    def recorded(real: Any) -> Any:
+        def post(*args: Any, **kw: Any) -> Any:
+            posted.append(handle := real(*args, **kw))
+            return handle
+
+        return post
+
+    for name in ("post", "post_lists"):
+        setattr(producer.backend, name, recorded(getattr(producer.backend, name)))
+    try:
+        t = consumer.agent.expect_push(stub(producer, "req"), [5, 6], num_tokens=2 * BLOCK)
+        push_registered(producer, "req")
+        producer.faults(stall=True)
+        producer.agent.hold("req", [1, 2], 2 * BLOCK)
+        assert until(lambda: bool(posted), 5.0) is not None, "the producer never posted"
+        producer.backend.notify = lambda *_: None  # type: ignore[method-assign]
+        producer.close()
+        t0 = time.monotonic()
+        if outlive:
+            time.sleep(2.5)  # the probe found it gone well before (QUIET_S)
+            assert t.poll() is TransferState.PENDING and t.doomed
+            assert t.meta.quarantined
+        else:
+            until(lambda: t.poll() is not TransferState.PENDING, 2.5)
+            assert t.state is TransferState.FAILED and t.invalid_blocks == (5, 6)
+            assert time.monotonic() - t0 < 2.5
+    finally:
+        consumer.close()
+        producer.close()

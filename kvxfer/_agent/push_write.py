@@ -110,6 +110,11 @@ class PushWriter:
         # A staging backend's post also copies the blocks out on the CPU first.
         stages = backend.capabilities.stages_through_host
         self._inline = (not stages) if mode is PushPost.AUTO else mode is PushPost.ENGINE
+        # How long after this process died bytes of its writes may still land, told to
+        # each consumer in the registration's answer (kvxfer._agent.liveness); none where
+        # the transport's writes end with the process.
+        outlive = backend.capabilities.writes_outlive_process
+        self._stall_announced = (self._config.stall_limit_s or 0.0) if outlive else 0.0
 
     def start_writer(self) -> None:
         """Start the writer thread now (a push producer that serves), so that no
@@ -177,7 +182,7 @@ class PushWriter:
         # these bytes now, so that it recognises the notice when it arrives instead of
         # decoding and authenticating it on the transfer's path.
         encoded = (time.monotonic(), self._local.encode(final))
-        ack = wire.Ack(notice=encoded[1], stall_limit_s=self._config.stall_limit_s or 0.0)
+        ack = wire.Ack(notice=encoded[1], stall_limit_s=self._stall_announced)
         with self._lock:
             held = leases.held.get(msg.request_id)
             refusal = self._refusal(held, msg)

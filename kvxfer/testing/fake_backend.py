@@ -219,7 +219,9 @@ class FakeBackend(Backend):
     Args:
         options: The common backend options (``agent_name`` must be unique in the
             process; ``extra["device_to_device"]`` / ``extra["stages_through_host"]``
-            set capabilities when the keyword arguments are not given).
+            set capabilities when the keyword arguments are not given, and
+            ``extra["writes_outlive_process"]`` (default false: its writes end with
+            it) makes a producer announce its stall limit as a TCP transport's does).
         device_to_device: Report a device-to-device backend (default True).
         stages_through_host: Report host staging (default False); stage calls are
             recorded in :attr:`staged` either way.
@@ -262,6 +264,9 @@ class FakeBackend(Backend):
             ),
             merges_contiguous=True,
             guard=True,
+            # Its writes end with the agent (nothing is queued in a kernel): a test
+            # that needs a producer announcing its stall limit sets it.
+            writes_outlive_process=_flag(options, "writes_outlive_process", False),
         )
         self.faults = faults if faults is not None else Faults()
         self.staged: list[tuple[str, tuple[IntArray, ...]]] = []
