@@ -612,6 +612,32 @@ def test_a_push_aborted_before_its_hold_settles_at_once_and_its_hold_frees(
     assert producer.agent.holding() == []  # freed at the hold, not at lease expiry
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["after-its-hold", "before-its-hold"])
+def test_a_registration_that_comes_after_its_hold_ended_is_refused(
+    push: tuple[Side, Engine, Side], held: bool
+) -> None:
+    """The consumer's abort overtook its own registration (both go from worker threads;
+    CI run of 03534c4): the producer released the hold, then the registration came.
+    Taken, it made a lease waiting for a hold that had come and gone, and the
+    reception stayed quarantined until that lease expired (60 s here). Refused, the
+    reception fails at once, saying why, and nothing is held."""
+    producer, engine, consumer = push
+    ticket = stub(producer, "overtaken")
+    if held:
+        ticket = engine.hold("overtaken", [3, 4])  # its capability frees the hold
+    consumer.agent.abort(ticket, wait=True)  # the Release arrives first
+    if not held:
+        engine.hold("overtaken", [3, 4])  # frees at once: the Release was remembered
+    assert producer.agent.holding() == []
+    t = consumer.agent.expect_push(ticket, [1, 2], num_tokens=2 * BLOCK)
+    took = settle(t, 15, engine)
+    assert t.state is TransferState.FAILED and t.invalid_blocks == (1, 2)
+    why = "aborted" if held else "released"
+    assert f"its hold ended ({why}) before this registration" in str(t.error)
+    assert took < 10.0, f"the overtaken reception took {took:.1f}s to settle"
+    assert producer.agent.holding() == []
+
+
 def test_a_producer_dying_during_the_first_contact_fails_the_pull_within_two_seconds(
     pull: tuple[Side, Engine, Side],
 ) -> None:

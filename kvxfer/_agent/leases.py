@@ -290,6 +290,17 @@ class LeaseBook:
             return ended[0], ended[1]
         return wire.HoldState.UNKNOWN, "no hold of that request"
 
+    def ended_unwritten(self, request_id: str) -> str | None:
+        """Why the hold of ``request_id`` ended without every write landing (released,
+        aborted, expired, failed), while nothing of that id is held; None otherwise
+        (held, ended PUSHED, or not remembered: :data:`MAX_OUTCOMES`)."""
+        if request_id in self.held:
+            return None
+        ended = self._outcomes.get(request_id)
+        if ended is None or ended[0] not in (wire.HoldState.RELEASED, wire.HoldState.FAILED):
+            return None
+        return ended[1]
+
     def settled(self, request_id: str, *, remember: bool) -> None:
         """Its consumer settled the request (a DONE notice whose capability was
         checked): free the lease; with none held yet, ``remember`` keeps the

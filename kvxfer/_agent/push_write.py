@@ -184,6 +184,17 @@ class PushWriter:
         encoded = (time.monotonic(), self._local.encode(final))
         ack = wire.Ack(notice=encoded[1], stall_limit_s=self._stall_announced)
         with self._lock:
+            ended = leases.ended_unwritten(msg.request_id)
+            if ended is not None:
+                # Its hold ended before this registration came (a consumer's abort
+                # overtook it): a lease made now would wait for a hold that already
+                # came and went, and keep the consumer's blocks quarantined until it
+                # expired; refused, the consumer fails at once.
+                return wire.Reject(
+                    code=wire.RejectCode.UNKNOWN_REQUEST,
+                    reason=f"request {msg.request_id}: its hold ended ({ended}) before "
+                    "this registration; nothing will be written",
+                )
             held = leases.held.get(msg.request_id)
             refusal = self._refusal(held, msg)
             if refusal is not None:
