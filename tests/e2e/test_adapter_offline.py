@@ -551,18 +551,34 @@ def test_a_load_from_a_vanished_producer_fails_with_its_blocks_invalid() -> None
 
 def _stalled_push(n: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, dict[str, Any]]:
     """A push pair whose producer's WRITE of ``p-n`` into the consumer's ``d-n`` (blocks
-    6, 7) posts and moves nothing, and cannot be cancelled (as over UCX): the two
+    6, 7) is posted and moves nothing, and cannot be cancelled (as over UCX): the two
     workers, the consumer's scheduler side and the producer's ticket. The producer's
-    own deadline is longer than the consumer's 3 s: only the consumer's is under test."""
+    own deadline is longer than the consumer's 3 s: only the consumer's is under test.
+    Returns once the WRITE was posted (the consumer's registration goes from a worker
+    thread: on a loaded host it could reach the producer after what the test does
+    next, CI run of 03534c4)."""
     p, c, ps, cs = _pair("push", producer_timeout_s=30.0)
     prod_req = FakeRequest(f"p-{n}", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
     _, params = ps.request_finished(prod_req, [[2, 3]])
     assert params is not None
-    p.agent.backend.faults = Faults(stall=True, uncancellable=True)
+    backend = p.agent.backend
+    backend.faults = Faults(stall=True, uncancellable=True)
+    posted: list[object] = []
+
+    def recorded(real: Any) -> Any:
+        def post(*args: Any, **kw: Any) -> Any:
+            posted.append(handle := real(*args, **kw))
+            return handle
+
+        return post
+
+    for name in ("post", "post_lists"):
+        setattr(backend, name, recorded(getattr(backend, name)))
     cs.update_state_after_alloc(
         FakeRequest(f"d-{n}", params, num_prompt_tokens=40), [[6, 7]], 40, 0
     )
     _drive(p, c, ps, cs)
+    _until(lambda: posted, "the producer never posted its write", 10)
     return p, c, cs, params
 
 
