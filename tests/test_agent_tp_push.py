@@ -382,12 +382,16 @@ def test_push_stream_across_tp_sizes_writes_closed_blocks_early_and_the_rest_at_
     cap = wire.new_capability()
     ticket = _ticket(producers, "req-st", tokens, cap)
     transfers = [c.agent.expect_push(ticket, local) for c in consumers]
-    time.sleep(0.2)  # registered before prefill closes its first blocks
-    for p in producers:
-        p.agent.stream("req-st", remote, 2 * 4)  # the two closed blocks go now
-    time.sleep(0.2)
+    # Prefill closes two blocks and streams them at each step, as an engine does: each
+    # call writes them to the consumer ranks registered since (registrations go from
+    # worker threads, so a loaded host may take a while; a fixed 0.2 s was not enough).
+    deadline = time.monotonic() + 10
+    while not all(c.cache.mismatches(local[:2], remote[:2], SEED) == [] for c in consumers):
+        assert time.monotonic() < deadline, "the streamed blocks never landed"
+        for p in producers:
+            p.agent.stream("req-st", remote, 2 * 4)
+        time.sleep(0.05)
     for c in consumers:  # the streamed blocks landed before the hold, the last did not
-        assert c.cache.mismatches(local[:2], remote[:2], SEED) == []
         assert not any(buf[[local[2]]].any() for buf in c.cache.buffers.values())
     assert not any(t.done for t in transfers)
     for p in producers:
