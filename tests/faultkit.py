@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from kvxfer.agent import Agent, AgentConfig, Ticket
-from kvxfer.backend import BackendOptions
+from kvxfer.backend import Backend, BackendOptions
 from kvxfer.core import wire
 from kvxfer.core.compat import Fingerprint
 from kvxfer.testing.fake_backend import FakeBackend, Faults
@@ -223,6 +223,24 @@ def until(predicate: Callable[[], bool], timeout: float) -> float | None:
             return None
         time.sleep(0.002)
     return time.monotonic() - t0
+
+
+def record_posts(backend: Backend) -> list[object]:
+    """The handles of every transfer ``backend`` posts from now on (its ``post`` and
+    ``post_lists`` wrapped on this instance): a test waits for a post by this, where
+    the agent's counters move only once the transfer ends."""
+    posted: list[object] = []
+
+    def recorded(real: Callable[..., Any]) -> Callable[..., Any]:
+        def post(*args: Any, **kw: Any) -> Any:
+            posted.append(handle := real(*args, **kw))
+            return handle
+
+        return post
+
+    for name in ("post", "post_lists"):
+        setattr(backend, name, recorded(getattr(backend, name)))
+    return posted
 
 
 def replace(ticket: Ticket, **changes: Any) -> Ticket:

@@ -22,7 +22,15 @@ from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.core import wire
 from kvxfer.transfer import FailureKind, ReceptionState, Transfer, TransferState
 from kvxfer.types import Direction, Role
-from tests.faultkit import BLOCK, PRODUCER_SEED, Side, push_registered, stub, until
+from tests.faultkit import (
+    BLOCK,
+    PRODUCER_SEED,
+    Side,
+    push_registered,
+    record_posts,
+    stub,
+    until,
+)
 
 
 class _Settler:
@@ -148,17 +156,7 @@ def test_a_dead_producer_is_waited_for_only_where_its_writes_outlive_it(outlive:
         transfer_timeout_s=5.0,
     )
     consumer = Side(Role.CONSUMER, Direction.PUSH, transfer_timeout_s=1.0)
-    posted: list[object] = []
-
-    def recorded(real: Any) -> Any:
-        def post(*args: Any, **kw: Any) -> Any:
-            posted.append(handle := real(*args, **kw))
-            return handle
-
-        return post
-
-    for name in ("post", "post_lists"):
-        setattr(producer.backend, name, recorded(getattr(producer.backend, name)))
+    posted = record_posts(producer.backend)
     try:
         t = consumer.agent.expect_push(stub(producer, "req"), [5, 6], num_tokens=2 * BLOCK)
         push_registered(producer, "req")

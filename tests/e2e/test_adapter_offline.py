@@ -43,6 +43,7 @@ from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS
 from kvxfer.errors import ConfigError, KvxferError, RailError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.types import Direction, Role
+from tests.faultkit import record_posts
 from tests.railfakes import FakeNic, build_sysfs
 
 BS = 32
@@ -561,19 +562,8 @@ def _stalled_push(n: str) -> tuple[WorkerSide, WorkerSide, SchedulerSide, dict[s
     prod_req = FakeRequest(f"p-{n}", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
     _, params = ps.request_finished(prod_req, [[2, 3]])
     assert params is not None
-    backend = p.agent.backend
-    backend.faults = Faults(stall=True, uncancellable=True)
-    posted: list[object] = []
-
-    def recorded(real: Any) -> Any:
-        def post(*args: Any, **kw: Any) -> Any:
-            posted.append(handle := real(*args, **kw))
-            return handle
-
-        return post
-
-    for name in ("post", "post_lists"):
-        setattr(backend, name, recorded(getattr(backend, name)))
+    p.agent.backend.faults = Faults(stall=True, uncancellable=True)
+    posted = record_posts(p.agent.backend)
     cs.update_state_after_alloc(
         FakeRequest(f"d-{n}", params, num_prompt_tokens=40), [[6, 7]], 40, 0
     )
