@@ -166,14 +166,19 @@ def test_a_dead_producer_is_waited_for_only_where_its_writes_outlive_it(outlive:
         producer.backend.notify = lambda *_: None  # type: ignore[method-assign]
         producer.close()
         t0 = time.monotonic()
+        reception = t.meta.reception
+        assert reception is not None
         if outlive:
-            time.sleep(2.5)  # the probe found it gone well before (QUIET_S)
+            # A probe finds it gone (QUIET_S), and the reception waits 5 + 3 s from then.
+            assert until(lambda: reception.writer_until > 0, 5.0) is not None
             assert t.poll() is TransferState.PENDING and t.doomed
             assert t.meta.quarantined
         else:
-            until(lambda: t.poll() is not TransferState.PENDING, 2.5)
+            # Settled at the probe, not 8 s later: 6 s tells the two apart on any host.
+            until(lambda: t.poll() is not TransferState.PENDING, 6.0)
             assert t.state is TransferState.FAILED and t.invalid_blocks == (5, 6)
-            assert time.monotonic() - t0 < 2.5
+            assert time.monotonic() - t0 < 6.0
+            assert reception.writer_until == 0.0
     finally:
         consumer.close()
         producer.close()
