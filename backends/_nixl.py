@@ -180,9 +180,29 @@ def stall_limit(seconds: float | None) -> Iterator[None]:
     is restored afterwards, so that the process's other agents keep their own.
 
     The producer announces ``seconds`` to its consumers (:attr:`wire.Ack.stall_limit_s
-    <kvxfer.core.wire.Ack.stall_limit_s>`), who wait that long after it died: an
-    operator's own value should not exceed the producer's ``transfer_timeout_s``."""
-    if seconds is None or STALL_LIMIT in os.environ:
+    <kvxfer.core.wire.Ack.stall_limit_s>`), who wait that long after it died. So an
+    operator's own value must not exceed it: a longer one (or one that cannot be read
+    as a time) would let a dead producer's bytes land after its consumers stopped
+    waiting, and is refused with a :class:`~kvxfer.errors.ConfigError`.
+
+    Raises:
+        ConfigError: ``UCX_TCP_USER_TIMEOUT`` is set longer than ``seconds``, or not as
+            a time in seconds (``30``, ``30s``, ``500ms``, ``us``, ``ns``)."""
+    if seconds is None:
+        yield
+        return
+    own = os.environ.get(STALL_LIMIT)
+    if own is not None:
+        parsed = _ucx_seconds(own)
+        if parsed is None or parsed > seconds:
+            raise ConfigError(
+                STALL_LIMIT,
+                own,
+                f"a push producer's must be a time of at most its transfer_timeout_s "
+                f"({seconds:g} s, in seconds or ms): its consumers keep a dead producer's "
+                "blocks quarantined that long (R-SAFE-5), not for bytes its kernel sends "
+                "later; lower it, unset it, or raise transfer_timeout_s",
+            )
         yield
         return
     with _environ_lock:
@@ -191,6 +211,24 @@ def stall_limit(seconds: float | None) -> Iterator[None]:
             yield
         finally:
             os.environ.pop(STALL_LIMIT, None)
+
+
+_UCX_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+
+def _ucx_seconds(text: str) -> float | None:
+    """Seconds in a UCX time value (``30``, ``30s``, ``500ms``); None for anything
+    else (``inf``, ``auto``, units this reader does not take)."""
+    value = text.strip().lower()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    scale = _UCX_TIME_UNITS.get(value[len(number) :])
+    try:
+        seconds = float(number)
+    except ValueError:
+        return None
+    if scale is None or not 0 < seconds < float("inf"):
+        return None
+    return seconds * scale
 
 
 def import_nixl() -> Any:

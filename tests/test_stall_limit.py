@@ -17,6 +17,8 @@ import pytest
 from kvxfer.agent import AgentConfig
 from kvxfer.backends import _nixl
 from kvxfer.core.compat import Fingerprint
+from kvxfer.errors import ConfigError
+from kvxfer.registry import get_backend
 from kvxfer.types import Direction, Role
 
 VAR = "UCX_TCP_USER_TIMEOUT"
@@ -84,12 +86,47 @@ def test_the_limit_is_set_while_the_agent_is_created_and_removed_after(
     assert VAR not in environ
 
 
-def test_no_limit_and_the_operators_value_leave_the_environment_alone(
-    environ: dict[str, str],
+@pytest.mark.parametrize("own", ["5s", "12.5", "12500ms", "3000000us", " 10S "])
+def test_no_limit_and_an_operators_shorter_value_leave_the_environment_alone(
+    environ: dict[str, str], own: str
 ) -> None:
     with _nixl.stall_limit(None):
         assert VAR not in environ
-    environ[VAR] = "90s"
+    environ[VAR] = own
     with _nixl.stall_limit(12.5):
-        assert environ[VAR] == "90s"
-    assert environ[VAR] == "90s"
+        assert environ[VAR] == own
+    assert environ[VAR] == own
+
+
+@pytest.mark.parametrize("own", ["90s", "12501ms", "inf", "auto", "2m", "0", "-1s", "nan", ""])
+def test_an_operators_value_longer_than_the_limit_or_unreadable_is_refused_by_name(
+    environ: dict[str, str], own: str
+) -> None:
+    # The producer announces its limit and its consumers wait that long after it died;
+    # a socket that lives longer could deliver after they stopped waiting.
+    environ[VAR] = own
+    with pytest.raises(ConfigError) as err, _nixl.stall_limit(12.5):
+        pass
+    assert err.value.key == VAR and err.value.value == own
+    assert "at most its transfer_timeout_s (12.5 s" in err.value.rule
+    with _nixl.stall_limit(None):  # a consumer's backend takes any value
+        assert environ[VAR] == own
+
+
+@pytest.mark.proc  # imports NIXL and starts its UCX agent
+@pytest.mark.parametrize("own", ["90s", "5s"], ids=["longer", "shorter"])
+def test_a_ucx_push_producer_with_a_longer_operator_value_does_not_start(
+    monkeypatch: pytest.MonkeyPatch, own: str
+) -> None:
+    """What an operator sees at start (the agent's backend is opened here). The real
+    environment, which UCX reads too (restored after)."""
+    monkeypatch.setenv(VAR, own)
+    options = _config(Role.PRODUCER, Direction.PUSH, transfer_timeout_s=30.0).backend_options(
+        f"stall-{own}"
+    )
+    backend_class = get_backend("ucx")
+    if own == "90s":
+        with pytest.raises(ConfigError, match=r"UCX_TCP_USER_TIMEOUT='90s': a push producer's"):
+            backend_class(options)
+    else:
+        backend_class(options).close()
