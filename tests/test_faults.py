@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvxfer._agent.peers import PeerCache
 from kvxfer.agent import Ticket
 from kvxfer.backend import BackendOptions
 from kvxfer.core import wire
@@ -636,6 +637,39 @@ def test_a_registration_that_comes_after_its_hold_ended_is_refused(
     assert f"its hold ended ({why}) before this registration" in str(t.error)
     assert took < 10.0, f"the overtaken reception took {took:.1f}s to settle"
     assert producer.agent.holding() == []
+
+
+def test_a_pull_past_its_deadline_in_its_first_contact_frees_the_producer_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pull's deadline passed while its first-contact handshake was still on the
+    way (a slow producer; tests/chaos.py found it): the pull fails at its deadline,
+    and once the producer answered the handshake it is told to release, as after any
+    failed pull, instead of holding the blocks until its lease expires (60 s here)."""
+    slow = threading.Event()
+    real_get = PeerCache.get
+
+    def late_get(self: PeerCache, *args: Any, **kw: Any) -> Any:
+        slow.wait(5)  # the test opens it once the pull failed
+        return real_get(self, *args, **kw)
+
+    monkeypatch.setattr(PeerCache, "get", late_get)
+    producer = Side(Role.PRODUCER, Direction.PULL, seed=PRODUCER_SEED, lease_s=60.0)
+    consumer = Side(Role.CONSUMER, Direction.PULL, transfer_timeout_s=0.3)
+    engine = Engine(producer)
+    try:
+        ticket = engine.hold("late", [1, 2])
+        t = consumer.agent.pull(ticket, [5, 6])
+        settle(t, 10)
+        assert t.state is TransferState.FAILED and t.stats.failure is FailureKind.TIMEOUT
+        slow.set()  # the handshake goes through now, after the pull failed
+        took = engine.wait_freed("late", 10.0)
+        assert producer.agent.holding() == []
+        assert took < 5.0, f"the lease was freed {took:.1f}s after the handshake, not at once"
+    finally:
+        slow.set()
+        consumer.close()
+        producer.close()
 
 
 def test_a_producer_dying_during_the_first_contact_fails_the_pull_within_two_seconds(

@@ -202,7 +202,17 @@ class Puller:
 
         pull = transfer.meta.pull
         assert pull is not None
-        if transfer.done:  # the agent closed meanwhile
+        if transfer.done:
+            # Settled meanwhile: the agent closed, or the pull failed while its first
+            # contact handshook (its deadline passed; an abort told the producer
+            # itself). The producer answered that handshake, so it frees the blocks
+            # now rather than at lease expiry (R-SAFE-4).
+            failure = transfer.stats.failure
+            if failure not in (None, FailureKind.ABORTED) and not self._runtime.closed:
+                reason = f"pull failed: {failure.value}: {transfer.error}"
+                self._io.submit(
+                    functools.partial(self._side.release, ticket, reason=reason, brief=True)
+                )
             return
         self._release_after(ticket, pull)
         if not self._runtime.arm_guard(
