@@ -99,29 +99,15 @@ def _pair(
     link: NetnsPair, direction: str, producer_s: float, consumer_s: float
 ) -> tuple[AgentProc, AgentProc]:
     """A producer and a consumer on the two hosts, with these ``transfer_timeout_s``."""
-    spec = qwen_spec(
-        "prefill-ld",
-        direction,
-        "kv_producer",
-        link.producer_ns,
-        link.producer_addr,
-        num_blocks=NUM_BLOCKS,
-    )
-    prod = AgentProc(
-        msgspec.structs.replace(spec, transfer_timeout_s=producer_s), start_timeout=120
-    )
+
+    def start(name: str, role: str, ns: str, addr: str, timeout_s: float) -> AgentProc:
+        spec = qwen_spec(name, direction, role, ns, addr, num_blocks=NUM_BLOCKS)
+        spec = msgspec.structs.replace(spec, transfer_timeout_s=timeout_s)
+        return AgentProc(spec, start_timeout=120)
+
+    prod = start("prefill-ld", "kv_producer", link.producer_ns, link.producer_addr, producer_s)
     try:
-        spec = qwen_spec(
-            "decode-ld",
-            direction,
-            "kv_consumer",
-            link.consumer_ns,
-            link.consumer_addr,
-            num_blocks=NUM_BLOCKS,
-        )
-        cons = AgentProc(
-            msgspec.structs.replace(spec, transfer_timeout_s=consumer_s), start_timeout=120
-        )
+        cons = start("decode-ld", "kv_consumer", link.consumer_ns, link.consumer_addr, consumer_s)
     except BaseException:
         prod.close()
         raise
