@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import msgspec
 
@@ -171,6 +172,10 @@ class Puller:
 
     def _release_after(self, ticket: Ticket, pull: PullState) -> None:
         """A pull that fails from now on tells its producer to release at once."""
+        pull.release = self._teller(ticket)
+
+    def _teller(self, ticket: Ticket) -> Callable[[str], None]:
+        """Tells ``ticket``'s producer how its pull ended (``PullState.release``)."""
 
         def release(reason: str) -> None:
             # "": the pull is DONE (its guard word checked); else why it failed. One
@@ -184,7 +189,7 @@ class Puller:
             )
             self._io.submit(tell)
 
-        pull.release = release
+        return release
 
     def _start(self, transfer: Transfer, peer: Peer, ticket: Ticket, pairing: Pairing) -> None:
         # Encoded only where it goes as a notification (an unguarded pull's, on its
@@ -209,10 +214,7 @@ class Puller:
             # now rather than at lease expiry (R-SAFE-4).
             failure = transfer.stats.failure
             if failure not in (None, FailureKind.ABORTED) and not self._runtime.closed:
-                reason = f"pull failed: {failure.value}: {transfer.error}"
-                self._io.submit(
-                    functools.partial(self._side.release, ticket, reason=reason, brief=True)
-                )
+                self._teller(ticket)(f"{failure.value}: {transfer.error}")
             return
         self._release_after(ticket, pull)
         if not self._runtime.arm_guard(
