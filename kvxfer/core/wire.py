@@ -289,7 +289,8 @@ class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
     notice: Annotated[bytes, Meta(max_length=DEFAULT_MAX_BYTES)] = b""
     #: Reply to a :class:`PushRegister` only: the producer's stall limit, how long its
     #: connections may hold unacknowledged bytes before its kernel ends them (its
-    #: ``transfer_timeout_s``), also once its process died; 0 when it has none. A
+    #: ``transfer_timeout_s``), also once its process died; 0 when it has none or its
+    #: transport's writes end with its process (``Capabilities.writes_outlive_process``). A
     #: consumer that finds the producer gone waits this long (and a margin) before it
     #: reuses the blocks (kvxfer._agent.liveness).
     stall_limit_s: Annotated[float, Meta(ge=0)] = 0.0
