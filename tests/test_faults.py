@@ -18,6 +18,7 @@ import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -637,6 +638,46 @@ def test_a_registration_that_comes_after_its_hold_ended_is_refused(
     assert f"its hold ended ({why}) before this registration" in str(t.error)
     assert took < 10.0, f"the overtaken reception took {took:.1f}s to settle"
     assert producer.agent.holding() == []
+
+
+def test_a_registration_retried_after_its_push_landed_holds_nothing(
+    push: tuple[Side, Engine, Side],
+) -> None:
+    """The consumer's registration was taken and its writes landed, but the answer was
+    lost, so the consumer's side channel sends it again. The retry is answered as
+    taken and makes no lease: before, it made one that waited for a hold that had come
+    and gone until ``lease_s`` (60 s here), filling the producer's room for
+    registrations that wait for their prefill. A stranger's registration of that id,
+    without the request's capability, is no retry: it is taken as any new one is."""
+    producer, engine, consumer = push
+    ticket = engine.hold("again", [3, 4])
+    t = consumer.agent.expect_push(ticket, [1, 2], num_tokens=2 * BLOCK)
+    settle(t, 10, engine)
+    assert t.state is TransferState.DONE and landed_intact(consumer, [1, 2], [3, 4])
+    until(lambda: producer.agent.holding() == [], 5.0)
+    assert producer.agent.holding() == []
+    host, port = consumer.agent.address
+    retry = wire.PushRegister(
+        request_id="again",
+        engine_id=consumer.name,
+        incarnation=consumer.agent.incarnation,
+        block_ids=((1, 2),),
+        num_tokens=2 * BLOCK,
+        host=host,
+        port=port,
+        capability=ticket.capability,
+    )
+    stranger = Stranger(producer.host, producer.port, Direction.PUSH)
+    try:
+        ack = stranger.request(retry)
+        assert isinstance(ack, wire.Ack), ack
+        assert producer.agent.holding() == [], "a retried registration made a lease"
+        assert t.state is TransferState.DONE
+        other = stranger.request(msgspec.structs.replace(retry, capability=wire.new_capability()))
+        assert isinstance(other, wire.Ack), other
+        assert producer.agent.holding() == ["again"]
+    finally:
+        stranger.close()
 
 
 def test_a_pull_past_its_deadline_in_its_first_contact_frees_the_producer_at_once(

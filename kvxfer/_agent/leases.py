@@ -301,6 +301,17 @@ class LeaseBook:
             return None
         return ended[1]
 
+    def ended_pushed(self, request_id: str, capability: str) -> bool:
+        """Whether the hold of ``request_id`` ended with every write landed (PUSHED) for
+        a consumer that shows ``capability``, while nothing of that id is held: a
+        registration from it now is a retry whose first answer was lost."""
+        if request_id in self.held:
+            return False
+        ended = self._outcomes.get(request_id)
+        if ended is None or ended[0] is not wire.HoldState.PUSHED:
+            return False
+        return any(wire.capability_matches(t, capability) for t in ended[2] if t)
+
     def settled(self, request_id: str, *, remember: bool) -> None:
         """Its consumer settled the request (a DONE notice whose capability was
         checked): free the lease; with none held yet, ``remember`` keeps the

@@ -195,6 +195,11 @@ class PushWriter:
                     reason=f"request {msg.request_id}: its hold ended ({ended}) before "
                     "this registration; nothing will be written",
                 )
+            if leases.ended_pushed(msg.request_id, msg.capability):
+                # A retry of a registration whose writes all landed (its first answer
+                # was lost): answered as taken, with no lease, which would wait for a
+                # hold that already came and went until lease_s.
+                return msgspec.structs.replace(ack, request_id=msg.request_id, notice=b"")
             held = leases.held.get(msg.request_id)
             refusal = self._refusal(held, msg)
             if refusal is not None:
