@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer._agent.assembly import assemble, check_backend, open_backend
@@ -330,6 +330,18 @@ class Agent:
     def freed(self) -> list[str]:
         """Request ids whose held blocks the engine may reuse now (drained on read)."""
         return self._producer.freed()
+
+    def add_freed_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` each time a hold ends and its request id reaches :meth:`freed`
+        (its consumer read or was written, released it, or the lease expired).
+
+        ``fn`` runs on the thread that frees the hold (the side channel's, the progress
+        thread, or the caller of :meth:`release`) while it holds the agent's lock, so it
+        must be quick, must not block or raise, and must not call the agent: setting an
+        event an engine's idle step waits on is the intended use (an engine with held
+        blocks and nothing to compute need not poll :meth:`freed` in a loop).
+        """
+        self._producer.add_freed_callback(fn)
 
     def holding(self) -> list[str]:
         """Request ids currently held under a lease."""

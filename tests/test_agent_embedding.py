@@ -206,6 +206,31 @@ def test_hold_checks_the_block_count_against_num_tokens(
     assert producer.hold("ok", list(range(7)), 100).block_ids == (tuple(range(7)),)
 
 
+def test_a_freed_callback_runs_each_time_a_hold_ends_whoever_ends_it(
+    pull_pair: tuple[Agent, HostKVCache, Agent, HostKVCache],
+) -> None:
+    """An engine with held blocks and nothing to compute sleeps on an event this sets
+    (the vLLM worker's idle step) instead of polling freed(): it runs once per hold
+    ended (read, released by the engine, released by its consumer, expired)."""
+    producer, _, consumer, _ = pull_pair
+    calls: list[float] = []
+    producer.add_freed_callback(lambda: calls.append(time.monotonic()))
+    t = consumer.pull(producer.hold("read", [1, 2], 32), [4, 5])
+    t.wait(5)
+    _wait_freed(producer, "read")
+    assert len(calls) == 1
+    producer.hold("mine", [3], 16)
+    assert producer.release("mine")
+    assert len(calls) == 2
+    consumer.abort(producer.hold("theirs", [6], 16), wait=True)
+    _wait_freed(producer, "theirs")
+    assert len(calls) == 3
+    producer.hold("late", [7], 16, lease_s=0.2)
+    _wait_freed(producer, "late")
+    assert len(calls) == 4
+    assert producer.holding() == []
+
+
 def test_pull_refuses_counts_before_posting_and_frees_the_producer(
     pull_pair: tuple[Agent, HostKVCache, Agent, HostKVCache],
 ) -> None:

@@ -63,15 +63,17 @@ log = logging.getLogger("kvxfer.adapters.vllm")
 #: Staged-but-not-yet-held prompts remembered at most (the rest are staged again).
 _STAGED_KEEP = 4096
 
-#: Consumer: the longest an idle step (vLLM scheduled nothing) waits for a load to
-#: settle before it returns. vLLM's engine loop re-runs an empty step every ~1 ms
-#: while a request waits for its KV (a push: for as long as the remote prefill runs; a
-#: pull: its first contact's handshake, a READ over TCP), and a TP group's workers spin
-#: with it; on a small host those steps took the CPU from the very producer they wait
-#: for (a TP1 producer got 2 % of a core for 10 s while its TP2 consumer's workers
-#: spun, and its handshake went unanswered: issue 25). Waiting here on an event (set
-#: when a load settles) turns the loop into a sleep; the cap bounds how long a request
-#: arriving meanwhile waits for the engine to look at it.
+#: The longest an idle step (vLLM scheduled nothing) waits for a consumer's load to
+#: settle, or for a producer's hold to end, before it returns. vLLM's engine loop
+#: re-runs an empty step every ~1 ms while a request waits for its KV (a push: for as
+#: long as the remote prefill runs; a pull: its first contact's handshake, a READ over
+#: TCP) and while a producer holds a finished request's blocks for its consumer, and a
+#: TP group's workers spin with it; on a small host those steps took the CPU from the
+#: very peer they wait for (a TP1 producer got 2 % of a core for 10 s while its TP2
+#: consumer's workers spun, and its handshake went unanswered: issue 25). Waiting here
+#: on an event (set when a load settles or a hold ends) turns the loop into a sleep;
+#: the cap bounds how long a request arriving meanwhile waits for the engine to look
+#: at it.
 IDLE_WAIT_S = 0.02
 
 
@@ -144,8 +146,11 @@ class WorkerSide:
         self._interval = _Interval(push=config.direction is Direction.PUSH)
         self._consumer = config.role is not Role.PRODUCER
         self._idle_step = False  # the current step forwards nothing
-        self._landed = threading.Event()  # a load settled
+        self._wake = threading.Event()  # a load settled, or a hold ended
+        self._freed_ids: list[str] = []  # drained from the agent by an idle step's wait
         agent.register(layout, defer=defer_registration)
+        if self._producer:
+            agent.add_freed_callback(self._wake.set)
         agent.serve()
         # Handshakes need the registered layout: with deferred registration they start
         # at the first real step, once it is complete.
@@ -384,8 +389,8 @@ class WorkerSide:
         blocks; ``finished_recving`` follows once the transfer is final, and vLLM
         frees them then (R-SAFE-5).
         """
-        if self._idle_step and self._consumer and self._inflight:
-            self._await_landing()
+        if self._idle_step:
+            self._await_peers()
         for rid, transfer in list(self._inflight.items()):
             state = transfer.poll()
             if state is TransferState.PENDING:
@@ -420,7 +425,8 @@ class WorkerSide:
                 )
         sending: set[str] = set()
         if self._producer:
-            for lease_id in self.agent.freed():
+            freed, self._freed_ids = [*self._freed_ids, *self.agent.freed()], []
+            for lease_id in freed:
                 held_rid = self._held.pop(str(lease_id), None)
                 if held_rid is not None:
                     sending.add(held_rid)
@@ -447,15 +453,29 @@ class WorkerSide:
         )
 
     def _on_landed(self, transfer: Transfer) -> None:
-        self._landed.set()  # on the settling thread: quick, never raises
+        self._wake.set()  # on the settling thread: quick, never raises
 
-    def _await_landing(self) -> None:
-        """An idle step of a consumer: sleep until a load settles (a pull's READ
-        completes, a push's notices are drained) or :data:`IDLE_WAIT_S` passed."""
-        self._landed.clear()
-        if any(t.done for t in self._inflight.values()):
+    def _await_peers(self) -> None:
+        """An idle step: while it waits on peers alone (a consumer's loads in flight, a
+        producer's held blocks), sleep until a load settles (a pull's READ completes, a
+        push's notices are drained), a hold ends (read, written, released, expired) or
+        :data:`IDLE_WAIT_S` passed. vLLM keeps stepping a producer for as long as it
+        holds a request's blocks for its consumer; without this, an instance whose
+        consumer never came spun a core until the lease expired."""
+        if self._orphan_frees:
+            return  # to report now
+        loads = self._consumer and bool(self._inflight)
+        holds = self._producer and bool(self._held)
+        if not (loads or holds):
             return
-        self._landed.wait(IDLE_WAIT_S)
+        self._wake.clear()
+        if loads and any(t.done for t in self._inflight.values()):
+            return
+        if self._producer:
+            self._freed_ids.extend(self.agent.freed())
+            if self._freed_ids:
+                return
+        self._wake.wait(IDLE_WAIT_S)
 
     def block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid_blocks = self._invalid_blocks, set()

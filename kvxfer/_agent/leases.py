@@ -127,6 +127,8 @@ class LeaseBook:
         self.held: dict[str, Lease] = {}
         self.guard: GuardBook | None = None
         self.on_free = on_free
+        #: Called (no arguments) each time a request id reaches ``freed()``.
+        self.freed_callbacks: list[Callable[[], None]] = []
         self._stats = stats
         self._freed: list[str] = []
         self._early: dict[str, float] = {}  # request id -> monotonic arrival
@@ -267,6 +269,8 @@ class LeaseBook:
         else:
             stats.leases_released += 1
         self._freed.append(request_id)
+        for fn in self.freed_callbacks:
+            fn()
         return True
 
     def hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState, str]:

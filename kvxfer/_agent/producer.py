@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.holds import HoldDesk
@@ -136,6 +137,11 @@ class Producer:
         self._runtime.tick()
         with self._lock:
             return self._leases.drain_freed()
+
+    def add_freed_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` each time a request id reaches :meth:`freed` (under the lock)."""
+        with self._lock:
+            self._leases.freed_callbacks.append(fn)
 
     def holding(self) -> list[str]:
         """The request ids held now."""

@@ -232,7 +232,9 @@ def test_request_aborted_before_its_transfer_frees_the_producer_at_once(
 
 def test_idle_instances_neither_spin_nor_pin_cpus(pull_pair: PDPair) -> None:
     """No busy-spinning progress thread and no CPU pinning (upstream's connector does
-    both on CPU: ~5x slower decode on the test bed)."""
+    both on CPU: ~5x slower decode on the test bed). A prefill instance that holds a
+    request's blocks for a decode instance that has not come yet idles too: vLLM steps
+    it for as long as it holds them, and it spun 1.5 CPU-seconds per 3 s before."""
     p, d = pull_pair.prefill, pull_pair.decode
     decode(d, "idle check", prefill(p, "idle check"), max_tokens=2)
     time.sleep(1.0)  # let the producer's lease settle and both engines go idle
@@ -241,6 +243,13 @@ def test_idle_instances_neither_spin_nor_pin_cpus(pull_pair: PDPair) -> None:
     for s in (p, d):
         used = s.cpu_seconds() - before[s.name]
         assert used < 0.6, f"{s.name} burned {used:.2f} CPU-seconds in 3 s idle"
+    late = prefill(p, "a decode that comes late")  # held for its 30 s lease
+    time.sleep(0.5)
+    before = {p.name: p.cpu_seconds()}
+    time.sleep(3.0)
+    used = p.cpu_seconds() - before[p.name]
+    assert used < 0.6, f"{p.name} burned {used:.2f} CPU-seconds in 3 s holding blocks"
+    decode(d, "a decode that comes late", late, max_tokens=2)  # still served, and frees
     every_cpu = set(os.sched_getaffinity(0))
     for s in (p, d):
         pinned = {t: c for t, c in s.thread_affinities().items() if c != every_cpu}

@@ -1,4 +1,5 @@
-"""A waiting consumer costs little: its idle steps sleep until its load lands.
+"""Waiting costs little: a consumer's idle steps sleep until its load lands, a
+producer's until its hold ends.
 
 No engine: the worker side on real Agents over the fake backend (the helpers of
 ``test_adapter_offline``), the scheduler side with plain request objects, and
@@ -95,6 +96,63 @@ def test_an_idle_consumer_step_sleeps_until_its_load_lands(
         assert "cmpl-w-0-00000002" in acc["recving"] and not acc["failed"]
         # woken by the landing (~0.05 s), not at the end of the idle wait
         assert landed < 0.5 * wait_s, f"landed after {landed:.3f}s"
+    finally:
+        c.close()
+        p.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_an_idle_producer_step_sleeps_until_its_hold_ends(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """vLLM steps a producer for as long as it holds a finished request's blocks for
+    its consumer (its scheduler counts such requests as work). A producer whose
+    consumer has not come yet (or never comes: one that refused the ticket cannot
+    always say so) spun a core until the lease expired (1.5 CPU-seconds in 3 s on the
+    test bed). Now an idle step waits (up to IDLE_WAIT_S) instead, a step with work
+    never waits, and the hold's end wakes a waiting idle step early."""
+    wait_s = 1.0
+    monkeypatch.setattr(worker_module, "IDLE_WAIT_S", wait_s)
+    p, c, ps, cs = _pair(mode)
+    try:
+        prod_req = FakeRequest(
+            "cmpl-h-0-00000001", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED"
+        )
+        _, params = ps.request_finished(prod_req, [[4, 5, 6]])
+        assert params is not None
+        p.start_step(ps.build_step_plan({}))  # holds; vLLM scheduled nothing
+        acc = _new_acc()
+        t0 = time.monotonic()
+        _results(p, acc)
+        idle = time.monotonic() - t0
+        assert idle >= 0.8 * wait_s, f"an idle step returned after {idle:.3f}s"
+        assert not acc["sending"]
+
+        p.start_step(ps.build_step_plan({"cmpl-other-0-00000009": 1}))  # a busy step
+        t0 = time.monotonic()
+        _results(p, acc)
+        busy = time.monotonic() - t0
+        assert busy < 0.5 * wait_s, f"a step with work waited {busy:.3f}s"
+
+        # The consumer comes (reads, or registers and is written) while the idle step waits.
+        def consume() -> None:
+            cons_req = FakeRequest("cmpl-h-0-00000002", params, num_prompt_tokens=70)
+            n, _ = cs.get_num_new_matched_tokens(cons_req, 0)
+            cs.update_state_after_alloc(cons_req, [[9, 10, 11]], n, 0)
+            c.start_step(cs.build_step_plan({}))
+
+        consumer = threading.Timer(0.05, consume)
+        p.start_step(ps.build_step_plan({}))
+        consumer.start()
+        t0 = time.monotonic()
+        deadline = t0 + 5
+        while "cmpl-h-0-00000001" not in acc["sending"] and time.monotonic() < deadline:
+            _results(p, acc)
+        freed = time.monotonic() - t0
+        consumer.join()
+        assert "cmpl-h-0-00000001" in acc["sending"]
+        # woken by the hold's end (~0.05 s and a transfer), not at the end of the wait
+        assert freed < 0.5 * wait_s, f"freed after {freed:.3f}s"
     finally:
         c.close()
         p.close()
