@@ -76,6 +76,8 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     p_log = p.log_text()
     assert "RBLN NIXL: nixl-rbln not available" in p_log  # host bounce fell back to UCX
     assert "kvxfer: registered" in p_log
+    # Other modules' tests fail loads on this shared decode on purpose (a push ticket).
+    failed_before = d.metric("vllm:kvxfer_failed_transfers_total")
     params = prefill(p, "A lease for the log lines")
     decode(d, "A lease for the log lines", params, max_tokens=2)
     engine = params["remote_engine_id"]
@@ -90,7 +92,7 @@ def test_operator_log_lines_and_transfer_metrics(pull_pair: PDPair) -> None:
     assert got and got[1] == got[2] == str(params["remote_port"]), "no connect_ahead line"
     assert d.metric("vllm:kvxfer_transfer_time_seconds_count") >= 1
     assert d.metric("vllm:kvxfer_bytes_total") > 0
-    assert d.metric("vllm:kvxfer_failed_transfers_total") == 0
+    assert d.metric("vllm:kvxfer_failed_transfers_total") == failed_before
     deadline = time.monotonic() + 10  # stats are logged each second (PD_ENV)
     while "KV Transfer metrics: num_transfers=" not in d.log_text():
         assert time.monotonic() < deadline, "no 'KV Transfer metrics' line on decode"
