@@ -12,11 +12,14 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvxfer.adapters.vllm import timeline
 from kvxfer.adapters.vllm import worker as worker_module
+from kvxfer.adapters.vllm.scheduler import SchedulerSide
+from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.transfer import Transfer, TransferState, settle
 from kvxfer.types import Direction, Role
 from tests.e2e.test_adapter_offline import (
@@ -47,6 +50,45 @@ def test_a_step_plan_says_whether_vllm_scheduled_nothing() -> None:
     assert not s.build_step_plan().idle  # unknown: never treated as idle
 
 
+def _finished_prompt(ps: SchedulerSide, request_id: str) -> dict[str, Any]:
+    """A 70-token prompt in the producer's blocks 4-6 finished: its ticket's params."""
+    req = FakeRequest(request_id, {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED")
+    _, params = ps.request_finished(req, [[4, 5, 6]])
+    assert params is not None
+    return params
+
+
+def _load(cs: SchedulerSide, request_id: str, params: dict[str, Any]) -> None:
+    """The consumer's scheduler takes the ticket into its blocks 9-11."""
+    req = FakeRequest(request_id, params, num_prompt_tokens=70)
+    n, _ = cs.get_num_new_matched_tokens(req, 0)
+    cs.update_state_after_alloc(req, [[9, 10, 11]], n, 0)
+
+
+def _idle_waits_busy_does_not(
+    w: WorkerSide, side: SchedulerSide, acc: dict[str, set[str]], wait_s: float
+) -> None:
+    """An idle step (started by the caller) waits out ``wait_s``; a busy one does not."""
+    t0 = time.monotonic()
+    _results(w, acc)
+    idle = time.monotonic() - t0
+    assert idle >= 0.8 * wait_s, f"an idle step returned after {idle:.3f}s"
+    w.start_step(side.build_step_plan({"cmpl-other-0-00000009": 1}))  # a busy step
+    t0 = time.monotonic()
+    _results(w, acc)
+    busy = time.monotonic() - t0
+    assert busy < 0.5 * wait_s, f"a step with work waited {busy:.3f}s"
+
+
+def _until_woken(w: WorkerSide, acc: dict[str, set[str]], kind: str, request_id: str) -> float:
+    """Seconds of idle steps until ``request_id`` is in ``acc[kind]`` (at most 5)."""
+    t0 = time.monotonic()
+    deadline = t0 + 5
+    while request_id not in acc[kind] and time.monotonic() < deadline:
+        _results(w, acc)
+    return time.monotonic() - t0
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_an_idle_consumer_step_sleeps_until_its_load_lands(
     monkeypatch: pytest.MonkeyPatch, mode: str
@@ -61,37 +103,17 @@ def test_an_idle_consumer_step_sleeps_until_its_load_lands(
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", wait_s)
     p, c, ps, cs = _pair(mode)
     try:
-        prod_req = FakeRequest(
-            "cmpl-w-0-00000001", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED"
-        )
-        _, params = ps.request_finished(prod_req, [[4, 5, 6]])
-        assert params is not None
-        cons_req = FakeRequest("cmpl-w-0-00000002", params, num_prompt_tokens=70)
-        n, _ = cs.get_num_new_matched_tokens(cons_req, 0)
-        cs.update_state_after_alloc(cons_req, [[9, 10, 11]], n, 0)
+        _load(cs, "cmpl-w-0-00000002", _finished_prompt(ps, "cmpl-w-0-00000001"))
         c.start_step(cs.build_step_plan({}))  # registers or pulls; vLLM scheduled nothing
         acc = _new_acc()
-        t0 = time.monotonic()
-        _results(c, acc)
-        idle = time.monotonic() - t0
-        assert idle >= 0.8 * wait_s, f"an idle step returned after {idle:.3f}s"
+        _idle_waits_busy_does_not(c, cs, acc, wait_s)
         assert not acc["recving"]
-
-        c.start_step(cs.build_step_plan({"cmpl-other-0-00000009": 1}))  # a busy step
-        t0 = time.monotonic()
-        _results(c, acc)
-        busy = time.monotonic() - t0
-        assert busy < 0.5 * wait_s, f"a step with work waited {busy:.3f}s"
 
         # The producer holds (and writes) while the consumer's idle step waits.
         writer = threading.Timer(0.05, lambda: p.start_step(ps.build_step_plan()))
         c.start_step(cs.build_step_plan({}))
         writer.start()
-        t0 = time.monotonic()
-        deadline = t0 + 5
-        while "cmpl-w-0-00000002" not in acc["recving"] and time.monotonic() < deadline:
-            _results(c, acc)
-        landed = time.monotonic() - t0
+        landed = _until_woken(c, acc, "recving", "cmpl-w-0-00000002")
         writer.join()
         assert "cmpl-w-0-00000002" in acc["recving"] and not acc["failed"]
         # woken by the landing (~0.05 s), not at the end of the idle wait
@@ -115,40 +137,21 @@ def test_an_idle_producer_step_sleeps_until_its_hold_ends(
     monkeypatch.setattr(worker_module, "IDLE_WAIT_S", wait_s)
     p, c, ps, cs = _pair(mode)
     try:
-        prod_req = FakeRequest(
-            "cmpl-h-0-00000001", {"do_remote_decode": True}, 70, 70, "FINISHED_LENGTH_CAPPED"
-        )
-        _, params = ps.request_finished(prod_req, [[4, 5, 6]])
-        assert params is not None
+        params = _finished_prompt(ps, "cmpl-h-0-00000001")
         p.start_step(ps.build_step_plan({}))  # holds; vLLM scheduled nothing
         acc = _new_acc()
-        t0 = time.monotonic()
-        _results(p, acc)
-        idle = time.monotonic() - t0
-        assert idle >= 0.8 * wait_s, f"an idle step returned after {idle:.3f}s"
+        _idle_waits_busy_does_not(p, ps, acc, wait_s)
         assert not acc["sending"]
-
-        p.start_step(ps.build_step_plan({"cmpl-other-0-00000009": 1}))  # a busy step
-        t0 = time.monotonic()
-        _results(p, acc)
-        busy = time.monotonic() - t0
-        assert busy < 0.5 * wait_s, f"a step with work waited {busy:.3f}s"
 
         # The consumer comes (reads, or registers and is written) while the idle step waits.
         def consume() -> None:
-            cons_req = FakeRequest("cmpl-h-0-00000002", params, num_prompt_tokens=70)
-            n, _ = cs.get_num_new_matched_tokens(cons_req, 0)
-            cs.update_state_after_alloc(cons_req, [[9, 10, 11]], n, 0)
+            _load(cs, "cmpl-h-0-00000002", params)
             c.start_step(cs.build_step_plan({}))
 
         consumer = threading.Timer(0.05, consume)
         p.start_step(ps.build_step_plan({}))
         consumer.start()
-        t0 = time.monotonic()
-        deadline = t0 + 5
-        while "cmpl-h-0-00000001" not in acc["sending"] and time.monotonic() < deadline:
-            _results(p, acc)
-        freed = time.monotonic() - t0
+        freed = _until_woken(p, acc, "sending", "cmpl-h-0-00000001")
         consumer.join()
         assert "cmpl-h-0-00000001" in acc["sending"]
         # woken by the hold's end (~0.05 s and a transfer), not at the end of the wait
