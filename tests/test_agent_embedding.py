@@ -211,9 +211,11 @@ def test_a_freed_callback_runs_each_time_a_hold_ends_whoever_ends_it(
 ) -> None:
     """An engine with held blocks and nothing to compute sleeps on an event this sets
     (the vLLM worker's idle step) instead of polling freed(): it runs once per hold
-    ended (read, released by the engine, released by its consumer, expired)."""
+    ended (read, released by the engine, released by its consumer, expired). One that
+    raises is logged and stops neither the free nor the callbacks after it."""
     producer, _, consumer, _ = pull_pair
     calls: list[float] = []
+    producer.add_freed_callback(lambda: [][0])
     producer.add_freed_callback(lambda: calls.append(time.monotonic()))
     t = consumer.pull(producer.hold("read", [1, 2], 32), [4, 5])
     t.wait(5)

@@ -270,7 +270,10 @@ class LeaseBook:
             stats.leases_released += 1
         self._freed.append(request_id)
         for fn in self.freed_callbacks:
-            fn()
+            try:
+                fn()
+            except Exception:  # the engine's: it must not undo the free half-way
+                log.exception("a freed callback raised (request %s)", request_id)
         return True
 
     def hold_state(self, request_id: str, capability: str) -> tuple[wire.HoldState, str]:
