@@ -93,6 +93,9 @@ def describe_kv_caches(
     head_major = False
     for layer, (name, t) in enumerate(kv_caches.items()):
         g = int(group_of.get(name, 0))
+        if isinstance(t, list | tuple):
+            _add_state(regions, name, t, layer, g, groups)
+            continue
         if (int(t.data_ptr()), g) in seen:
             continue
         seen.add((int(t.data_ptr()), g))
@@ -136,6 +139,44 @@ def describe_kv_caches(
         heads=regions.heads,
         lanes=regions.lanes,
     )
+
+
+#: What the tensors of a recurrent-state layer hold, in vLLM's order (``MambaSpec.shapes``:
+#: the convolution state, then the SSM / temporal state).
+_STATE_PARTS = (KVPart.CONV, KVPart.SSM)
+
+
+def _add_state(
+    regions: _Regions,
+    name: str,
+    tensors: Sequence[Any],
+    layer: int,
+    group: int,
+    groups: Sequence[Group],
+) -> None:
+    """A Mamba2 / Gated DeltaNet layer's state tensors as one region each.
+
+    vLLM hands such a layer as a list of views over its KV pages, ``(num_blocks,
+    *shape)`` each: block *b* of every view is state slot *b* (a slot is one page,
+    shared with the attention layers of other groups as any page is). A slot is moved
+    whole, so no in-slot order matters at equal TP sizes.
+    """
+    if not (0 <= group < len(groups)) or not groups[group].is_state:
+        raise ConfigError(
+            f"kv_caches[{name!r}]",
+            f"{len(tensors)} state tensor(s)",
+            "a layer with a list of state tensors must belong to a Mamba/GDN "
+            f"(MambaSpec) KV cache group, and its group {group} is not one",
+        )
+    if len(tensors) != len(_STATE_PARTS):
+        raise ConfigError(
+            f"kv_caches[{name!r}]",
+            f"{len(tensors)} state tensor(s)",
+            "kvxfer moves state layers of exactly a conv state and an SSM state "
+            "(Mamba2, Gated DeltaNet)",
+        )
+    for part, view in zip(_STATE_PARTS, tensors, strict=True):
+        regions.add(view, layer, part, group)
 
 
 class _Regions:

@@ -20,8 +20,10 @@ Connectors: :class:`RblnNixlPullConnector` (the consumer READs),
 Hybrid KV cache manager: the classes subclass vLLM's ``SupportsHMA``, so vLLM keeps
 its hybrid KV cache manager on for them. Full-attention and sliding-window KV cache
 groups move per group (one block list per group in the ticket, upstream's shape);
-a sliding group moves only the blocks its window keeps. Groups of other kinds (SSM
-state, ...) are refused at start-up (:func:`~kvxfer.adapters.vllm.startup.kv_groups`).
+a sliding group moves only the blocks its window keeps; a Mamba2 / Gated DeltaNet
+state group moves the request's running state slot (the prefill stops one token short
+of the prompt so that decode computes the last token from the state before it). Groups
+of other kinds are refused at start-up (:func:`~kvxfer.adapters.vllm.startup.kv_groups`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kvxfer.adapters.vllm.startup import (
     TIMEOUT_KEY,
     agent_factory,
     check_model_support,
+    check_parallelism,
     data_plane_rails,
     kv_groups,
     parse_vllm_config,
@@ -123,6 +126,7 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.engine_id: str = str(vllm_config.kv_transfer_config.engine_id)
         self.block_size: int = int(vllm_config.cache_config.block_size)
         check_model_support(self.cfg, kv_cache_config, self.block_size)
+        check_parallelism(vllm_config.parallel_config)
         self._groups = kv_groups(kv_cache_config)
         # Checked now (a bad chunk_tokens is refused at start-up on both sides).
         self._plan_options = self.cfg.plan_options(
@@ -147,6 +151,8 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 stage_early=not self.cfg.device_to_device,
                 push_stream=self.cfg.push_stream,
                 windows=self._groups.windows,
+                state=tuple(g.is_state for g in self._groups.groups),
+                spec_slots=self._groups.spec_slots,
             )
         else:
             self._tp_rank = _tp_rank()
@@ -177,7 +183,8 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     # ==================================================================================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         interior = None
-        first = next(iter(kv_caches.values()), None)
+        # The first attention layer's tensor (state layers come as lists of views).
+        first = next((t for t in kv_caches.values() if not isinstance(t, list | tuple)), None)
         if first is not None and first.device.type == "cpu" and first.dim() == 4:
             # Which order vLLM's CPU attention writes a block in (chunk_mode and
             # swa_window_mode cut its token ranges).

@@ -385,6 +385,7 @@ def remote_ticket(
     skip_blocks: int = 0,
     num_tokens: int = 0,
     block_size: int = 0,
+    state: Sequence[bool] = (),
 ) -> Ticket:
     """The :class:`~kvxfer.agent.Ticket` rank ``tp_rank`` pulls (or expects a push) with.
 
@@ -407,6 +408,8 @@ def remote_ticket(
             block index, both ending at their last token's block: a sliding-window
             group's lists hold only the window's blocks (R-HYB-1). Without it, the
             lists pair from the front after ``skip_blocks``.
+        state: Per group, True for a recurrent-state group: its lists name state
+            slots, which pair one to one and are never skipped.
 
     Raises:
         ConfigError: a key missing or malformed (named with its value and rule).
@@ -424,12 +427,21 @@ def remote_ticket(
         remote_tokens = remote_num_tokens(params)
         if block_size > 0 and num_tokens > 0 and remote_tokens:
             blocks = _by_block_index(
-                params, remote, local_blocks, remote_tokens, num_tokens, block_size, transfer_id
+                params,
+                remote,
+                local_blocks,
+                remote_tokens,
+                num_tokens,
+                block_size,
+                transfer_id,
+                tuple(state),
             )
         else:
             blocks = tuple(
-                r[skip_blocks : skip_blocks + len(g)]
-                for r, g in zip(remote, local_blocks, strict=True)
+                r[: len(g)] if g_state else r[skip_blocks : skip_blocks + len(g)]
+                for r, g, g_state in zip(
+                    remote, local_blocks, _state_flags(state, len(remote)), strict=True
+                )
             )
     else:
         blocks = tuple(() for _ in local_blocks)
@@ -458,6 +470,7 @@ def _by_block_index(
     num_tokens: int,
     block_size: int,
     transfer_id: str,
+    state: tuple[bool, ...] = (),
 ) -> WireGroups:
     """Pair each group's remote and local lists by the request's block index, with the
     core's one pairing routine (:func:`kvxfer.core.blocks.pair_remote`): both lists end at
@@ -467,15 +480,26 @@ def _by_block_index(
     try:
         paired = pair_remote(
             from_wire(local),
-            from_wire(tuple(r[:held] for r in remote)),
+            from_wire(
+                tuple(
+                    r if g_state else r[:held]
+                    for r, g_state in zip(remote, _state_flags(state, len(remote)), strict=True)
+                )
+            ),
             num_tokens=num_tokens,
             remote_num_tokens=remote_tokens,
             block_size=block_size,
             request_id=transfer_id,
+            state=state,
         )
     except PlanError as exc:
         raise _bad("remote_block_ids", params.get("remote_block_ids"), str(exc)) from exc
     return to_wire(paired)
+
+
+def _state_flags(state: Sequence[bool], num_groups: int) -> tuple[bool, ...]:
+    """``state`` padded with False to ``num_groups`` entries."""
+    return tuple(bool(state[g]) if g < len(state) else False for g in range(num_groups))
 
 
 def router_capability(params: Mapping[str, Any]) -> str:

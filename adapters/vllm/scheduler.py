@@ -77,7 +77,9 @@ __all__ = [
     "StepPlan",
     "StreamSpec",
     "base_request_id",
+    "hold_back_last_token",
     "is_remote_prefill",
+    "running_slot",
 ]
 
 log = logging.getLogger("kvxfer.adapters.vllm")
@@ -198,6 +200,64 @@ class StepPlan(msgspec.Struct, kw_only=True):
         return not (self.loads or self.holds or self.stages or self.streams or self.releases)
 
 
+def running_slot(blocks: Sequence[int], spec_slots: int = 0) -> tuple[int, ...]:
+    """A state group's list cut to the request's running state slot.
+
+    vLLM lists a request's state blocks as (leading null or superseded slots, in
+    ``mamba_cache_mode="align"``) the running slot, then ``spec_slots`` speculative
+    scratch slots: the running slot is the last one before the scratch (the only one
+    when the list is that short). An empty list stays empty.
+    """
+    ids = [int(b) for b in blocks]
+    if not ids:
+        return ()
+    scratch = min(spec_slots, len(ids) - 1)
+    return (ids[len(ids) - 1 - scratch],)
+
+
+#: Set in a producer request's ``kv_transfer_params`` once its last prompt token is
+#: held back, so that a preempted and rescheduled request is not cut twice.
+_HELD_BACK_KEY = "kvxfer_held_back"
+
+
+def hold_back_last_token(request: Any) -> bool:
+    """Producer of a Mamba/GDN model: drop the prompt's last token before prefill.
+
+    A recurrent state has no per-token history: the state after the whole prompt
+    h(N) cannot be "recomputed at the last token" as vLLM does for attention after a
+    full-prompt load. So the producer computes N - 1 tokens and sends h(N - 1) with
+    their KV; decode loads those and computes token N itself, from that state. The
+    producer's own output token is then not the request's (the router uses
+    decode's). Returns True when the request was cut now.
+
+    vLLM 0.32's ``Request`` has no public way to shorten a prompt: its token list
+    ``all_token_ids`` is a read-only view of ``_all_token_ids``, cut here with the
+    prompt list and count (as vLLM's own NIXL connector does). A ``Request`` without
+    them is left alone and logged: its decode then refuses the load (its ticket
+    holds the whole prompt) and computes the prompt itself, correct but slower.
+    """
+    params = request.kv_transfer_params
+    prompt = getattr(request, "prompt_token_ids", None)
+    tokens = getattr(request, "_all_token_ids", None)
+    if params is None or params.get(_HELD_BACK_KEY):
+        return False
+    if int(request.num_prompt_tokens) < 2:
+        return False  # nothing to load: decode computes a one-token prompt itself
+    if not isinstance(prompt, list) or not isinstance(tokens, list):
+        log.error(
+            "kvxfer: request %s: cannot hold back its last prompt token (this vLLM's "
+            "Request has no token lists kvxfer knows); its decode will compute the prompt",
+            request.request_id,
+        )
+        return False
+    del prompt[-1]
+    del tokens[-1]
+    request.num_prompt_tokens = int(request.num_prompt_tokens) - 1
+    request.max_tokens = 1
+    params[_HELD_BACK_KEY] = True
+    return True
+
+
 class _Consumer(enum.Enum):
     LOADING = "loading"
     LOADED = "loaded"
@@ -223,6 +283,14 @@ class SchedulerSide:
             attention); empty: one full-attention group. A sliding group's block list
             holds the null block where the window dropped a block; tickets, holds and
             stages carry only the blocks the window keeps for the next token.
+        state: Per KV cache group, True for a Mamba2 / Gated DeltaNet state group.
+            Its lists carry one block, the request's running state slot
+            (:func:`running_slot`); with such a group a producer stops one token short
+            of the prompt (:func:`hold_back_last_token`), and a consumer loads exactly
+            the tokens the producer computed, fewer than its prompt's, so that its
+            first step computes the last prompt token from the state before it.
+        spec_slots: Per state group, the speculative scratch slots vLLM appends to
+            its lists.
     """
 
     def __init__(
@@ -237,9 +305,13 @@ class SchedulerSide:
         stage_early: bool = False,
         push_stream: bool = False,
         windows: Sequence[int] = (),
+        state: Sequence[bool] = (),
+        spec_slots: Sequence[int] = (),
     ) -> None:
         self.engine_id = engine_id
         self.windows = tuple(int(w) for w in windows)
+        self.state = tuple(bool(x) for x in state)
+        self.spec_slots = tuple(int(n) for n in spec_slots)
         self.role = role
         self.direction = direction
         self.block_size = block_size
@@ -267,7 +339,18 @@ class SchedulerSide:
     @property
     def full_group(self) -> int:
         """The first full-attention group (its blocks cover the whole prompt)."""
-        return next((g for g, w in enumerate(self.windows) if not w), 0)
+        return next((g for g, w in enumerate(self.windows) if not w and not self._is_state(g)), 0)
+
+    @property
+    def has_state(self) -> bool:
+        """True when some KV cache group holds recurrent state."""
+        return any(self.state)
+
+    def _is_state(self, g: int) -> bool:
+        return g < len(self.state) and self.state[g]
+
+    def _spec(self, g: int) -> int:
+        return self.spec_slots[g] if g < len(self.spec_slots) else 0
 
     def window_blocks(self, groups: Sequence[Sequence[int]], num_tokens: int) -> Groups:
         """Each group's blocks a consumer needs for ``num_tokens`` tokens (R-HYB-1).
@@ -283,6 +366,9 @@ class SchedulerSide:
         end = -(-num_tokens // bs)
         out = []
         for g, blocks in enumerate(groups):
+            if self._is_state(g):
+                out.append(running_slot(blocks, self._spec(g)))
+                continue
             window = self.windows[g] if g < len(self.windows) else 0
             first = max(num_tokens - window, 0) // bs if window else 0
             out.append(tuple(int(b) for b in blocks[first:end]))
@@ -333,13 +419,35 @@ class SchedulerSide:
         if remote_tokens is not None:
             available = min(available, remote_tokens)
         if groups:
-            # Sliding groups carry only their window's blocks: full ones bound the prompt.
-            full = [len(g) for g, w in zip(groups, self.windows) if not w]
+            # Sliding groups carry only their window's blocks, state groups one slot:
+            # full ones bound the prompt.
+            full = [
+                len(g)
+                for i, (g, w) in enumerate(zip(groups, self.windows))
+                if not w and not self._is_state(i)
+            ]
             lengths = (
                 full if len(groups) == len(self.windows) and full else [len(g) for g in groups]
             )
             available = min(available, min(lengths) * self.block_size)
-        if available == int(request.num_prompt_tokens) and self._drops_last_window(available):
+        if self.has_state:
+            # The state slot holds h(k) for the k tokens the producer computed; only a
+            # load of exactly those k, fewer than the prompt, lets this instance's
+            # first step compute token k+1 from it (a full-prompt load would have vLLM
+            # recompute the last token over a state that already saw it).
+            prompt = int(request.num_prompt_tokens)
+            if remote_tokens is None or remote_tokens >= prompt or available != remote_tokens:
+                log.error(
+                    "kvxfer: request %s: the ticket holds %s token(s) of a %d-token prompt; "
+                    "a Mamba/GDN state can only be loaded for fewer tokens than the "
+                    "prompt, exactly the ones the producer computed (a producer of "
+                    "this model stops one token short): decode computes the prompt itself",
+                    request.request_id,
+                    remote_tokens,
+                    prompt,
+                )
+                return 0, False
+        elif available == int(request.num_prompt_tokens) and self._drops_last_window(available):
             # vLLM recomputes the last prompt token after a full-prompt load, but its
             # sliding groups allocated only the window of the token after it: when
             # that window starts on a block boundary, the block holding the first
@@ -390,7 +498,10 @@ class SchedulerSide:
             )
             return
         skip = num_local_computed_tokens // self.block_size
-        local = tuple(tuple(int(b) for b in g) for g in unhashed_block_ids)
+        local = tuple(
+            running_slot(g, self._spec(i)) if self._is_state(i) else tuple(int(b) for b in g)
+            for i, g in enumerate(unhashed_block_ids)
+        )
         self._consumer[rid] = _Consumer.LOADING
         timeline.mark("d_alloc", rid)
         remote = dict(params)
@@ -415,6 +526,8 @@ class SchedulerSide:
         """Track requests this producer prefills for a remote decode."""
         params = request.kv_transfer_params
         if self.is_producer and params and params.get("do_remote_decode"):
+            if self.has_state:
+                hold_back_last_token(request)
             self._producing[request.request_id] = request
             timeline.mark("p_new", request.request_id)
 

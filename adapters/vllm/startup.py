@@ -42,6 +42,7 @@ __all__ = [
     "KVGroups",
     "agent_factory",
     "check_model_support",
+    "check_parallelism",
     "data_plane_rails",
     "kv_groups",
     "parse_vllm_config",
@@ -120,16 +121,21 @@ class KVGroups(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         groups: one :class:`~kvxfer.core.layout.Group` per vLLM KV cache group, in vLLM's
-            order (full attention, or sliding window with its window in tokens).
-        layer_groups: the group of each attention layer, by vLLM's layer name.
+            order (full attention, sliding window with its window in tokens, or
+            recurrent state).
+        layer_groups: the group of each attention or state layer, by vLLM's layer name.
+        spec_slots: per group, the speculative scratch slots vLLM appends to a state
+            group's per-request list (``MambaSpec.num_speculative_blocks``; 0 for
+            attention groups). They hold draft states, never the request's own.
     """
 
     groups: tuple[Group, ...]
     layer_groups: dict[str, int]
+    spec_slots: tuple[int, ...] = ()
 
     @property
     def windows(self) -> tuple[int, ...]:
-        """Each group's sliding window in tokens (0: full attention)."""
+        """Each group's sliding window in tokens (0: full attention or state)."""
         return tuple(g.window for g in self.groups)
 
     @property
@@ -137,20 +143,52 @@ class KVGroups(msgspec.Struct, frozen=True, kw_only=True):
         """True when some group is a sliding-window one."""
         return any(g.kind is GroupKind.SLIDING for g in self.groups)
 
+    @property
+    def has_state(self) -> bool:
+        """True when some group holds recurrent state (Mamba2, Gated DeltaNet)."""
+        return any(g.is_state for g in self.groups)
+
+
+#: Attention specs whose blocks are token-positional KV moved whole, by vLLM class name:
+#: full attention, and MLA's latent KV (one "head" of latent + rope elements per token,
+#: the same on every TP rank).
+_FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+_SLIDING_SPECS = frozenset({"SlidingWindowSpec", "SlidingWindowMLASpec"})
+#: Recurrent-state backends whose per-request state kvxfer moves (vLLM's
+#: ``MambaAttentionBackendEnum`` member names): Mamba2 (Granite-4 hybrid, Nemotron-H,
+#: Falcon-H1, Zamba2) and Gated DeltaNet (Qwen3-Next, Qwen3.5). Their state is a
+#: conv state and an SSM state per slot, moved whole.
+_STATE_BACKENDS = frozenset({"MAMBA2", "GDN_ATTN"})
+_MOVED = (
+    "full attention (FullAttentionSpec, MLAAttentionSpec), sliding window "
+    "(SlidingWindowSpec, SlidingWindowMLASpec) and Mamba2 / Gated DeltaNet state "
+    "(MambaSpec with mamba_type MAMBA2 or GDN_ATTN)"
+)
+
 
 def _spec_group(spec: Any, index: int) -> Group:
     """One vLLM KV cache spec as a :class:`Group`, or the start-up refusal."""
     kind = type(spec).__name__
     window = getattr(spec, "sliding_window", None)
-    if kind == "SlidingWindowSpec" and isinstance(window, int) and window > 0:
+    if kind in _SLIDING_SPECS and isinstance(window, int) and window > 0:
         return Group(kind=GroupKind.SLIDING, window=window)
-    if kind == "FullAttentionSpec":
+    if kind in _FULL_SPECS:
         return Group(kind=GroupKind.FULL)
+    if kind == "MambaSpec":
+        backend = getattr(getattr(spec, "mamba_type", None), "name", None)
+        if backend in _STATE_BACKENDS:
+            return Group(kind=GroupKind.STATE)
+        raise ConfigError(
+            f"kv_cache_groups[{index}].mamba_type",
+            backend,
+            "kvxfer moves the state of Mamba2 and Gated DeltaNet layers only; Mamba1, "
+            "ShortConv (LFM2) and linear-attention (MiniMax) state is not moved: serve "
+            "this model unified, or with vLLM's own NixlConnector where it supports it",
+        )
     raise ConfigError(
         f"kv_cache_groups[{index}]",
         kind,
-        "kvxfer's vLLM connectors move full-attention (FullAttentionSpec) and "
-        "sliding-window (SlidingWindowSpec) KV cache groups only",
+        f"kvxfer's vLLM connectors move {_MOVED} KV cache groups only",
     )
 
 
@@ -158,8 +196,8 @@ def kv_groups(kv_cache_config: Any) -> KVGroups:
     """Read vLLM's KV cache groups (one full-attention group when there are none).
 
     Raises:
-        ConfigError: a group of a kind kvxfer cannot move (SSM state, chunked local
-            attention, MLA, ...), named with its index and spec.
+        ConfigError: a group of a kind kvxfer cannot move (Mamba1, ShortConv, chunked
+            local attention, ...), named with its index and spec.
     """
     raw = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if not raw:
@@ -168,7 +206,42 @@ def kv_groups(kv_cache_config: Any) -> KVGroups:
     layer_groups = {
         str(name): i for i, g in enumerate(raw) for name in getattr(g, "layer_names", ())
     }
-    return KVGroups(groups=groups, layer_groups=layer_groups)
+    spec_slots = tuple(
+        int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0) if group.is_state else 0
+        for g, group in zip(raw, groups, strict=True)
+    )
+    return KVGroups(groups=groups, layer_groups=layer_groups, spec_slots=spec_slots)
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """Refuse, at start-up, the parallel layouts whose KV kvxfer does not pair.
+
+    Raises:
+        ConfigError: ``pipeline_parallel_size`` > 1 (each stage holds other layers'
+            KV, and tickets name one rank per TP rank), or a decode / prefill
+            context-parallel size > 1 (each rank then holds every DCP/PCP-th token
+            of a block: kvxfer's block plans are per whole token range).
+    """
+    for key, rule in (
+        (
+            "pipeline_parallel_size",
+            "kvxfer pairs tensor-parallel ranks only; each pipeline stage holds other "
+            "layers' KV: run prefill and decode with pipeline_parallel_size 1",
+        ),
+        (
+            "decode_context_parallel_size",
+            "with decode context parallelism each rank holds an interleaved share of "
+            "every block's tokens, which kvxfer's plans do not cut: leave it at 1",
+        ),
+        (
+            "prefill_context_parallel_size",
+            "with prefill context parallelism each rank holds an interleaved share of "
+            "every block's tokens, which kvxfer's plans do not cut: leave it at 1",
+        ),
+    ):
+        value = getattr(parallel_config, key, 1)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise ConfigError(key, value, rule)
 
 
 def check_model_support(cfg: TransferConfig, kv_cache_config: Any, block_size: int = 0) -> None:
@@ -210,6 +283,13 @@ def check_model_support(cfg: TransferConfig, kv_cache_config: Any, block_size: i
             True,
             "not with sliding-window KV cache groups: which blocks the window keeps is "
             "known only once the prompt ends, so they go with the hold",
+        )
+    if cfg.push_stream and found.has_state:
+        raise ConfigError(
+            "kv_connector_extra_config.push_stream",
+            True,
+            "not with Mamba / Gated DeltaNet state groups: a request's state is final "
+            "only once its prompt ends, so it goes with the hold",
         )
 
 
@@ -397,6 +477,12 @@ def _tp_for(layout: KVLayout, tp: TPRank) -> TPRank | None:
     """``tp`` when the layout's regions split by head the way pulls across TP sizes
     plan them (vLLM's head-major CPU and device caches do); None otherwise, and the
     worker then refuses a load from another TP size with this reason."""
+    if any(g.is_state for g in layout.groups):
+        log.info(
+            "kvxfer: pulls and pushes across TP sizes are not available with Mamba/GDN "
+            "state groups: pair instances of equal TP size"
+        )
+        return None
     try:
         region_heads(place_heads(layout, tp.heads, tp.rank), tp.heads, tp.rank)
     except KvxferError as exc:

@@ -78,10 +78,12 @@ IDLE_WAIT_S = 0.02
 
 
 def unique_tensors(kv_caches: Mapping[str, Any]) -> list[Any]:
-    """The distinct KV tensors, in layer order (layers sharing KV appear once)."""
+    """The distinct KV tensors, in layer order (layers sharing KV appear once; a
+    state layer's list of conv and SSM state views gives each of them)."""
     seen: set[int] = set()
     tensors = []
-    for t in kv_caches.values():
+    flat = (t for v in kv_caches.values() for t in (v if isinstance(v, list | tuple) else (v,)))
+    for t in flat:
         if int(t.data_ptr()) in seen:
             continue
         seen.add(int(t.data_ptr()))
@@ -311,6 +313,17 @@ class WorkerSide:
     def _start_load(self, load: LoadSpec) -> None:
         agent = self.agent
         why = pairing_error(load.remote_params, self.config.direction, self.tp_size)
+        if (
+            why is None
+            and across_tp(load.remote_params, self.tp_size)
+            and any(g.is_state for g in self.layout.groups)
+        ):
+            why = (
+                f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "
+                f"this instance {self.tp_size}: kvxfer moves Mamba/GDN state between "
+                "instances of equal TP size only (each rank's conv state interleaves "
+                "its share of every sub-projection)"
+            )
         if why is None and across_tp(load.remote_params, self.tp_size) and agent.config.tp is None:
             why = (
                 f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "
@@ -333,6 +346,7 @@ class WorkerSide:
                 skip_blocks=load.skip_blocks,
                 num_tokens=load.num_tokens,
                 block_size=self.layout.block_size,
+                state=tuple(g.is_state for g in self.layout.groups),
             )
             # The ticket's blocks are already cut to the local ones (remote_ticket);
             # cached_blocks says which token positions they hold.

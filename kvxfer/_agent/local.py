@@ -65,6 +65,7 @@ class LocalEnd:
             num_blocks=exposed.num_blocks,
             block_size=exposed.block_size,
             sliding=tuple(g.kind is GroupKind.SLIDING for g in exposed.groups),
+            state=tuple(g.is_state for g in exposed.groups),
         )
 
     def require_registered(self) -> tuple[DescriptorTable, KVLayout]:
@@ -96,6 +97,7 @@ class LocalEnd:
             block_size=rules.block_size,
             cached_blocks=cached_blocks,
             sliding=rules.sliding,
+            state=rules.state,
         )
 
     def require_rules(self) -> blocks.BlockRules:

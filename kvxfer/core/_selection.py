@@ -44,6 +44,7 @@ class GroupCut(NamedTuple):
     unit: int  # tokens per unit for last-block / window selection
     section: Section  # the table section holding units of that size
     window: int  # sliding window in tokens when window selection applies, else 0
+    state: bool = False  # a recurrent-state group: every listed slot goes whole
 
 
 def group_cuts(layout: KVLayout, chunk: int, swa_window_mode: bool) -> tuple[GroupCut, ...]:
@@ -57,6 +58,11 @@ def group_cuts(layout: KVLayout, chunk: int, swa_window_mode: bool) -> tuple[Gro
     group_of = np.array([r.group for r in layout.regions], dtype=np.int64)
     cuts = []
     for g, group in enumerate(layout.groups):
+        if group.is_state:
+            # State slots hold no tokens: neither chunks nor granules apply.
+            regions = np.flatnonzero(group_of == g)
+            cuts.append(GroupCut(regions, tokens, Section.WHOLE, 0, True))
+            continue
         unit, window = chunk, 0
         if swa_window_mode and group.kind is GroupKind.SLIDING:
             window = group.window
@@ -124,8 +130,9 @@ def pick(
     bs, tokens = layout.block_size, layout.tokens_per_desc
     last = -(-num_tokens // bs) - 1  # request index of the last block
     first = last + 1 - listed  # request index of the first listed block
-    if not cut.window and not chunk_mode:
-        return Pick(cut, 0, listed, 0, None, None)  # R-DESC-2: the last block goes whole
+    if cut.state or (not cut.window and not chunk_mode):
+        # R-DESC-2: the last block goes whole; a state slot always does.
+        return Pick(cut, 0, listed, 0, None, None)
     if cut.window:
         w = cut.window
         g_lo, g_hi = max(num_tokens - w, 0) // w, (num_tokens - 1) // w

@@ -219,6 +219,7 @@ def check_counts(
     cached_blocks: int = 0,
     sliding: Sequence[bool] = (),
     side: str = "local",
+    state: Sequence[bool] = (),
 ) -> int:
     """Check each group's block count against the tokens it must hold; return the count.
 
@@ -227,7 +228,9 @@ def check_counts(
     ``ceil(num_tokens / block_size)`` blocks; the leading ``cached_blocks`` of them are
     a prefix the caller already has (a prefix-cache hit), so the list names the rest,
     in order. A sliding-window group (``sliding[g]``) may name fewer (the blocks that
-    fell out of its window are not kept), never more.
+    fell out of its window are not kept), never more. A state group (``state[g]``)
+    names state slots, not token positions: at least one, whatever the token count
+    and the cached prefix.
 
     Args:
         groups: Normalised block ids (:func:`block_groups`).
@@ -236,6 +239,7 @@ def check_counts(
         cached_blocks: Leading blocks not listed (>= 0).
         sliding: Per group, True when it is a sliding-window group (default: none).
         side: For error messages (``"local"``, ``"remote"``).
+        state: Per group, True when it is a recurrent-state group (default: none).
 
     Raises:
         PlanError: naming ``num_tokens``, ``cached_blocks`` or the group whose count
@@ -254,6 +258,13 @@ def check_counts(
             f"num_tokens={num_tokens} fills (block_size {block_size})"
         )
     for g, ids in enumerate(groups):
+        if g < len(state) and state[g]:
+            if len(ids) == 0 and expected > 0:
+                raise PlanError(
+                    f"{_where(side, g)}: no block given; a state group lists the state "
+                    f"slot(s) of the request (at least one) for its {num_tokens} tokens"
+                )
+            continue
         window = g < len(sliding) and sliding[g]
         if len(ids) == expected or (window and len(ids) < expected):
             continue
@@ -275,6 +286,7 @@ def pair_remote(
     remote_num_tokens: int,
     block_size: int,
     request_id: str = "",
+    state: Sequence[bool] = (),
 ) -> Groups:
     """The remote blocks that pair with ``local``, by token position.
 
@@ -293,10 +305,13 @@ def pair_remote(
             ``num_tokens``).
         block_size: Tokens per block.
         request_id: For error messages.
+        state: Per group, True for a recurrent-state group: its slots pair by
+            position, local *i* with remote *i*, and both sides list as many.
 
     Raises:
-        PlanError: another group count, more tokens than the remote side holds, or
-            positions it does not cover (naming both ranges).
+        PlanError: another group count, more tokens than the remote side holds,
+            positions it does not cover (naming both ranges), or state groups that
+            list different slot counts.
     """
     if len(remote) != len(local):
         raise PlanError(
@@ -312,6 +327,15 @@ def pair_remote(
     wanted = -(-num_tokens // block_size)
     bounds: list[tuple[int, int]] = []
     for g, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
+        if g < len(state) and state[g]:
+            if len(mine) != len(theirs):
+                raise PlanError(
+                    f"{_where('remote', g)}: the ticket of {request_id!r} holds "
+                    f"{len(theirs)} state slot(s), the local state group lists {len(mine)}: "
+                    "state slots pair one to one"
+                )
+            bounds.append((0, len(theirs)))
+            continue
         start = (wanted - len(mine)) - (held - len(theirs))
         stop = start + len(mine)
         if start < 0 or stop > len(theirs):
@@ -371,6 +395,8 @@ class BlockRules(NamedTuple):
     block_size: int
     #: Per group, whether it is a sliding-window group (it may list fewer blocks).
     sliding: tuple[bool, ...]
+    #: Per group, whether it is a recurrent-state group (it lists state slots).
+    state: tuple[bool, ...] = ()
 
 
 class Pairing(NamedTuple):
@@ -414,6 +440,7 @@ def pair(
         block_size=rules.block_size,
         cached_blocks=cached_blocks,
         sliding=rules.sliding,
+        state=rules.state,
     )
     remote = pair_remote(
         local,
@@ -422,6 +449,7 @@ def pair(
         remote_num_tokens=remote_num_tokens,
         block_size=rules.block_size,
         request_id=request_id,
+        state=rules.state,
     )
     return Pairing(local, remote, num_tokens)
 

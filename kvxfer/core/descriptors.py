@@ -203,10 +203,24 @@ class DescriptorTable:
         devices = [np.repeat(dev, nb)]
         size = len(regions) * nb
 
+        # Rows of recurrent-state regions: their slots hold no tokens, so the chunk
+        # section (cut over every region, ids by formula) lists their whole slot at
+        # each chunk index; plans never select them (state groups go whole).
+        state_rows = np.array([layout.groups[r.group].is_state for r in regions], dtype=np.bool_)
+
         def cut(rows: IntArray, unit: int) -> None:
             k = tokens // unit
-            unit_bytes = block_len[rows] // np.uint64(tokens) * np.uint64(unit)
-            steps = np.arange(k, dtype=np.uint64)[None, None, :] * unit_bytes[:, None, None]
+            unit_bytes = np.where(
+                state_rows[rows],
+                block_len[rows],
+                block_len[rows] // np.uint64(tokens) * np.uint64(unit),
+            ).astype(np.uint64)
+            steps = (
+                np.arange(k, dtype=np.uint64)[None, None, :]
+                * np.where(state_rows[rows], np.uint64(0), unit_bytes).astype(np.uint64)[
+                    :, None, None
+                ]
+            )
             addrs.append((starts[rows][:, :, None] + steps).ravel())
             lengths.append(np.repeat(unit_bytes, nb * k))
             devices.append(np.repeat(dev[rows], nb * k))
@@ -480,7 +494,7 @@ def _plan(
             raise PlanError(
                 f"group {g}: {len(lb)} local blocks but {len(rb)} remote blocks; they must match"
             )
-        if len(lb) > needed:
+        if len(lb) > needed and not local._cuts[g].state:  # state slots hold no tokens
             raise PlanError(
                 f"group {g}: {len(lb)} blocks given but {num_tokens} tokens fill only {needed}"
             )

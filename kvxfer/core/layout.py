@@ -58,18 +58,30 @@ class MemKind(enum.Enum):
 
 
 class KVPart(enum.Enum):
-    """What a region holds of its layer: keys, values, or both packed together."""
+    """What a region holds of its layer: keys, values, or both packed together; for a
+    state layer (:attr:`GroupKind.STATE`), its convolution state or its SSM (temporal)
+    state."""
 
     K = "k"
     V = "v"
     KV = "kv"
+    CONV = "conv"
+    SSM = "ssm"
 
 
 class GroupKind(enum.Enum):
-    """The attention kind of a group of layers sharing one block table."""
+    """The kind of a group of layers sharing one block table.
+
+    FULL and SLIDING groups are attention KV: block *i* of a request holds its tokens
+    ``[i * block_size, (i + 1) * block_size)``. A STATE group holds recurrent state
+    (Mamba2 / Gated DeltaNet conv and SSM state): a request lists the *state slots* it
+    moves, each a whole block of every region of the group, whatever its token count;
+    such a block is never cut into token ranges and no prefix of it is cached.
+    """
 
     FULL = "full"
     SLIDING = "sliding"
+    STATE = "state"
 
 
 def _bad(owner: str, field: str, value: Any, rule: str) -> LayoutError:
@@ -89,7 +101,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     """Layers that share one block table.
 
     Attributes:
-        kind: full attention or sliding-window attention.
+        kind: full attention, sliding-window attention or recurrent state.
         window: the sliding window in tokens; > 0 iff ``kind`` is SLIDING.
     """
 
@@ -102,6 +114,11 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         _check_int("Group", "window", self.window, 0)
         if (self.kind is GroupKind.SLIDING) != (self.window > 0):
             raise _bad("Group", "window", self.window, "must be > 0 iff kind is sliding")
+
+    @property
+    def is_state(self) -> bool:
+        """True for a recurrent-state group (its blocks are state slots, not tokens)."""
+        return self.kind is GroupKind.STATE
 
 
 class Region(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,7 +257,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
                 raise _bad(
                     owner, "num_blocks", r.num_blocks, f"must equal regions[0] ({num_blocks})"
                 )
-            if r.block_len % tokens:
+            if r.group < len(self.groups) and self.groups[r.group].is_state:
+                pass  # a state slot holds no tokens: any length
+            elif r.block_len % tokens:
                 raise _bad(
                     owner, "block_len", r.block_len, f"must be a multiple of {tokens} tokens"
                 )
@@ -330,7 +349,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
     def summary(self) -> str:
         """One line describing the layout, for logs and ``kvxfer probe``."""
         groups = ",".join(
-            g.kind.value if g.kind is GroupKind.FULL else f"sliding(w={g.window})"
+            f"sliding(w={g.window})" if g.kind is GroupKind.SLIDING else g.kind.value
             for g in self.groups
         )
         layers = len({r.layer for r in self.regions})
@@ -414,7 +433,18 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
                 raise _bad(
                     "KVLayout.from_tensors", name, len(values), f"needs one per tensor ({n})"
                 )
-        dtypes = {str(t.dtype) for t in tensors}
+        group_list = tuple(groups) if groups is not None else _default_groups()
+        # The layout's dtype is its attention KV's; recurrent state (a STATE group's
+        # regions) keeps its own element type (vLLM may hold SSM state in float32 beside
+        # bfloat16 KV): bytes are moved whole, so only attention tensors must agree.
+        in_state = [
+            region_groups is not None
+            and 0 <= int(region_groups[i]) < len(group_list)
+            and group_list[int(region_groups[i])].is_state
+            for i in range(n)
+        ]
+        typed = [t for t, st in zip(tensors, in_state, strict=True) if not st] or list(tensors)
+        dtypes = {str(t.dtype) for t in typed}
         if len(dtypes) != 1:
             raise _bad("KVLayout.from_tensors", "tensors", sorted(dtypes), "mixed dtypes")
         regions = []
@@ -441,7 +471,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
             regions=tuple(regions),
             split_axis=split_axis,
             num_shards=num_shards,
-            groups=tuple(groups) if groups is not None else _default_groups(),
+            groups=group_list,
             dtype=dtypes.pop().removeprefix("torch."),
             kv_layout=kv_layout,
             num_kv_heads=num_kv_heads,

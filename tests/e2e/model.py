@@ -9,8 +9,8 @@ The result is cached under ``<repo>/.cache/e2e-models/<key>/`` where ``key`` has
 every parameter of the build (and a builder version), so a changed spec rebuilds and
 an unchanged one is reused. Building takes a few seconds; the directory is < 1 MB.
 
-Run ``python -m tests.e2e.model [hybrid]`` from the repository root to build it (or
-the hybrid Gemma3 model) and print the path.
+Run ``python -m tests.e2e.model [hybrid|mamba2|gdn]`` from the repository root to build
+it (or the hybrid Gemma3, Mamba2 or Gated DeltaNet model) and print the path.
 """
 
 from __future__ import annotations
@@ -64,8 +64,12 @@ class TinyModelSpec:
     seed: int = 0
     dtype: str = "bfloat16"
     corpus_sentences: int = 2000
-    #: "qwen2", or "gemma3": a hybrid Gemma3 text model whose layers alternate
-    #: sliding-window attention (``sliding_window`` tokens) and full attention.
+    #: "qwen2"; "gemma3": a hybrid Gemma3 text model whose layers alternate
+    #: sliding-window attention (``sliding_window`` tokens) and full attention;
+    #: "granite_hybrid": a dense GraniteMoeHybrid (no experts) alternating Mamba2 and
+    #: attention layers; "qwen3_next": a Qwen3-Next alternating Gated DeltaNet and
+    #: attention layers (its vLLM CPU kernels need bfloat16 and 128-element GDN heads;
+    #: vLLM refuses a Qwen3-Next without MoE layers, so it has 4 tiny experts).
     arch: str = "qwen2"
     sliding_window: int = 0
 
@@ -156,8 +160,13 @@ def _model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
             architectures=["Gemma3ForCausalLM"],
         )
         return Gemma3ForCausalLM, config
+    if spec.arch in _STATE_ARCHS:
+        return _state_model_and_config(spec, eos_id)
     if spec.arch != "qwen2":
-        raise ValueError(f"TinyModelSpec.arch={spec.arch!r}: must be 'qwen2' or 'gemma3'")
+        raise ValueError(
+            f"TinyModelSpec.arch={spec.arch!r}: must be 'qwen2', 'gemma3', "
+            "'granite_hybrid' or 'qwen3_next'"
+        )
     config = Qwen2Config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -177,6 +186,64 @@ def _model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
     return Qwen2ForCausalLM, config
 
 
+_STATE_ARCHS = ("granite_hybrid", "qwen3_next")
+
+
+def _state_model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
+    """A hybrid of recurrent-state layers (even) and full attention (odd)."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.initializer_range,
+        "tie_word_embeddings": False,  # see gemma3 above
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+    }
+    layers = range(spec.num_hidden_layers)
+    if spec.arch == "granite_hybrid":
+        config = transformers.GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba" if i % 2 == 0 else "attention" for i in layers],
+            num_local_experts=0,  # dense: the shared MLP only
+            shared_intermediate_size=spec.intermediate_size,
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            position_embedding_type="rope",
+            architectures=["GraniteMoeHybridForCausalLM"],
+        )
+        return transformers.GraniteMoeHybridForCausalLM, config
+    config = transformers.Qwen3NextConfig(
+        **common,
+        head_dim=spec.head_dim,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in layers],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    return transformers.Qwen3NextForCausalLM, config
+
+
 def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
     import torch
 
@@ -189,8 +256,11 @@ def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
-                # Gemma's RMSNorm scales by (1 + weight): zero is its identity.
-                param.fill_(0.0 if spec.arch == "gemma3" else 1.0)
+                # Gemma's (and Qwen3-Next's) RMSNorm scales by (1 + weight): zero is
+                # its identity.
+                param.fill_(0.0 if spec.arch in ("gemma3", "qwen3_next") else 1.0)
+            elif name.endswith(("A_log", "dt_bias", ".D")):
+                pass  # the state decay parameters keep their stable defaults
             else:  # projections, embeddings, lm_head and the q/k/v biases
                 param.normal_(0.0, spec.initializer_range, generator=gen)
     model = model.to(getattr(torch, spec.dtype))
@@ -235,6 +305,11 @@ def build_tiny_model(spec: TinyModelSpec | None = None, cache_dir: Path | None =
 #: swa_window_mode cuts blocks.
 HYBRID_SPEC = TinyModelSpec(arch="gemma3", num_hidden_layers=4, sliding_window=16)
 
+#: The state hybrids of tests/e2e/test_pd_state.py: 4 layers, Mamba2 (or Gated
+#: DeltaNet) at layers 0 and 2, full attention (2 KV heads of 32) at 1 and 3.
+MAMBA2_SPEC = TinyModelSpec(arch="granite_hybrid", num_hidden_layers=4, dtype="float32")
+GDN_SPEC = TinyModelSpec(arch="qwen3_next", num_hidden_layers=4, dtype="bfloat16")
+
 
 def describe(path: Path) -> dict[str, Any]:
     """Sizes and ids worth logging from a built model directory."""
@@ -246,5 +321,6 @@ def describe(path: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     import sys
 
-    spec = HYBRID_SPEC if sys.argv[1:] == ["hybrid"] else TinyModelSpec()
+    named = {"hybrid": HYBRID_SPEC, "mamba2": MAMBA2_SPEC, "gdn": GDN_SPEC}
+    spec = named[sys.argv[1]] if sys.argv[1:] else TinyModelSpec()
     print(json.dumps(describe(build_tiny_model(spec)), indent=1))

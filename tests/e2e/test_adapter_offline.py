@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import re
 import time
@@ -40,6 +41,7 @@ from kvxfer.adapters.vllm.startup import (
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
 from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS
+from kvxfer.core.layout import Group, GroupKind
 from kvxfer.errors import ConfigError, KvxferError, RailError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.types import Direction, Role
@@ -739,8 +741,27 @@ class SlidingWindowSpec:
     sliding_window: int
 
 
+class _MambaType(enum.Enum):  # vLLM's MambaAttentionBackendEnum members, by name
+    MAMBA1 = "mamba1"
+    MAMBA2 = "mamba2"
+    SHORT_CONV = "short_conv"
+    LINEAR = "linear"
+    GDN_ATTN = "gdn"
+
+
 @dataclasses.dataclass
 class MambaSpec:
+    mamba_type: _MambaType = _MambaType.MAMBA2
+    num_speculative_blocks: int = 0
+
+
+@dataclasses.dataclass
+class MLAAttentionSpec:
+    pass
+
+
+@dataclasses.dataclass
+class ChunkedLocalAttentionSpec:
     pass
 
 
@@ -769,8 +790,31 @@ def test_kv_groups_read_full_and_sliding_groups_and_refuse_others() -> None:
     assert found.windows == (0, 16) and found.hybrid
     assert found.layer_groups == {"l.1": 0, "l.3": 0, "l.0": 1, "l.2": 1}
     assert not kv_groups(_KVCacheConfig([_KVGroup(FullAttentionSpec())])).hybrid
-    with pytest.raises(ConfigError, match=r"kv_cache_groups\[1\]='MambaSpec'"):
-        kv_groups(_KVCacheConfig([_KVGroup(FullAttentionSpec()), _KVGroup(MambaSpec())]))
+    with pytest.raises(ConfigError, match=r"kv_cache_groups\[1\]='ChunkedLocalAttentionSpec'"):
+        kv_groups(
+            _KVCacheConfig([_KVGroup(FullAttentionSpec()), _KVGroup(ChunkedLocalAttentionSpec())])
+        )
+
+
+def test_kv_groups_read_mamba2_and_gdn_state_and_mla_and_refuse_other_state() -> None:
+    for kind in (_MambaType.MAMBA2, _MambaType.GDN_ATTN):
+        found = kv_groups(
+            _KVCacheConfig(
+                [
+                    _KVGroup(MambaSpec(kind, num_speculative_blocks=2), ["l.0"]),
+                    _KVGroup(FullAttentionSpec(), ["l.1"]),
+                ]
+            )
+        )
+        assert [g.kind for g in found.groups] == [GroupKind.STATE, GroupKind.FULL]
+        assert found.has_state and not found.hybrid and found.spec_slots == (2, 0)
+    mla = kv_groups(_KVCacheConfig([_KVGroup(MLAAttentionSpec(), ["l.0"])]))
+    assert mla.groups == (Group(kind=GroupKind.FULL),)
+    for kind in (_MambaType.MAMBA1, _MambaType.SHORT_CONV, _MambaType.LINEAR):
+        with pytest.raises(
+            ConfigError, match=rf"kv_cache_groups\[0\].mamba_type='{kind.name}': .*Mamba2"
+        ):
+            kv_groups(_KVCacheConfig([_KVGroup(MambaSpec(kind))]))
 
 
 def _d2d_cfg(connector: str = "RblnNixlPullConnector", **extra: Any) -> Any:
