@@ -93,11 +93,16 @@ def _expected(
     lengths: list[Ints] = []
     for r in layout.regions:
         listed = np.array(blocks[r.group], dtype=object)
+        group = layout.groups[r.group]
+        if group.is_state:
+            # A state slot moves whole, whatever the tokens and modes (R-HYB-4).
+            starts.append(_ints(r.base + listed * r.stride))
+            lengths.append(np.array([r.block_len] * len(listed), dtype=object))
+            continue
         j = last + 1 - len(listed) + np.arange(len(listed))  # request block index
         d0 = j * bs + (r.shard * tokens if layout.split_axis is SplitAxis.TOKEN else 0)
         d1 = d0 + tokens
         lo, hi = d0.copy(), d1.copy()  # whole descriptors (R-DESC-2)
-        group = layout.groups[r.group]
         if options.swa_window_mode and group.kind is GroupKind.SLIDING:
             w = group.window  # granules of w tokens; the last w tokens' granules go
             lo = np.maximum(lo, max(n - w, 0) // w * w)
@@ -170,6 +175,15 @@ def test_plan_moves_exactly_the_requested_bytes(case: kst.PlanCase) -> None:
     _assert_covers_exactly(case, case.options, plan, local, remote)
 
 
+@given(kst.plan_cases(kst.layouts(state=True)))
+def test_state_slots_move_whole_beside_the_attention_bytes(case: kst.PlanCase) -> None:
+    # Every listed slot of a state group, each byte once, from the slot at the same
+    # list position on the other side; attention groups exactly as without state.
+    plan, local, remote = _plan(case, case.options)
+    _assert_covers_exactly(case, case.options, plan, local, remote)
+    _assert_pairs_by_position(case, plan, local, remote)
+
+
 @given(kst.plan_cases(kst.layouts(nesting=False)))
 def test_windows_that_do_not_nest_with_a_descriptor_are_planned(case: kst.PlanCase) -> None:
     # R-DESC-4 asks only block_size % window == 0: a window straddling TOKEN shards
@@ -182,6 +196,12 @@ def test_windows_that_do_not_nest_with_a_descriptor_are_planned(case: kst.PlanCa
 @given(kst.plan_cases())
 def test_local_and_remote_pair_by_position_with_equal_lengths(case: kst.PlanCase) -> None:
     plan, local, remote = _plan(case, case.options)
+    _assert_pairs_by_position(case, plan, local, remote)
+
+
+def _assert_pairs_by_position(
+    case: kst.PlanCase, plan: Plan, local: DescriptorTable, remote: DescriptorTable
+) -> None:
     req = case.request
     assert len(plan.local_ids) == len(plan.remote_ids) == plan.num_descriptors
     la, ll = _gather(local, plan.local_ids)

@@ -55,6 +55,7 @@ def describe_kv_caches(
     tp_rank: int = 0,
     head_regions: bool = False,
     first_head: int | None = None,
+    state_parts: Mapping[int, Sequence[int]] | None = None,
 ) -> KVLayout:
     """The :class:`KVLayout` of vLLM's per-layer KV tensors, without copying.
 
@@ -82,8 +83,16 @@ def describe_kv_caches(
     each block; pairs across TP sizes no longer need it: a head-major region is cut
     per head at the handshake, :func:`kvxfer.core.heads.split_heads`).
 
+    A layer of a recurrent-state group (Mamba2, Gated DeltaNet) comes as vLLM 0.32
+    hands it over, a raw ``(num_blocks, 1, 1, bytes)`` page view whose slot packs the
+    layer's states one after the other; ``state_parts[g]`` gives their sizes in
+    bytes (conv state, then SSM state: ``MambaSpec.shapes`` and ``dtypes``), and each
+    becomes its own region (:attr:`KVPart.CONV`, :attr:`KVPart.SSM`). A list of
+    per-state views (an engine that unpacked them) is taken as it is.
+
     Raises:
-        ConfigError: a group must be cut but the cache's interior is unknown.
+        ConfigError: a group must be cut but the cache's interior is unknown; a state
+            layer whose slot is not its states' sizes.
     """
     groups = tuple(groups) if groups is not None else (Group(kind=GroupKind.FULL),)
     group_of = dict(layer_groups or {})
@@ -95,6 +104,10 @@ def describe_kv_caches(
         g = int(group_of.get(name, 0))
         if isinstance(t, list | tuple):
             _add_state(regions, name, t, layer, g, groups)
+            continue
+        parts = (state_parts or {}).get(g)
+        if parts and 0 <= g < len(groups) and groups[g].is_state:
+            _add_state(regions, name, _unpack_state(name, t, parts), layer, g, groups)
             continue
         if (int(t.data_ptr()), g) in seen:
             continue
@@ -146,6 +159,24 @@ def describe_kv_caches(
 _STATE_PARTS = (KVPart.CONV, KVPart.SSM)
 
 
+def _unpack_state(name: str, page: Any, parts: Sequence[int]) -> list[Any]:
+    """Per-state byte views of a state layer's ``(num_blocks, 1, 1, bytes)`` pages."""
+    flat = page.reshape(int(page.shape[0]), -1) if page.dim() != 2 else page
+    width = int(flat.shape[1]) * int(flat.element_size())
+    if sum(parts) != width or flat.element_size() != 1:
+        raise ConfigError(
+            f"kv_caches[{name!r}]",
+            f"{tuple(int(d) for d in page.shape)} {page.dtype}",
+            f"a state layer's slot must be its states' {list(parts)} bytes, packed, as "
+            "byte pages (vLLM's MambaSpec page view)",
+        )
+    views, offset = [], 0
+    for n in parts:
+        views.append(flat[:, offset : offset + n])
+        offset += n
+    return views
+
+
 def _add_state(
     regions: _Regions,
     name: str,
@@ -156,10 +187,10 @@ def _add_state(
 ) -> None:
     """A Mamba2 / Gated DeltaNet layer's state tensors as one region each.
 
-    vLLM hands such a layer as a list of views over its KV pages, ``(num_blocks,
-    *shape)`` each: block *b* of every view is state slot *b* (a slot is one page,
-    shared with the attention layers of other groups as any page is). A slot is moved
-    whole, so no in-slot order matters at equal TP sizes.
+    ``tensors``: one view per state over the KV pages, ``(num_blocks, ...)`` each:
+    block *b* of every view is state slot *b* (a slot is one page, shared with the
+    attention layers of other groups as any page is). A slot is moved whole, so no
+    in-slot order matters at equal TP sizes.
     """
     if not (0 <= group < len(groups)) or not groups[group].is_state:
         raise ConfigError(

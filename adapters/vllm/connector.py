@@ -211,6 +211,7 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             kv_layout=str(self._kv_cache_config.kv_cache_layout or "NHD"),
             groups=self._groups.groups,
             layer_groups=self._groups.layer_groups,
+            state_parts=self._groups.state_parts,
             plan_options=self._plan_options,
             interior=interior,
             # One region per head where this instance is tensor-parallel (as before);

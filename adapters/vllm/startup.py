@@ -29,7 +29,7 @@ from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS, check_warm_up_descr
 from kvxfer.backend import Backend
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank, place_heads, region_heads
-from kvxfer.core.layout import Group, GroupKind, KVLayout, MemKind
+from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, MemKind
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.types import Direction
 
@@ -127,11 +127,14 @@ class KVGroups(msgspec.Struct, frozen=True, kw_only=True):
         spec_slots: per group, the speculative scratch slots vLLM appends to a state
             group's per-request list (``MambaSpec.num_speculative_blocks``; 0 for
             attention groups). They hold draft states, never the request's own.
+        state_parts: per state group (by index), the bytes of each state a slot
+            packs, in vLLM's order (conv state, then SSM state).
     """
 
     groups: tuple[Group, ...]
     layer_groups: dict[str, int]
     spec_slots: tuple[int, ...] = ()
+    state_parts: dict[int, tuple[int, ...]] = msgspec.field(default_factory=dict)
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -177,7 +180,7 @@ def _spec_group(spec: Any, index: int) -> Group:
     if kind == "MambaSpec":
         backend = getattr(getattr(spec, "mamba_type", None), "name", None)
         if backend in _STATE_BACKENDS:
-            return Group(kind=GroupKind.STATE)
+            return Group(kind=GroupKind.STATE, conv_layout=conv_state_layout())
         raise ConfigError(
             f"kv_cache_groups[{index}].mamba_type",
             backend,
@@ -190,6 +193,20 @@ def _spec_group(spec: Any, index: int) -> Group:
         kind,
         f"kvxfer's vLLM connectors move {_MOVED} KV cache groups only",
     )
+
+
+def conv_state_layout() -> ConvLayout:
+    """The conv-state order this engine's state layers use.
+
+    kvxfer moves state slots whole, so it needs neither order; it states the one in
+    use in its layout, and the handshake refuses a peer with the other one (the same
+    bytes would be other state there). vLLM picks it per process from
+    ``VLLM_SSM_CONV_STATE_LAYOUT`` (its CPU platform sets DS only for connectors
+    named ``Nixl*``), so two instances started with different settings disagree.
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return ConvLayout(get_conv_state_layout())
 
 
 def kv_groups(kv_cache_config: Any) -> KVGroups:
@@ -210,7 +227,29 @@ def kv_groups(kv_cache_config: Any) -> KVGroups:
         int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0) if group.is_state else 0
         for g, group in zip(raw, groups, strict=True)
     )
-    return KVGroups(groups=groups, layer_groups=layer_groups, spec_slots=spec_slots)
+    state_parts = {
+        i: _state_bytes(g.kv_cache_spec)
+        for i, (g, group) in enumerate(zip(raw, groups, strict=True))
+        if group.is_state
+    }
+    return KVGroups(
+        groups=groups, layer_groups=layer_groups, spec_slots=spec_slots, state_parts=state_parts
+    )
+
+
+def _state_bytes(spec: Any) -> tuple[int, ...]:
+    """Bytes of each state of a ``MambaSpec`` slot (``shapes`` x ``dtypes``); () when
+    the spec does not say (the slot is then described as one region)."""
+    shapes, dtypes = getattr(spec, "shapes", None), getattr(spec, "dtypes", None)
+    if not shapes or not dtypes or len(shapes) != len(dtypes):
+        return ()
+    out = []
+    for shape, dtype in zip(shapes, dtypes, strict=True):
+        count = 1
+        for d in shape:
+            count *= int(d)
+        out.append(count * int(getattr(dtype, "itemsize", 0)))
+    return tuple(out) if all(out) else ()
 
 
 def check_parallelism(parallel_config: Any) -> None:

@@ -179,15 +179,16 @@ class WorkerSide:
         plan_options: PlanOptions | None = None,
         interior: tuple[Interior, Interior] | None = CPU_VEC_INTERIOR,
         head_regions: bool = False,
+        state_parts: Mapping[int, Sequence[int]] | None = None,
     ) -> WorkerSide:
         """Describe vLLM's KV cache, build the Agent with ``agent_factory`` (in vLLM:
         :func:`kvxfer.adapters.vllm.startup.agent_factory`), register it and serve.
 
-        ``groups``, ``layer_groups``, ``interior``, ``head_regions`` and ``first_head``
-        are as in :func:`describe_kv_caches`; ``plan_options`` the Agent's. The descriptor table
-        is built here once, so a mode this layout cannot support fails now, at start-up
-        (``ConfigError`` naming key, value and rule), even when device-to-device
-        registration itself waits for the first step.
+        ``groups``, ``layer_groups``, ``interior``, ``head_regions``, ``first_head`` and
+        ``state_parts`` are as in :func:`describe_kv_caches`; ``plan_options`` the
+        Agent's. The descriptor table is built here once, so a mode this layout cannot
+        support fails now, at start-up (``ConfigError`` naming key, value and rule),
+        even when device-to-device registration itself waits for the first step.
         """
         options = plan_options if plan_options is not None else PlanOptions()
         layout = describe_kv_caches(
@@ -201,6 +202,7 @@ class WorkerSide:
             tp_rank=tp_rank,
             first_head=first_head,
             head_regions=head_regions,
+            state_parts=state_parts,
             token_major_groups=token_major_groups(
                 groups if groups is not None else (Group(kind=GroupKind.FULL),),
                 block_size,

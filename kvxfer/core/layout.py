@@ -29,6 +29,7 @@ import msgspec
 from kvxfer.errors import LayoutError
 
 __all__ = [
+    "ConvLayout",
     "Group",
     "GroupKind",
     "KVLayout",
@@ -84,6 +85,19 @@ class GroupKind(enum.Enum):
     STATE = "state"
 
 
+class ConvLayout(enum.Enum):
+    """How a state group's convolution state orders one slot (vLLM's
+    ``VLLM_SSM_CONV_STATE_LAYOUT``): ``(state_len, dim)`` or ``(dim, state_len)``.
+
+    kvxfer moves a slot whole, so either order works, but both sides must use the
+    same one: the same bytes mean different state under the other order, with the
+    same length. It is part of the group so that the handshake compares it.
+    """
+
+    SD = "SD"
+    DS = "DS"
+
+
 def _bad(owner: str, field: str, value: Any, rule: str) -> LayoutError:
     return LayoutError(f"{owner}.{field}={value!r}: {rule}")
 
@@ -103,10 +117,13 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         kind: full attention, sliding-window attention or recurrent state.
         window: the sliding window in tokens; > 0 iff ``kind`` is SLIDING.
+        conv_layout: a STATE group's conv-state order, where the engine states it
+            (None: not stated; never set on attention groups).
     """
 
     kind: GroupKind
     window: int = 0
+    conv_layout: ConvLayout | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GroupKind):
@@ -114,6 +131,15 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         _check_int("Group", "window", self.window, 0)
         if (self.kind is GroupKind.SLIDING) != (self.window > 0):
             raise _bad("Group", "window", self.window, "must be > 0 iff kind is sliding")
+        if self.conv_layout is not None and (
+            not isinstance(self.conv_layout, ConvLayout) or self.kind is not GroupKind.STATE
+        ):
+            raise _bad(
+                "Group",
+                "conv_layout",
+                self.conv_layout,
+                "must be a ConvLayout, and only on a state group",
+            )
 
     @property
     def is_state(self) -> bool:
@@ -187,6 +213,14 @@ class Region(msgspec.Struct, frozen=True, kw_only=True):
     def end(self) -> int:
         """One past the last byte of the last block."""
         return self.base + (self.num_blocks - 1) * self.stride + self.block_len
+
+
+def _group_summary(g: Group) -> str:
+    if g.kind is GroupKind.SLIDING:
+        return f"sliding(w={g.window})"
+    if g.conv_layout is not None:
+        return f"state(conv={g.conv_layout.value})"
+    return "state" if g.kind is GroupKind.STATE else "full"
 
 
 def _default_groups() -> tuple[Group, ...]:
@@ -348,10 +382,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
 
     def summary(self) -> str:
         """One line describing the layout, for logs and ``kvxfer probe``."""
-        groups = ",".join(
-            f"sliding(w={g.window})" if g.kind is GroupKind.SLIDING else g.kind.value
-            for g in self.groups
-        )
+        groups = ",".join(_group_summary(g) for g in self.groups)
         layers = len({r.layer for r in self.regions})
         parts = "/".join(sorted({r.part.value for r in self.regions}))
         lens = sorted({r.block_len for r in self.regions})

@@ -208,6 +208,7 @@ def layouts(
     sliding: bool = True,
     nesting: bool | None = None,
     placement: Placement | None = None,
+    state: bool = False,
 ) -> KVLayout:
     """Valid layouts; every sliding window divides the block size (R-DESC-4).
 
@@ -221,6 +222,8 @@ def layouts(
             range; ``False``: TOKEN-split layouts with a sliding group whose window does
             neither (it straddles shards); ``None``: both.
         placement: where the regions sit; ``None`` draws one.
+        state: add a recurrent-state group (Mamba2 / GDN): its layers hold a conv
+            and an SSM region each, of any slot length (a multiple of nothing).
     """
     if nesting is False:
         # Only TOKEN shards make a window that divides the block straddle descriptors.
@@ -255,6 +258,10 @@ def layouts(
             groups.append(Group(kind=GroupKind.SLIDING, window=draw(st.sampled_from(windows))))
         if draw(st.booleans()):
             groups.reverse()  # sliding groups need not come after the full one
+    if state:
+        # At a random place among the groups; at least one layer of each group.
+        groups.insert(draw(st.integers(0, len(groups))), Group(kind=GroupKind.STATE))
+        num_layers = max(num_layers, len(groups))
     parts = draw(st.sampled_from([(KVPart.KV,), (KVPart.K, KVPart.V)]))
     num_blocks = draw(st.integers(1, max_blocks))
     mem = draw(st.sampled_from(MemKind))
@@ -263,6 +270,13 @@ def layouts(
     specs: list[tuple[int, KVPart, int, int, int]] = []
     for layer in range(num_layers):
         token_bytes = draw(st.integers(1, 4))
+        if groups[layer % len(groups)].is_state:
+            # State slots are not split into shards or tokens: one region per part.
+            for part in (KVPart.CONV, KVPart.SSM):
+                specs.append(
+                    (layer, part, 0, layer % len(groups), draw(st.integers(1, 3 * tokens)))
+                )
+            continue
         for part in parts:
             for shard in range(num_shards):
                 specs.append((layer, part, shard, layer % len(groups), tokens * token_bytes))
@@ -339,7 +353,13 @@ def requests(
     num_tokens = 0 if draw(_RARELY) else draw(st.integers(1, capacity * bs))
     needed = -(-num_tokens // bs)
     mine, theirs = [], []
-    for _ in local.groups:
+    for group in local.groups:
+        if group.is_state:
+            # State slots, whatever the token count: mostly the one running slot.
+            count = draw(st.sampled_from((1, 1, 1, 2))) if capacity > 1 else 1
+            mine.append(draw(block_lists(local.num_blocks, count)))
+            theirs.append(draw(block_lists(remote.num_blocks, count)))
+            continue
         full = not prefix_hits or draw(st.booleans())
         count = needed if full else draw(st.integers(min(needed, 1), needed))
         mine.append(draw(block_lists(local.num_blocks, count)))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 # Bump when the build procedure changes in a way the parameters do not capture.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 3
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = REPO_ROOT / ".cache" / "e2e-models"
@@ -226,10 +226,13 @@ def _state_model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
         return transformers.GraniteMoeHybridForCausalLM, config
     config = transformers.Qwen3NextConfig(
         **common,
-        head_dim=spec.head_dim,
+        # vLLM sizes the attention block so that one page holds a state slot (here
+        # 2304 B of conv + 64 KiB of float32 SSM state): 2 KV heads of 128 give
+        # 1 KiB per token, so 128-token blocks, as the Mamba2 model has.
+        head_dim=128,
         layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in layers],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
@@ -255,9 +258,13 @@ def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                # Gemma's (and Qwen3-Next's) RMSNorm scales by (1 + weight): zero is
-                # its identity.
+            if name.endswith("linear_attn.norm.weight"):
+                # Qwen3-Next's gated norm of the Gated DeltaNet output scales by the
+                # weight itself (zero would silence every GDN layer and its state).
+                param.fill_(1.0)
+            elif name.endswith("norm.weight"):
+                # Gemma's (and Qwen3-Next's other) RMSNorm scales by (1 + weight):
+                # zero is its identity.
                 param.fill_(0.0 if spec.arch in ("gemma3", "qwen3_next") else 1.0)
             elif name.endswith(("A_log", "dt_bias", ".D")):
                 pass  # the state decay parameters keep their stable defaults

@@ -41,7 +41,7 @@ from kvxfer.adapters.vllm.startup import (
 from kvxfer.adapters.vllm.worker import WorkerSide
 from kvxfer.agent import PushPost
 from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS
-from kvxfer.core.layout import Group, GroupKind
+from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVPart
 from kvxfer.errors import ConfigError, KvxferError, RailError
 from kvxfer.testing.fake_backend import Faults
 from kvxfer.types import Direction, Role
@@ -753,6 +753,10 @@ class _MambaType(enum.Enum):  # vLLM's MambaAttentionBackendEnum members, by nam
 class MambaSpec:
     mamba_type: _MambaType = _MambaType.MAMBA2
     num_speculative_blocks: int = 0
+    # The tiny Mamba2 hybrid of tests/e2e/model.py: conv (3, 320) bf16, SSM (8, 32, 16)
+    # float32 (vLLM's CPU build keeps SSM state in float32).
+    shapes: tuple[tuple[int, ...], ...] = ((3, 320), (8, 32, 16))
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass
@@ -808,6 +812,8 @@ def test_kv_groups_read_mamba2_and_gdn_state_and_mla_and_refuse_other_state() ->
         )
         assert [g.kind for g in found.groups] == [GroupKind.STATE, GroupKind.FULL]
         assert found.has_state and not found.hybrid and found.spec_slots == (2, 0)
+        assert found.state_parts == {0: (3 * 320 * 2, 8 * 32 * 16 * 4)}
+        assert found.groups[0].conv_layout is ConvLayout.SD  # vLLM's CPU default
     mla = kv_groups(_KVCacheConfig([_KVGroup(MLAAttentionSpec(), ["l.0"])]))
     assert mla.groups == (Group(kind=GroupKind.FULL),)
     for kind in (_MambaType.MAMBA1, _MambaType.SHORT_CONV, _MambaType.LINEAR):
@@ -1100,3 +1106,54 @@ def test_host_bounce_hold_does_not_restage_what_was_staged_after_the_forward(
         assert len(copies) == 2
     finally:
         p.close()
+
+
+def test_a_state_layers_byte_pages_are_described_as_its_conv_and_ssm_regions() -> None:
+    from kvxfer.adapters.vllm.worker import describe_kv_caches
+
+    conv, ssm = 3 * 320 * 2, 8 * 32 * 16 * 4
+    page = 32768  # the attention layer's page: the state slot sits at its start
+    raw = torch.zeros(NUM_BLOCKS * page, dtype=torch.int8)
+    # vLLM 0.32's views over one backing buffer: the state layer's (B, 1, 1, bytes)
+    # pages, and the attention layer's (B, heads, block, 2 * head) pages, sharing it.
+    state = torch.as_strided(raw, (NUM_BLOCKS, 1, 1, conv + ssm), (page, page, page, 1))
+    attn = raw.view(torch.bfloat16).view(NUM_BLOCKS, 2, BS, page // (2 * BS * 2))
+    groups = (Group(kind=GroupKind.STATE, conv_layout=ConvLayout.SD), Group(kind=GroupKind.FULL))
+    caches = {"l.0.mixer": state, "l.1.attn": attn}
+    layout = describe_kv_caches(
+        caches,
+        block_size=BS,
+        num_blocks=NUM_BLOCKS,
+        kv_layout="NHD",
+        groups=groups,
+        layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
+        state_parts={0: (conv, ssm)},
+    )
+    by_part = {(r.layer, r.part): r for r in layout.regions}
+    assert by_part[(0, KVPart.CONV)].block_len == conv
+    assert by_part[(0, KVPart.SSM)].block_len == ssm
+    assert by_part[(0, KVPart.SSM)].base == by_part[(0, KVPart.CONV)].base + conv
+    assert {r.stride for r in layout.regions} == {page}
+    assert "parts=conv/kv/ssm" in layout.summary() and "state(conv=SD)" in layout.summary()
+    # Without the sizes the slot is one region (moved whole all the same).
+    whole = describe_kv_caches(
+        caches,
+        block_size=BS,
+        num_blocks=NUM_BLOCKS,
+        kv_layout="NHD",
+        groups=groups,
+        layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
+    )
+    assert [r.block_len for r in whole.regions if r.layer == 0] == [conv + ssm]
+    with pytest.raises(
+        ConfigError, match=r"kv_caches\['l.0.mixer'\]=.*states' \[1920, 16000\] bytes"
+    ):
+        describe_kv_caches(
+            caches,
+            block_size=BS,
+            num_blocks=NUM_BLOCKS,
+            kv_layout="NHD",
+            groups=groups,
+            layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
+            state_parts={0: (conv, 16000)},
+        )

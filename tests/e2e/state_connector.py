@@ -1,0 +1,103 @@
+"""kvxfer's connectors with one recurrent-state element corrupted on arrival, for the
+negative control of tests/e2e/test_pd_state.py.
+
+Load with ``kv_connector_module_path="tests.e2e.state_connector"`` and the usual
+``kv_connector`` name. With ``$KVXFER_E2E_FLIP_STATE=1`` in the consumer's
+environment, every load that lands for a request whose id contains :data:`FLIP_MARK`
+has one element of its running state slot changed before vLLM learns the load is over
+(so before decode's first forward reads it): the first element of the temporal SSM
+state of the first Mamba2 / Gated DeltaNet layer gets its high exponent bit flipped
+(an element of 0.01 becomes ~1e36). That is what a byte corrupted in flight looks like
+to decode; if decode's output does not change, decode
+did not use the state kvxfer moved.
+
+Other requests, and every request without the variable, go through kvxfer's
+connectors unchanged, so one decode instance serves both the equality checks and the
+control.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from kvxfer.adapters.vllm import connector as kvxfer_connector
+from kvxfer.adapters.vllm.scheduler import LoadSpec
+
+__all__ = [
+    "ENV",
+    "FLIP_MARK",
+    "RblnNixlPullConnector",
+    "RblnNixlPushConnector",
+    "StateFlipConnector",
+]
+
+ENV = "KVXFER_E2E_FLIP_STATE"
+#: Marks the requests (in ``X-Request-Id``) whose state is corrupted.
+FLIP_MARK = "flip-state"
+
+log = logging.getLogger("kvxfer.adapters.vllm")
+
+
+class StateFlipConnector(kvxfer_connector._RblnNixlBase):
+    """Mix-in over one of kvxfer's connector classes (see the module docstring)."""
+
+    _flip_state: tuple[int, torch.Tensor] | None = None
+    _flip_loads: dict[str, LoadSpec]
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if os.environ.get(ENV) != "1":
+            return
+        self._flip_loads = {}
+        state_groups = [g for g, grp in enumerate(self._groups.groups) if grp.is_state]
+        context = self._vllm_config.compilation_config.static_forward_context
+        for name in kv_caches:
+            g = int(self._groups.layer_groups.get(name, -1))
+            if g in state_groups:
+                # vLLM hands kvxfer a state layer's raw pages; the layer itself keeps
+                # its views of them: (conv state, temporal SSM state), slot first.
+                states = context[name].kv_cache
+                self._flip_state = (g, states[-1])
+                log.warning("kvxfer e2e: corrupting the SSM state of %s on marked loads", name)
+                return
+        raise RuntimeError(f"{ENV}=1 but no state layer among {sorted(kv_caches)}")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        if self._flip_state is None or not isinstance(
+            meta, kvxfer_connector.KvxferConnectorMetadata
+        ):
+            return
+        for load in meta.plan.loads:
+            if FLIP_MARK in load.request_id:
+                self._flip_loads[load.request_id] = load
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._flip_state is None:
+            return results
+        g, ssm = self._flip_state
+        failed = set(results.failed_recving or ())
+        for rid in results.finished_recving or ():
+            load = self._flip_loads.pop(rid, None)
+            if load is None or rid in failed:
+                continue
+            (slot,) = load.local_blocks[g]
+            # The high exponent bit of the first element (little-endian: its last
+            # byte): one flipped bit, as a bad link would flip it.
+            ssm[slot].view(-1)[:1].view(torch.uint8)[-1] ^= 0x40
+            log.warning("kvxfer e2e: SSM state of slot %d of %s corrupted", slot, rid)
+        return results
+
+
+class RblnNixlPullConnector(StateFlipConnector, kvxfer_connector.RblnNixlPullConnector):
+    """kvxfer's pull connector, corrupting one state element of marked loads."""
+
+
+class RblnNixlPushConnector(StateFlipConnector, kvxfer_connector.RblnNixlPushConnector):
+    """kvxfer's push connector, corrupting one state element of marked loads."""
