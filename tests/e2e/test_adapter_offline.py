@@ -32,6 +32,7 @@ from kvxfer.adapters.vllm.scheduler import (
 )
 from kvxfer.adapters.vllm.startup import (
     check_model_support,
+    check_parallelism,
     data_plane_rails,
     kv_groups,
     positive_seconds,
@@ -1157,3 +1158,25 @@ def test_a_state_layers_byte_pages_are_described_as_its_conv_and_ssm_regions() -
             layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
             state_parts={0: (conv, 16000)},
         )
+
+
+@dataclasses.dataclass
+class _Parallel:
+    pipeline_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    tensor_parallel_size: int = 4
+
+
+def test_pipeline_and_context_parallelism_are_refused_at_start_up() -> None:
+    check_parallelism(_Parallel())  # TP alone is fine
+    for key in (
+        "pipeline_parallel_size",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ):
+        with pytest.raises(ConfigError) as err:
+            check_parallelism(_Parallel(**{key: 2}))
+        assert str(err.value).startswith(f"{key}=2: "), err.value
+    # An older vLLM without the context-parallel keys is not refused for lacking them.
+    check_parallelism(object())
