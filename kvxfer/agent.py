@@ -86,6 +86,7 @@ class Agent:
         self._producer, self._push = parts.producer, parts.push
         self._puller, self._receiver = parts.puller, parts.receiver
         self._receptions, self._registrar = parts.receptions, parts.registrar
+        self._renewer = parts.renewer
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -385,6 +386,26 @@ class Agent:
         return self._puller.pull(
             ticket, local_blocks, num_tokens=num_tokens, cached_blocks=cached_blocks
         )
+
+    def renew(self, tickets: Sequence[Ticket]) -> list[float]:
+        """Ask the producers of ``tickets`` to keep holding them: this consumer still
+        means to read them (a request waiting in its engine's queue). Blocks on the
+        side channel (a few seconds at most per producer); never raises for transport
+        trouble.
+
+        Each producer rank extends a hold it has for the ticket's capability to its
+        ``lease_s`` from now. Returns, per ticket, the new expiry (wall clock; the
+        earliest over its producer ranks across TP sizes), or 0.0 where it was not
+        renewed (the hold is gone, or the producer did not answer). Pass the renewed
+        expiry on to the pull (``msgspec.structs.replace(ticket, lease_expiry=...)``):
+        a pull checks the ticket's expiry, less ``lease_guard_s``, before it reads.
+        """
+        return self._renewer.renew(tickets)
+
+    def renew_later(self, tickets: Sequence[Ticket], done: Callable[[list[float]], None]) -> bool:
+        """:meth:`renew` on one of the agent's io threads, then ``done(expiries)`` on
+        it (quick; must not block). False, and nothing sent, once the agent closes."""
+        return self._renewer.renew_later(tickets, done)
 
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
         """Give up a request: this agent's own transfers of it fail at once (FAILED,

@@ -229,6 +229,12 @@ class AgentStats(msgspec.Struct, kw_only=True):
     leases_released: int = 0
     leases_expired: int = 0
     leases_aborted: int = 0
+    #: Producer: holds whose lease a consumer's Renew extended (one per hold per Renew).
+    leases_renewed: int = 0
+    #: Consumer: holds this agent asked a producer to keep (one per hold per Renew),
+    #: and of those the ones not renewed (no such hold there, or the Renew failed).
+    renewals_sent: int = 0
+    renewals_refused: int = 0
     failures: dict[str, int] = msgspec.field(default_factory=dict)
     #: Failed transfers by :class:`~kvxfer.transfer.FailureStage` value (R-SAFE-4).
     failures_by_stage: dict[str, int] = msgspec.field(default_factory=dict)

@@ -24,6 +24,7 @@ from kvxfer._agent.push_write import PushWriter
 from kvxfer._agent.readers import ReaderCount
 from kvxfer._agent.receptions import Receptions
 from kvxfer._agent.registrar import Registrar
+from kvxfer._agent.renewals import Renewer
 from kvxfer._agent.runtime import Runtime
 from kvxfer._agent.side_channel import Answers, SideChannel
 from kvxfer._agent.tp_producers import ProducerGroup
@@ -82,6 +83,7 @@ class Parts:
         puller: A consumer's pulls.
         receiver: A consumer's push receptions.
         registrar: Registered memory.
+        renewer: A consumer's lease renewals.
     """
 
     local: LocalEnd
@@ -97,6 +99,7 @@ class Parts:
     puller: Puller
     receiver: PushReceiver
     registrar: Registrar
+    renewer: Renewer
 
 
 def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
@@ -137,7 +140,11 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
     holds = HoldDesk(local, leases, readers, lock)
     # What peers may send once handshaken, each to the part that owns it.
     answers = Answers(
-        handlers={wire.Release: holds.release, wire.PushRegister: push.on_register},
+        handlers={
+            wire.Release: holds.release,
+            wire.Renew: holds.renew,
+            wire.PushRegister: push.on_register,
+        },
         hold_state=holds.state,
         welcomed=connected,
     )
@@ -158,4 +165,5 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         puller=Puller(local, peers, runtime, side, io, tp, group),
         receiver=PushReceiver(local, runtime, receptions, side, io, group, backend.agent_name),
         registrar=Registrar(local, backend, leases, lock, prefix),
+        renewer=Renewer(side, group, io, stats, lock),
     )

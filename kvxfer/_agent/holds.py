@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.leases import Lease, LeaseBook
@@ -68,6 +69,7 @@ class HoldDesk:
         leases = self._leases
         lease = leases.lease(request_id, groups, num_tokens, expiry)
         lease.blocks, lease.num_tokens, lease.expiry = groups, num_tokens, expiry
+        lease.duration = max(expiry - time.time(), 0.0)  # what a renewal extends by
         leases.arm(lease, capability, guard, pin=pin)  # its token and guard word
         ticket = self._ticket(lease, address, guard)
         if leases.take_early(request_id):
@@ -122,6 +124,23 @@ class HoldDesk:
                 leases.free(msg.request_id, why)
         log.debug("peer asked to release %s (%s)", msg.request_id, msg.reason)
         return wire.Ack(request_id=msg.request_id)
+
+    def renew(self, msg: wire.Renew) -> wire.Message:
+        """A consumer's Renew (on a side-channel worker thread): each named hold this
+        producer has for that capability runs its lease's length from now, at least
+        (the ``lease_s`` its hold() was given)."""
+        now, default = time.time(), self._local.config.lease_s
+        with self._lock:
+            expiries = tuple(
+                self._leases.renew(h.request_id, h.capability, now, default) for h in msg.holds
+            )
+        log.debug(
+            "peer %s renewed %d of %d hold(s)",
+            msg.engine_id,
+            sum(map(bool, expiries)),
+            len(expiries),
+        )
+        return wire.Renewed(expiries=expiries)
 
     def state(self, request_id: str, capability: str) -> tuple[wire.HoldState | None, str]:
         """How the hold of ``request_id`` stands, for a Ping showing ``capability``

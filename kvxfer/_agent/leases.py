@@ -81,6 +81,7 @@ class Lease(msgspec.Struct, kw_only=True):
     targets: dict[int, Target] = msgspec.field(default_factory=dict)
     readers: int = 1  # push: consumer ranks to write to before the hold ends
     ready: bool = False  # prefill finished (hold() called), for push
+    duration: float = 0.0  # the lease's length at hold(): what a Renew extends it by
     writes: list[Transfer] = msgspec.field(default_factory=list)
     capability: str = ""  # the hold's token (in its ticket)
     # push: the hold's capability came from the caller (the router minted it and gave it
@@ -223,6 +224,24 @@ class LeaseBook:
         """A push registration made a lease that waits for its hold()."""
         if not self.held[request_id].ready:
             self._pending.add(request_id)
+
+    def renew(self, request_id: str, capability: str, now: float, default_s: float) -> float:
+        """Extend a held request's lease to its length (``Lease.duration``, else
+        ``default_s``) from ``now`` (wall clock), never shortening it.
+
+        Returns:
+            The lease's expiry now, or 0.0 when nothing of that id is held for
+            ``capability`` (a wrong capability is counted as a reject).
+        """
+        lease = self.held.get(request_id)
+        if lease is None:
+            return 0.0
+        if not self.authorized(lease, capability):
+            self.reject()
+            return 0.0
+        lease.expiry = max(lease.expiry, now + (lease.duration or default_s))
+        self._stats.leases_renewed += 1
+        return lease.expiry
 
     def reject(self) -> None:
         """Count a message refused for a wrong capability."""

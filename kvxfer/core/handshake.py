@@ -257,7 +257,7 @@ class Responder:
         Decoding, authentication, the compatibility check, a Ping and every rejection
         of those are answered here at once (a Ping within milliseconds whatever else
         runs, R-SAFE-6). A Hello (its Welcome asks the transport for its metadata) and a
-        PushRegister or Release (they take the agent's lock) come back as a callable
+        PushRegister, Release or Renew (they take the agent's lock) come back as a callable
         that computes the reply, never raising, for the caller to run on another thread.
         """
         reply_to = b""
@@ -276,7 +276,7 @@ class Responder:
             if isinstance(message, wire.Hello):
                 self._check_compat(frame, message.engine_id)
                 return partial(self._finish, partial(self._hello, message), reply_to)
-            if isinstance(message, wire.PushRegister | wire.Release):
+            if isinstance(message, wire.PushRegister | wire.Release | wire.Renew):
                 self._check_compat(frame, message.engine_id)
                 return partial(self._finish, partial(self._hook, message), reply_to)
             raise _Refusal(

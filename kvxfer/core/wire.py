@@ -82,6 +82,9 @@ __all__ = [
     "Reject",
     "RejectCode",
     "Release",
+    "Renew",
+    "RenewHold",
+    "Renewed",
     "Welcome",
     "WireMessage",
     "capability_matches",
@@ -114,6 +117,8 @@ Text = Annotated[str, Meta(max_length=4096)]
 Incarnation = Annotated[int, Meta(ge=0, le=_MAX_INT64)]
 Count = Annotated[int, Meta(ge=0, le=_MAX_INT64)]
 Seconds = Annotated[float, Meta(ge=0, le=1e9)]
+#: A wall-clock time (``time.time()``), 0.0 for "none".
+WallTime = Annotated[float, Meta(ge=0, le=1e11)]
 CompatHash = Annotated[str, Meta(max_length=128)]
 Rails = Annotated[tuple[Name, ...], Meta(max_length=256)]
 #: Block ids per KV-cache group (one tuple per group).
@@ -278,6 +283,39 @@ class Release(WireMessage, frozen=True, kw_only=True, tag="release"):
     done: bool = False
 
 
+#: Holds one Renew may name (a consumer with more sends several).
+MAX_RENEW: Final = 256
+
+
+class RenewHold(msgspec.Struct, frozen=True, array_like=True):
+    """One hold a :class:`Renew` asks to keep: its request id and capability."""
+
+    request_id: RequestId
+    capability: Capability = ""
+
+
+class Renew(WireMessage, frozen=True, kw_only=True, tag="renew"):
+    """Consumer → producer: these requests are still queued for a read; keep holding.
+
+    A producer extends each hold it has, and whose capability matches, to ``lease_s``
+    from now (never shortens one) and answers :class:`Renewed`. A consumer that stops
+    renewing (it died, or read) lets the hold end at its expiry as before.
+    """
+
+    holds: Annotated[tuple[RenewHold, ...], Meta(max_length=MAX_RENEW)]
+    engine_id: Name = ""
+
+
+class Renewed(WireMessage, frozen=True, kw_only=True, tag="renewed"):
+    """Producer → consumer: the answer to a :class:`Renew`, one entry per hold named.
+
+    ``expiries[i]``: the wall-clock end of hold *i*'s lease now, or 0.0 when the
+    producer has no such hold for that capability (freed, expired, never held).
+    """
+
+    expiries: Annotated[tuple[WallTime, ...], Meta(max_length=MAX_RENEW)] = ()
+
+
 class Ack(WireMessage, frozen=True, kw_only=True, tag="ack"):
     """Responder → initiator: a non-handshake message was accepted."""
 
@@ -360,7 +398,9 @@ class Notice(WireMessage, frozen=True, kw_only=True, tag="notice"):
     source: Count = 0
 
 
-Message: TypeAlias = Hello | Welcome | Reject | PushRegister | Release | Ack | Ping | Pong | Notice
+Message: TypeAlias = (
+    Hello | Welcome | Reject | PushRegister | Release | Renew | Renewed | Ack | Ping | Pong | Notice
+)
 
 
 class Auth(msgspec.Struct, frozen=True, array_like=True):
