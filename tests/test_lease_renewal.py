@@ -6,13 +6,16 @@ In-process Agents on the fake backend, real side-channel sockets between them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
 
+from kvxfer.adapters.vllm.scheduler import MAX_RENEW_S, MIN_RENEW_S, SchedulerSide
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.core.compat import Fingerprint
@@ -140,3 +143,76 @@ def test_renew_later_answers_on_a_worker_and_a_dead_producer_gives_zero(
     start = time.monotonic()
     assert consumer.renew([ticket]) == [0.0]
     assert time.monotonic() - start < 10
+
+
+# --- the vLLM scheduler side: which waiting requests renew, and when they stop ------
+
+
+def _ticket_params(expiry: float) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_request_id": "cmpl-x-0-abcdef12",
+        "remote_block_ids": [[1, 2]],
+        "remote_num_tokens": 32,
+        "lease_expiry": expiry,
+        "tp_size": 1,
+    }
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    num_prompt_tokens: int = 32
+    num_computed_tokens: int = 0
+    status: str = "WAITING"
+
+
+def _scheduler(role: Role = Role.CONSUMER, direction: Direction = Direction.PULL) -> SchedulerSide:
+    return SchedulerSide(engine_id="d-0", role=role, direction=direction, block_size=16)
+
+
+def test_a_waiting_pull_request_renews_every_third_of_its_lease_until_scheduled() -> None:
+    s = _scheduler()
+    req = _Request("d-1", _ticket_params(time.time() + 3 * MIN_RENEW_S))
+    s.on_new_request(req)
+    assert s.build_step_plan().renewals == []  # not due yet
+    time.sleep(MIN_RENEW_S * 1.2)
+    (renewal,) = s.build_step_plan().renewals
+    assert renewal.request_id == "d-1" and renewal.transfer_id == "cmpl-x-0-abcdef12"
+    assert renewal.remote_params["remote_host"] == "127.0.0.1"
+    assert s.build_step_plan().renewals == []  # once per interval
+    time.sleep(MIN_RENEW_S * 1.2)
+    assert len(s.build_step_plan().renewals) == 1
+    # Scheduled: its load starts this step, with whatever expiry the renewals won.
+    s.update_state_after_alloc(req, [[5, 6]], 32, 0)
+    time.sleep(MIN_RENEW_S * 1.2)
+    plan = s.build_step_plan()
+    assert plan.renewals == [] and len(plan.loads) == 1
+
+
+def test_renewals_stop_when_the_request_ends_and_start_only_where_they_mean_something() -> None:
+    s = _scheduler()
+    aborted = _Request("d-2", _ticket_params(time.time() + 0.6))
+    s.on_new_request(aborted)
+    s.request_finished(aborted, [[]])
+    time.sleep(MIN_RENEW_S * 1.2)
+    assert s.build_step_plan().renewals == []
+    for req, side in (
+        (_Request("d-3", _ticket_params(time.time() - 1)), s),  # already over
+        (_Request("d-4", {**_ticket_params(0), "lease_expiry": None}), s),  # no expiry
+        (_Request("d-5", None), s),  # a plain request
+        (_Request("d-6", _ticket_params(time.time() + 0.6)), _scheduler(Role.PRODUCER)),
+        (_Request("d-7", _ticket_params(time.time() + 0.6)), _scheduler(direction=Direction.PUSH)),
+    ):
+        side.on_new_request(req)
+        time.sleep(MIN_RENEW_S * 1.2)
+        assert side.build_step_plan().renewals == [], req.request_id
+    # A long lease is not renewed early (every MAX_RENEW_S, a third of the lease at most).
+    long = _scheduler()
+    long.on_new_request(_Request("d-8", _ticket_params(time.time() + 3600)))
+    time.sleep(MIN_RENEW_S * 1.2)
+    assert long.build_step_plan().renewals == [] and MAX_RENEW_S < 3600 / 3

@@ -71,6 +71,7 @@ __all__ = [
     "HoldSpec",
     "LoadSpec",
     "ReleaseSpec",
+    "RenewSpec",
     "RequestLike",
     "SchedulerSide",
     "StageSpec",
@@ -185,6 +186,28 @@ class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class RenewSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Consumer, pull: ask the producer named in ``remote_params`` to keep holding
+    ``transfer_id``; vLLM's request ``request_id`` still waits to be scheduled."""
+
+    request_id: str
+    transfer_id: str
+    remote_params: dict[str, Any]
+
+
+#: Bounds of the interval between two renewals of one waiting request: a third of
+#: the lease left when it arrived, so two renewals can fail before it runs out.
+MIN_RENEW_S = 0.2
+MAX_RENEW_S = 10.0
+
+
+class _Renewal(msgspec.Struct, kw_only=True):
+    transfer_id: str
+    params: dict[str, Any]
+    interval: float
+    next_at: float  # time.monotonic()
+
+
 class StepPlan(msgspec.Struct, kw_only=True):
     """What the worker must do this step (carried in the connector metadata)."""
 
@@ -195,9 +218,17 @@ class StepPlan(msgspec.Struct, kw_only=True):
     stages: list[StageSpec] = msgspec.field(default_factory=list)
     streams: list[StreamSpec] = msgspec.field(default_factory=list)
     releases: list[ReleaseSpec] = msgspec.field(default_factory=list)
+    renewals: list[RenewSpec] = msgspec.field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.loads or self.holds or self.stages or self.streams or self.releases)
+        return not (
+            self.loads
+            or self.holds
+            or self.stages
+            or self.streams
+            or self.releases
+            or self.renewals
+        )
 
 
 def running_slot(blocks: Sequence[int], spec_slots: int = 0) -> tuple[int, ...]:
@@ -326,6 +357,9 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._consumer: dict[str, _Consumer] = {}
         self._producing: dict[str, RequestLike] = {}  # do_remote_decode, not finished
+        # Consumer, pull: requests waiting to be scheduled whose producer's hold this
+        # instance renews until their load starts (or they end).
+        self._renewing: dict[str, _Renewal] = {}
         self._held: dict[str, float] = {}  # producer: request id -> lease expiry (wall)
         # Guard slots of the held requests: the lowest free one is taken, and a slot
         # comes back only when every rank reported the request freed (its word was
@@ -483,6 +517,8 @@ class SchedulerSide:
         if not self.is_consumer or not is_remote_prefill(params, self.direction):
             return
         assert params is not None
+        # Scheduled: its load (or release) starts in this step; no more renewals.
+        self._renewing.pop(rid, None)
         if rid in self._consumer:
             return  # the second call, after the load: nothing new
         transfer_id = self.transfer_id(request)
@@ -523,13 +559,46 @@ class SchedulerSide:
 
     # -- producer hooks ----------------------------------------------------------------
     def on_new_request(self, request: RequestLike) -> None:
-        """Track requests this producer prefills for a remote decode."""
+        """Track requests this producer prefills for a remote decode, and, on a pull
+        consumer, requests whose producer's hold must outlast their wait in vLLM's
+        queue (renewed every third of the lease left, see :class:`RenewSpec`)."""
         params = request.kv_transfer_params
+        if self.is_consumer and self.direction is Direction.PULL:
+            self._track_renewal(request)
         if self.is_producer and params and params.get("do_remote_decode"):
             if self.has_state:
                 hold_back_last_token(request)
             self._producing[request.request_id] = request
             timeline.mark("p_new", request.request_id)
+
+    def _track_renewal(self, request: RequestLike) -> None:
+        params = request.kv_transfer_params
+        if not is_remote_prefill(params, self.direction) or params is None:
+            return
+        expiry = params.get("lease_expiry")
+        if isinstance(expiry, bool) or not isinstance(expiry, int | float):
+            return  # a ticket without one (an earlier build): nothing to renew by
+        left = float(expiry) - time.time()
+        if not left > 0:
+            return  # already over: its load fails closed (lease_expired)
+        interval = min(max(left / 3, MIN_RENEW_S), MAX_RENEW_S)
+        self._renewing[request.request_id] = _Renewal(
+            transfer_id=self.transfer_id(request),
+            params=dict(params),
+            interval=interval,
+            next_at=time.monotonic() + interval,
+        )
+
+    def _due_renewals(self) -> list[RenewSpec]:
+        now = time.monotonic()
+        due = []
+        for rid, r in self._renewing.items():
+            if r.next_at <= now:
+                r.next_at = now + r.interval
+                due.append(
+                    RenewSpec(request_id=rid, transfer_id=r.transfer_id, remote_params=r.params)
+                )
+        return due
 
     # -- step --------------------------------------------------------------------------
     def build_step_plan(
@@ -548,6 +617,8 @@ class SchedulerSide:
                 req = self._producing.get(rid)
                 if req is not None:
                     self._after_forward(req, int(n), block_ids_of)
+        if self._renewing:
+            self._plan.renewals.extend(self._due_renewals())
         plan, self._plan = self._plan, StepPlan(step=self._plan.step + 1)
         plan.idle = num_scheduled_tokens is not None and not num_scheduled_tokens
         return plan
@@ -633,6 +704,7 @@ class SchedulerSide:
         rid = request.request_id
         params = request.kv_transfer_params or {}
         self._producing.pop(rid, None)
+        self._renewing.pop(rid, None)
         state = self._consumer.pop(rid, None)
         if self.is_consumer and is_remote_prefill(params, self.direction) and state is None:
             # Finished (aborted) before update_state_after_alloc: nothing was pulled.

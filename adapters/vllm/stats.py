@@ -81,6 +81,26 @@ SERIES: tuple[Series, ...] = (
         "num_leases_aborted",
     ),
     Series(
+        "vllm:kvxfer_leases_renewed",
+        _C,
+        "Producer: holds whose lease a waiting consumer renewed (one per hold per renewal).",
+        "num_leases_renewed",
+    ),
+    Series(
+        "vllm:kvxfer_lease_renewals",
+        _C,
+        "Consumer, pull: producer holds this instance asked to keep while their request "
+        "waited to be scheduled (one per hold per renewal).",
+        "num_renewals_sent",
+    ),
+    Series(
+        "vllm:kvxfer_lease_renewals_refused",
+        _C,
+        "Consumer, pull: renewals not granted (the hold was gone, or its producer did "
+        "not answer); the load then fails closed if the lease ends first.",
+        "num_renewals_refused",
+    ),
+    Series(
         "vllm:kvxfer_push_writes",
         _C,
         "Push producer: KV WRITEs completed (push_stream: several per request).",

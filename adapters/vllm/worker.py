@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from kvxfer.adapters.vllm import timeline
 from kvxfer.adapters.vllm.ahead import ConnectAhead
 from kvxfer.adapters.vllm.cache_layout import (
@@ -36,7 +38,7 @@ from kvxfer.adapters.vllm.cache_layout import (
 )
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig
 from kvxfer.adapters.vllm.params import across_tp, pairing_error, release_ticket, remote_ticket
-from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, StepPlan
+from kvxfer.adapters.vllm.scheduler import Groups, LoadSpec, RenewSpec, StepPlan
 from kvxfer.agent import Agent
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions
 from kvxfer.core.layout import Group, GroupKind, KVLayout
@@ -140,6 +142,10 @@ class WorkerSide:
         # (R-SAFE-5): their blocks stay with vLLM until the transfer settles.
         self._failed_early: set[str] = set()
         self._released: set[str] = set()  # loads vLLM ended itself (an abort)
+        # Pull: lease expiries renewed for requests still waiting (transfer id -> wall
+        # clock), written by the agent's io thread, read when their load starts.
+        self._renewed: dict[str, float] = {}
+        self._renewed_lock = threading.Lock()
         # vLLM takes block-level load errors for a single KV cache group only; with
         # several (a hybrid model) a failed load is reported by request id alone.
         self._block_errors = len(layout.groups) == 1
@@ -288,6 +294,42 @@ class WorkerSide:
                 rid for rid, t in self._inflight.items() if t.request_id == rel.transfer_id
             )
             self._release_remote(rel.transfer_id, rel.remote_params, rel.reason)
+            with self._renewed_lock:
+                self._renewed.pop(rel.transfer_id, None)
+        if plan.renewals:
+            self._renew(plan.renewals)
+
+    def _renew(self, renewals: Sequence[RenewSpec]) -> None:
+        """Ask the producers of requests still waiting here to keep their holds (from
+        the agent's io thread); the expiries they answer replace the tickets' when the
+        loads start. A failed renewal only logs: the hold then ends as it would have."""
+        tickets, ids = [], []
+        for r in renewals:
+            try:
+                params = r.remote_params
+                tickets.append(
+                    release_ticket(
+                        params, tp_rank=self._paired_rank(params), transfer_id=r.transfer_id
+                    )
+                )
+                ids.append(r.transfer_id)
+            except Exception as exc:
+                log.warning("kvxfer: cannot renew %s: %s", r.request_id, exc)
+
+        def renewed(expiries: list[float]) -> None:
+            with self._renewed_lock:
+                for tid, expiry in zip(ids, expiries, strict=True):
+                    if expiry > 0:
+                        self._renewed[tid] = max(expiry, self._renewed.get(tid, 0.0))
+            if not all(expiries):
+                log.warning(
+                    "kvxfer: %d of %d producer hold(s) not renewed (gone or unreachable)",
+                    sum(1 for e in expiries if not e),
+                    len(expiries),
+                )
+
+        if tickets:
+            self.agent.renew_later(tickets, renewed)
 
     def after_forward(self, plan: StepPlan) -> None:
         """Producer, after the step's forward: stage the prompts it completed (host
@@ -350,6 +392,11 @@ class WorkerSide:
                 block_size=self.layout.block_size,
                 state=tuple(g.is_state for g in self.layout.groups),
             )
+            with self._renewed_lock:
+                renewed = self._renewed.pop(load.transfer_id, 0.0)
+            if renewed > ticket.lease_expiry > 0:
+                # The request waited here and its producer renewed the hold meanwhile.
+                ticket = msgspec.structs.replace(ticket, lease_expiry=renewed)
             # The ticket's blocks are already cut to the local ones (remote_ticket);
             # cached_blocks says which token positions they hold.
             start = agent.expect_push if self.config.direction is Direction.PUSH else agent.pull
@@ -511,6 +558,9 @@ _PRODUCER_COUNTERS = {
     "leases_released": "num_leases_released",
     "leases_expired": "num_leases_expired",
     "leases_aborted": "num_leases_aborted",
+    "leases_renewed": "num_leases_renewed",
+    "renewals_sent": "num_renewals_sent",
+    "renewals_refused": "num_renewals_refused",
     "handshakes": "num_handshakes",
     # failure accounting (issue 16), both roles
     "notices_failed": "num_failed_notifications",

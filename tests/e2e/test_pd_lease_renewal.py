@@ -1,0 +1,101 @@
+"""A decode request that waits in decode's queue longer than the producer's lease still
+gets its KV (issue 54): the pull consumer renews the hold while the request waits.
+
+Prefill holds each prompt for ``kv_lease_duration: 3`` seconds. Decode runs one
+sequence at a time (``--max-num-seqs 1``) and is kept busy by plain requests queued
+ahead of the P/D one, long enough that the P/D request waits over twice the lease.
+Checked: decode's output equals what the same engine computes from the prompt itself
+(the reference); prefill renewed the hold and none of its leases expired; decode sent
+renewals, none refused. Without renewals the same wait fails the load
+(``tests/test_lease_renewal.py`` shows the expiry and the refusal at the Agent).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .model import TinyModelSpec, build_tiny_model
+from .pd import PD_ENV, PDPair, decode, kv_config, prefill, tokens
+from .servers import free_port, start_server, wait_all_healthy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.own_servers]
+
+LEASE_S = 3.0
+NEW_TOKENS = 8
+#: Tokens each blocking request decodes (within the test bed's max model length).
+BLOCKER_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def lease_pair(e2e_log_dir: Path) -> Iterator[PDPair]:
+    model = build_tiny_model(TinyModelSpec())
+    servers = []
+    for role, kv_role, args in (
+        ("prefill", "kv_producer", ()),
+        ("decode", "kv_consumer", ("--max-num-seqs", "1")),
+    ):
+        servers.append(
+            start_server(
+                f"{role}-lease-renewal",
+                model,
+                e2e_log_dir,
+                kv_transfer_config=kv_config(kv_role, extra={"kv_lease_duration": LEASE_S}),
+                env={**PD_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                extra_args=args,
+                wait=False,
+            )
+        )
+    try:
+        wait_all_healthy(servers)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    pair = PDPair("lease", servers[0], servers[1])
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_request_queued_past_twice_the_lease_still_loads_its_kv(lease_pair: PDPair) -> None:
+    p, d = lease_pair.prefill, lease_pair.decode
+    rng = random.Random(54)
+    prompt = [rng.randrange(1, 500) for _ in range(70)]
+    ref = tokens(d.complete(prompt, max_tokens=NEW_TOKENS, logprobs=None, return_token_ids=True))
+    blocker = [rng.randrange(1, 500) for _ in range(20)]
+    start = time.monotonic()
+    d.complete(blocker, max_tokens=BLOCKER_TOKENS, logprobs=None, timeout=300)
+    one = time.monotonic() - start
+    # Enough blockers ahead that the P/D request waits 2.5 leases (one runs at a time).
+    count = max(2, math.ceil(2.5 * LEASE_S / one) + 1)
+    renewed_before = p.metric("vllm:kvxfer_leases_renewed_total")
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        queued = [
+            pool.submit(d.complete, blocker, max_tokens=BLOCKER_TOKENS, logprobs=None, timeout=300)
+            for _ in range(count)
+        ]
+        time.sleep(0.5)  # the blockers reach decode's queue first
+        rid = f"e2e-lease-{uuid.uuid4().hex[:12]}"
+        params = prefill(p, prompt, rid)
+        held = time.time()
+        got = decode(d, prompt, params, request_id=rid, max_tokens=NEW_TOKENS)
+        waited = time.time() - held
+        for f in queued:
+            f.result()
+    assert waited > 2 * LEASE_S, f"the request waited {waited:.1f} s only ({count} blockers)"
+    assert got == ref, "decode did not load the held KV"
+    assert p.metric("vllm:kvxfer_leases_renewed_total") > renewed_before
+    assert p.metric("vllm:kvxfer_leases_expired_total") == 0
+    assert d.metric("vllm:kvxfer_lease_renewals_total") > 0
+    assert d.metric("vllm:kvxfer_lease_renewals_refused_total") == 0
+    assert d.metric("vllm:kvxfer_failed_transfers_total") == 0
