@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import re
 import time
@@ -1120,16 +1121,16 @@ def test_a_state_layers_byte_pages_are_described_as_its_conv_and_ssm_regions() -
     state = torch.as_strided(raw, (NUM_BLOCKS, 1, 1, conv + ssm), (page, page, page, 1))
     attn = raw.view(torch.bfloat16).view(NUM_BLOCKS, 2, BS, page // (2 * BS * 2))
     groups = (Group(kind=GroupKind.STATE, conv_layout=ConvLayout.SD), Group(kind=GroupKind.FULL))
-    caches = {"l.0.mixer": state, "l.1.attn": attn}
-    layout = describe_kv_caches(
-        caches,
+    describe = functools.partial(
+        describe_kv_caches,
+        {"l.0.mixer": state, "l.1.attn": attn},
         block_size=BS,
         num_blocks=NUM_BLOCKS,
         kv_layout="NHD",
         groups=groups,
         layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
-        state_parts={0: (conv, ssm)},
     )
+    layout = describe(state_parts={0: (conv, ssm)})
     by_part = {(r.layer, r.part): r for r in layout.regions}
     assert by_part[(0, KVPart.CONV)].block_len == conv
     assert by_part[(0, KVPart.SSM)].block_len == ssm
@@ -1137,27 +1138,12 @@ def test_a_state_layers_byte_pages_are_described_as_its_conv_and_ssm_regions() -
     assert {r.stride for r in layout.regions} == {page}
     assert "parts=conv/kv/ssm" in layout.summary() and "state(conv=SD)" in layout.summary()
     # Without the sizes the slot is one region (moved whole all the same).
-    whole = describe_kv_caches(
-        caches,
-        block_size=BS,
-        num_blocks=NUM_BLOCKS,
-        kv_layout="NHD",
-        groups=groups,
-        layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
-    )
+    whole = describe()
     assert [r.block_len for r in whole.regions if r.layer == 0] == [conv + ssm]
     with pytest.raises(
         ConfigError, match=r"kv_caches\['l.0.mixer'\]=.*states' \[1920, 16000\] bytes"
     ):
-        describe_kv_caches(
-            caches,
-            block_size=BS,
-            num_blocks=NUM_BLOCKS,
-            kv_layout="NHD",
-            groups=groups,
-            layer_groups={"l.0.mixer": 0, "l.1.attn": 1},
-            state_parts={0: (conv, 16000)},
-        )
+        describe(state_parts={0: (conv, 16000)})
 
 
 @dataclasses.dataclass
