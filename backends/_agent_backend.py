@@ -42,7 +42,7 @@ from kvxfer.errors import BackendError, KvxferError, PeerError, RegistrationErro
 
 if TYPE_CHECKING:
     from kvxfer.core.block_lists import ChainLists
-    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.descriptors import DescriptorTable, Runs
     from kvxfer.core.layout import KVLayout
 
 __all__ = ["LANDING_WORDS", "MAX_CHAIN_LISTS", "AgentBackend", "merged_intervals"]
@@ -559,6 +559,39 @@ class AgentBackend(Backend):
             except Exception as exc:
                 what = f"{self._description}: {op.value} to {peer}"
                 raise nixl_error(exc, NixlCall.POST, what) from exc
+            return self._track(xfer, peer, op)
+
+    def post_runs(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        runs: Runs,
+        notification: bytes = b"",
+    ) -> XferHandle:
+        with self._lock:
+            agent = self._live()
+            if peer not in self._peers:
+                raise PeerError(f"unknown or removed peer {peer!r}")
+            if not self._posts_runs or self._local_rows is None:
+                raise BackendError(f"{self._description} posts no address runs")
+            remote_rows = self._peer_rows.get(peer)
+            remote_mem = remote_rows.mem if remote_rows is not None else self._local_rows.mem
+            local = np.stack(
+                [runs.local_addr, runs.length, runs.local_device.astype(np.uint64)], axis=1
+            )
+            remote = np.stack(
+                [runs.remote_addr, runs.length, runs.remote_device.astype(np.uint64)], axis=1
+            )
+            try:
+                xfer = cast(RunsEndpoint, agent).post_runs(
+                    op, self._local_rows.mem, local, peer, remote_mem, remote, notification
+                )
+            except KvxferError:
+                raise
+            except Exception as exc:
+                what = f"{self._description}: {op.value} of address runs to {peer}"
+                raise nixl_error(exc, NixlCall.POST, what) from exc
+            self.runs_posted += 1
             return self._track(xfer, peer, op)
 
     def _track(self, xfer: object, peer: PeerHandle, op: XferOp) -> XferHandle:

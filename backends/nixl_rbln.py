@@ -145,5 +145,6 @@ class NixlRblnBackend(AgentBackend):
             device_to_device=True,
             merges_contiguous=True,
             guard=True,
+            address_runs=self._posts_runs,
             log_prefix="RBLN NIXL (D2D): ",
         )

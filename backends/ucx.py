@@ -57,4 +57,5 @@ class UcxBackend(AgentBackend):
             device_to_device=False,
             merges_contiguous=True,
             guard=True,
+            address_runs=self._posts_runs,
         )

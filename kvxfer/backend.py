@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     from kvxfer.core.block_lists import ChainLists
-    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.descriptors import DescriptorTable, Runs
     from kvxfer.core.layout import KVLayout, MemKind
     from kvxfer.core.wire import GuardTable
 
@@ -117,6 +117,9 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     False (writes end with the process, as on the in-process fake fabric) announces
     none. True unless a backend knows better: a wrong False lets bytes land in reused
     blocks, a wrong True only holds them longer."""
+    address_runs: bool = False
+    """Posts per-request lists of address runs (:meth:`Backend.post_runs`): what a pull
+    between different block sizes needs (:mod:`kvxfer.core.ratio`)."""
     log_prefix: str = "kvxfer: "
     """How the agent's log lines about this transport begin (a vendor's backend names
     itself there, as operators of that hardware grep for it)."""
@@ -249,6 +252,20 @@ class Backend(ABC):
         Raises :class:`~kvxfer.errors.BackendError` where this backend posts no lists
         or holds as many as it keeps for ``peer``."""
         raise BackendError(f"{type(self).__name__} posts no chain lists")
+
+    def post_runs(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        runs: Runs,
+        notification: bytes = b"",
+    ) -> XferHandle:
+        """Post one transfer of address runs built for this request (local and remote
+        addresses inside registered memory, paired by position), as :meth:`post_engine`
+        (a READ is DONE once its bytes are in the engine's blocks). Backends that say
+        :attr:`Capabilities.address_runs` implement it; the default raises
+        :class:`~kvxfer.errors.BackendError`."""
+        raise BackendError(f"{type(self).__name__} posts no address runs")
 
     @abstractmethod
     def status(self, handle: XferHandle) -> XferStatus:

@@ -24,6 +24,10 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     ``incarnations`` lists every producer rank's incarnation when the producer
     published them (upstream-shaped params: ``remote_incarnations``); without it only
     rank 0's is checked.
+
+    ``block_size`` is the producer's tokens per block (0: not stated, taken as the
+    consumer's own). A consumer whose blocks hold another number of tokens pulls unit
+    by unit (:mod:`kvxfer.core.ratio`).
     """
 
     engine_id: str
@@ -39,6 +43,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True):
     capability: str = ""
     guard_slot: int = -1
     generation: int = 0
+    block_size: int = 0
 
     @classmethod
     def for_push(

@@ -45,10 +45,10 @@ HASH = "a" * 64
 SECRET = "correct horse battery staple"
 
 
-def make_layout(block_size: int = 16, base: int = 1 << 20) -> KVLayout:
+def make_layout(block_size: int = 16, base: int = 1 << 20, block_len: int = 4096) -> KVLayout:
     return KVLayout(
         block_size=block_size,
-        regions=(Region(base=base, num_blocks=8, stride=4096, block_len=4096),),
+        regions=(Region(base=base, num_blocks=8, stride=4096, block_len=block_len),),
     )
 
 
@@ -222,7 +222,9 @@ def test_any_engine_accepted_without_expectation() -> None:
 
 
 def test_block_size_mismatch_rejected() -> None:
-    r, i = responder(), initiator(hello(layout=make_layout(block_size=32)))
+    # 24 and 16: neither divides the other (whole multiples pull unit by unit,
+    # tests/test_block_ratio.py).
+    r, i = responder(), initiator(hello(layout=make_layout(block_size=24, block_len=3072)))
     with pytest.raises(HandshakeRejected) as info:
         i.receive(r.respond(i.hello()))
     assert info.value.code == "layout" and "block_size" in info.value.reason
@@ -238,13 +240,15 @@ def test_layout_checked_even_when_compat_is_not() -> None:
 def test_initiator_checks_the_layout_too() -> None:
     # Against a responder that let another layout through (another implementation).
     producer = Producer()
-    producer.welcome = msgspec.structs.replace(producer.welcome, layout=make_layout(block_size=64))
+    producer.welcome = msgspec.structs.replace(
+        producer.welcome, layout=make_layout(block_size=24, block_len=3072)
+    )
     i = initiator()
     i.hello()
     welcome = wire.encode(producer.welcome, HASH)
     with pytest.raises(LayoutMismatch) as info:
         i.receive(welcome)
-    assert info.value.field == "block_size"
+    assert info.value.field.startswith("block_size (one block size must be a whole multiple")
 
 
 @pytest.mark.parametrize(

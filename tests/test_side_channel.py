@@ -108,8 +108,8 @@ def test_wrong_hash_engine_id_block_size_and_layout(server: tuple[Agent, HostKVC
     wrong_engine = wire.encode(_hello(cache.layout(), expected="prefill-other"), agent.compat_hash)
     rej = _reject(_raw(port, wrong_engine))
     assert rej.code is wire.RejectCode.ENGINE_ID and "prefill-other" in rej.reason
-    bs32 = HostKVCache(SHAPE, 32, 8).layout()
-    rej = _reject(_raw(port, wire.encode(_hello(bs32), agent.compat_hash)))
+    bs24 = HostKVCache(SHAPE, 24, 8).layout()  # neither 24 nor 16 divides the other
+    rej = _reject(_raw(port, wire.encode(_hello(bs24), agent.compat_hash)))
     assert rej.code is wire.RejectCode.LAYOUT and "block_size" in rej.reason
     fewer_layers = HostKVCache(ModelShape(name="t", layers=1, kv_heads=2, head_dim=32), 16, 8)
     rej = _reject(_raw(port, wire.encode(_hello(fewer_layers.layout()), agent.compat_hash)))

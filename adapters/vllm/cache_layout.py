@@ -15,8 +15,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from kvxfer.core.descriptors import PlanOptions, chunk_size
-from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart, split_kv
+from kvxfer.core.layout import BlockInterior, Group, GroupKind, KVLayout, KVPart, split_kv
 from kvxfer.errors import ConfigError
 
 __all__ = [
@@ -141,7 +143,7 @@ def describe_kv_caches(
     if head_major:
         # Whole regions of a head-major cache are not token-major; split ones are.
         kv_layout = "NHD" if split else "HND"
-    return KVLayout.from_tensors(
+    layout = KVLayout.from_tensors(
         regions.views,
         block_size=block_size,
         layers=regions.layers,
@@ -151,6 +153,36 @@ def describe_kv_caches(
         kv_layout=kv_layout,
         heads=regions.heads,
         lanes=regions.lanes,
+    )
+    if head_major:
+        return _cpu_interior(layout, kv_caches, bool(split), interior, head_regions)
+    return layout
+
+
+def _cpu_interior(
+    layout: KVLayout,
+    kv_caches: Mapping[str, Any],
+    split: bool,
+    interior: tuple[Interior, Interior] | None,
+    head_regions: bool = False,
+) -> KVLayout:
+    """State where a token's bytes lie in the blocks of vLLM's CPU cache, so that a
+    pull between different block sizes can cut them (:mod:`kvxfer.core.ratio`): whole
+    regions of the probed "vec" order hold, per head, K element-major then V
+    token-major. A cache described partly per head, or of another order, is opaque."""
+    shapes = {
+        (int(t.shape[1]), int(t.shape[3]) // 2)
+        for t in kv_caches.values()
+        if not isinstance(t, list | tuple) and t.dim() == 4
+    }
+    whole = all(r.part is KVPart.KV for r in layout.regions)
+    if split or not whole or len(shapes) != 1 or interior != CPU_VEC_INTERIOR:
+        return msgspec.structs.replace(layout, interior=BlockInterior.OPAQUE)
+    heads, dim = shapes.pop()
+    if head_regions:  # one region per head
+        heads = 1
+    return msgspec.structs.replace(
+        layout, interior=BlockInterior.K_ELEMENT_MAJOR, num_kv_heads=heads, head_dim=dim
     )
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "pairing_error",
     "release_ticket",
     "remote_block_groups",
+    "remote_block_size",
     "remote_num_tokens",
     "remote_ticket",
     "router_capability",
@@ -129,6 +130,7 @@ def ticket_params(
         "remote_request_id": ticket.request_id,
         "remote_block_ids": [list(g) for g in ticket.block_ids],
         "remote_num_tokens": ticket.num_tokens,
+        **({"remote_block_size": ticket.block_size} if ticket.block_size else {}),
         "tp_size": ticket.tp_size,
         "pp_size": 1,
         "transfer_mode": direction.value,
@@ -317,6 +319,16 @@ def remote_num_tokens(params: Mapping[str, Any]) -> int | None:
     return value or None
 
 
+def remote_block_size(params: Mapping[str, Any], local: int) -> int:
+    """The producer's tokens per block (``remote_block_size``; ``local`` when an older
+    producer leaves it out).
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    return _int(params, "remote_block_size", 0) or local
+
+
 def pairing_error(params: Mapping[str, Any], direction: Direction, tp_size: int) -> str | None:
     """Why this instance cannot take the producer's KV at all (None when it can).
 
@@ -425,7 +437,14 @@ def remote_ticket(
                 f"{len(remote)} KV group(s), this instance has {len(local_blocks)}",
             )
         remote_tokens = remote_num_tokens(params)
-        if block_size > 0 and num_tokens > 0 and remote_tokens:
+        theirs = remote_block_size(params, block_size)
+        if block_size > 0 and theirs != block_size:
+            # Another block size at the producer: its lists from block 0, cut to the
+            # blocks of this request's tokens; the Agent pairs them unit by unit
+            # (kvxfer.core.ratio), a prefix hit shortening the local lists only.
+            filled = -(-num_tokens // theirs)
+            blocks = tuple(r[:filled] for r in remote)
+        elif block_size > 0 and num_tokens > 0 and remote_tokens:
             blocks = _by_block_index(
                 params,
                 remote,
@@ -459,6 +478,7 @@ def remote_ticket(
         capability=_capability(params),
         guard_slot=_int(params, "kvxfer_guard_slot", -1, minimum=-1),
         generation=_hex_key(params, "kvxfer_generation", _GENERATION_BITS),
+        block_size=remote_block_size(params, block_size) if block_size > 0 else 0,
     )
 
 

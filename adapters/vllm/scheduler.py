@@ -58,6 +58,7 @@ from kvxfer.adapters.vllm.params import (
     WireGroups,
     is_remote_prefill,
     remote_block_groups,
+    remote_block_size,
     remote_num_tokens,
     router_capability,
     ticket_params,
@@ -445,11 +446,12 @@ class SchedulerSide:
         try:
             remote_tokens = remote_num_tokens(params)
             groups = remote_block_groups(params)
+            theirs = remote_block_size(params, self.block_size)
         except ConfigError as exc:
             # Claim the prompt anyway: the worker refuses the load with this error and
             # vLLM fails (or recomputes) this request; the engine keeps running.
             log.error("kvxfer: request %s: bad %s; its load will fail", request.request_id, exc)
-            remote_tokens, groups = None, ()
+            remote_tokens, groups, theirs = None, (), self.block_size
         if remote_tokens is not None:
             available = min(available, remote_tokens)
         if groups:
@@ -463,7 +465,7 @@ class SchedulerSide:
             lengths = (
                 full if len(groups) == len(self.windows) and full else [len(g) for g in groups]
             )
-            available = min(available, min(lengths) * self.block_size)
+            available = min(available, min(lengths) * theirs)
         if self.has_state:
             # The state slot holds h(k) for the k tokens the producer computed; only a
             # load of exactly those k, fewer than the prompt, lets this instance's
@@ -774,5 +776,6 @@ class SchedulerSide:
             capability=capability,
             guard_slot=slot,
             generation=generation,
+            block_size=self.block_size,
         )
         return True, ticket_params(ticket, direction=self.direction, incarnations=self.incarnations)

@@ -98,6 +98,8 @@ class HoldDesk:
             capability=lease.capability,
             guard_slot=slot,
             generation=generation,
+            # A plain attribute, set at registration (a hold comes after it).
+            block_size=rules.block_size if (rules := self._local.rules) is not None else 0,
         )
 
     def release(self, msg: wire.Release) -> wire.Message:

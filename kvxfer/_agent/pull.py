@@ -27,7 +27,8 @@ from kvxfer._agent.workers import IoPool
 from kvxfer.backend import XferOp
 from kvxfer.core import blocks, wire
 from kvxfer.core.blocks import BlockIds, Pairing
-from kvxfer.errors import ConfigError, KvxferError, PlanError
+from kvxfer.core.ratio import UnitPairing, pair_ratio
+from kvxfer.errors import ConfigError, KvxferError, LayoutMismatch, PlanError
 from kvxfer.ticket import Ticket
 from kvxfer.transfer import FailureKind, PullState, Transfer
 
@@ -81,17 +82,38 @@ class Puller:
         # A ticket tp_size the heads do not allow raises here, before anything is checked.
         sources = self._group.sources(ticket) if across_tp else None
         tokens = ticket.num_tokens if num_tokens is None else num_tokens
+        rules = self._local.require_rules()
+        pairing: Pairing | UnitPairing
         try:
-            pairing = blocks.pair(
-                local_blocks,
-                ticket.block_ids,
-                self._local.require_rules(),
-                num_tokens=tokens,
-                remote_num_tokens=ticket.num_tokens,
-                cached_blocks=cached_blocks,
-                request_id=ticket.request_id,
-            )
-        except PlanError:
+            if ticket.block_size and ticket.block_size != rules.block_size:
+                # The producer's blocks hold another token count (kvxfer.core.ratio).
+                if across_tp:
+                    raise PlanError(
+                        f"request {ticket.request_id!r}: blocks of {rules.block_size} "
+                        f"tokens here and {ticket.block_size} at the producer, across TP "
+                        "sizes: different block sizes are served between equal TP sizes only"
+                    )
+                pairing = pair_ratio(
+                    local_blocks,
+                    ticket.block_ids,
+                    rules,
+                    num_tokens=tokens,
+                    remote_num_tokens=ticket.num_tokens,
+                    remote_block_size=ticket.block_size,
+                    cached_blocks=cached_blocks,
+                    request_id=ticket.request_id,
+                )
+            else:
+                pairing = blocks.pair(
+                    local_blocks,
+                    ticket.block_ids,
+                    rules,
+                    num_tokens=tokens,
+                    remote_num_tokens=ticket.num_tokens,
+                    cached_blocks=cached_blocks,
+                    request_id=ticket.request_id,
+                )
+        except (PlanError, LayoutMismatch):
             # Nothing will be read: let the producer free its blocks now, not at lease expiry.
             if across_tp:
                 self._group.release_all(ticket)
@@ -99,6 +121,7 @@ class Puller:
                 self.abort(ticket)
             raise
         if sources is not None:
+            assert isinstance(pairing, Pairing)  # a ratio across TP sizes raised above
             return self._tp.pull(ticket, pairing, sources)
         runtime = self._runtime
         transfer = runtime.new_transfer(ticket.request_id, blocks.to_wire(pairing.local))
@@ -147,7 +170,9 @@ class Puller:
             return
         self._side.release(ticket)
 
-    def _connect_and_start(self, transfer: Transfer, ticket: Ticket, pairing: Pairing) -> None:
+    def _connect_and_start(
+        self, transfer: Transfer, ticket: Ticket, pairing: Pairing | UnitPairing
+    ) -> None:
         try:
             # A producer that answers late (frozen, starved) is tried until the pull's
             # deadline; one whose port refuses fails it at once (R-SAFE-6).
@@ -191,7 +216,9 @@ class Puller:
 
         return release
 
-    def _start(self, transfer: Transfer, peer: Peer, ticket: Ticket, pairing: Pairing) -> None:
+    def _start(
+        self, transfer: Transfer, peer: Peer, ticket: Ticket, pairing: Pairing | UnitPairing
+    ) -> None:
         # Encoded only where it goes as a notification (an unguarded pull's, on its
         # data): a guarded pull tells DONE over the side channel (_release_after).
         def notice() -> bytes:

@@ -38,8 +38,9 @@ from kvxfer.backend import Backend, XferOp, XferStatus
 from kvxfer.core import wire
 from kvxfer.core.block_lists import ChainLists, ChainPlan
 from kvxfer.core.blocks import Pairing
-from kvxfer.core.descriptors import Plan, plan_pairing
-from kvxfer.errors import KvxferError, PeerError, TransferError, TransferTimeout
+from kvxfer.core.descriptors import Plan, Runs, plan_pairing
+from kvxfer.core.ratio import UnitPairing, unit_runs
+from kvxfer.errors import KvxferError, PeerError, PlanError, TransferError, TransferTimeout
 from kvxfer.transfer import FailureKind, FailureStage, Transfer
 from kvxfer.types import Direction
 
@@ -181,7 +182,7 @@ class Runtime:
         transfer: Transfer,
         op: XferOp,
         peer: Peer,
-        work: Pairing | Plan | ChainPlan,
+        work: Pairing | UnitPairing | Plan | ChainPlan,
         notification: bytes | Callable[[int], bytes],
     ) -> None:
         """Plan and post one transfer. Called without the agent lock: with UCX over CMA
@@ -192,8 +193,9 @@ class Runtime:
         planned here against ``peer``'s table, or a plan made already (one producer
         rank's part of a request across TP sizes, :mod:`kvxfer._agent.tp_pull`): its ids
         index the local and ``peer`` tables, or, for a :class:`ChainPlan`, the rows of
-        chain lists prepared with ``peer`` (:meth:`prepare_lists`)."""
-        table, _ = self._local.require_registered()
+        chain lists prepared with ``peer`` (:meth:`prepare_lists`), or a pairing of two
+        block sizes (:class:`~kvxfer.core.ratio.UnitPairing`), posted as address runs."""
+        table, exposed = self._local.require_registered()
         meta = transfer.meta
         with self._lock:
             # Checked and marked together: a transfer failed before this point (an
@@ -209,24 +211,39 @@ class Runtime:
             return
         t0 = time.perf_counter()
         try:
-            plan = (
-                work
-                if isinstance(work, Plan | ChainPlan)
-                else plan_pairing(table, peer.table, work)
-            )
+            plan: Plan | ChainPlan | Runs
+            if isinstance(work, UnitPairing):
+                # Another block size on the peer: address runs unit by unit
+                # (kvxfer.core.ratio), posted as per-request lists.
+                if not self._backend.capabilities.address_runs:
+                    raise PlanError(
+                        f"blocks of {work.local_block_size} tokens here and "
+                        f"{work.remote_block_size} at the peer need a backend that posts "
+                        f"address runs; {self._backend.capabilities.name} does not"
+                    )
+                plan = unit_runs(exposed, peer.info.layout, work)
+            elif isinstance(work, Plan | ChainPlan):
+                plan = work
+            else:
+                plan = plan_pairing(table, peer.table, work)
         except KvxferError as exc:
             meta.posting = False
             self.fail(transfer, FailureKind.POST, exc)
             return
         t1 = time.perf_counter()
         if meta.pull is not None:
-            meta.pull.repost = functools.partial(self.post, transfer, op, peer, plan, notification)
+            again: Pairing | UnitPairing | Plan | ChainPlan = (
+                work if isinstance(plan, Runs) else plan
+            )
+            meta.pull.repost = functools.partial(self.post, transfer, op, peer, again, notification)
         transfer.stats.plan_s = t1 - t0
         transfer.stats.bytes = plan.nbytes
-        transfer.stats.descriptors = plan.num_descriptors
+        transfer.stats.descriptors = len(plan) if isinstance(plan, Runs) else plan.num_descriptors
         notif = notification(plan.nbytes) if callable(notification) else notification
         try:
-            if isinstance(plan, ChainPlan):
+            if isinstance(plan, Runs):
+                handle = self._backend.post_runs(op, peer.handle, plan, notif)
+            elif isinstance(plan, ChainPlan):
                 handle = self._backend.post_lists(
                     op, peer.handle, plan.lists, plan.local_ids, plan.remote_ids, notif
                 )

@@ -391,7 +391,13 @@ class Responder:
                 f"{welcome.role.value}",
             )
         try:
-            check_pair(welcome.layout, hello.layout, local_tp=welcome.tp, remote_tp=hello.tp)
+            check_pair(
+                welcome.layout,
+                hello.layout,
+                local_tp=welcome.tp,
+                remote_tp=hello.tp,
+                direction=welcome.direction,
+            )
         except LayoutMismatch as exc:
             raise _Refusal(
                 RejectCode.LAYOUT,
@@ -609,7 +615,13 @@ class Initiator:
                 f"{message.role.value}; a {mine.direction.value} {mine.role.value} cannot "
                 "pair with it"
             )
-        check_pair(self.local_layout, message.layout, local_tp=mine.tp, remote_tp=message.tp)
+        check_pair(
+            self.local_layout,
+            message.layout,
+            local_tp=mine.tp,
+            remote_tp=message.tp,
+            direction=mine.direction,
+        )
         return PeerInfo(
             engine_id=message.engine_id,
             incarnation=message.incarnation,

@@ -29,6 +29,7 @@ import msgspec
 from kvxfer.errors import LayoutError
 
 __all__ = [
+    "BlockInterior",
     "ConvLayout",
     "Group",
     "GroupKind",
@@ -96,6 +97,26 @@ class ConvLayout(enum.Enum):
 
     SD = "SD"
     DS = "DS"
+
+
+class BlockInterior(enum.Enum):
+    """Where a token's bytes lie inside a region's block, beyond what ``kv_layout``
+    says: what a plan between different block sizes must know to cut a block into
+    token ranges (:mod:`kvxfer.core.ratio`).
+
+    PLAIN: as ``kv_layout`` says: ``"NHD"`` token-major; ``"HND"`` head-major, each
+    head's tokens in order (``num_kv_heads`` heads per region).
+    K_ELEMENT_MAJOR: a packed K/V region whose block holds, per head, the keys
+    element-major (``head_dim`` rows of ``block_size`` elements) and then the values
+    token-major (``block_size`` rows of ``head_dim``): vLLM's CPU cache with its "vec"
+    attention.
+    OPAQUE: not stated for every region (a cache described partly per head and
+    partly whole): blocks are moved whole only.
+    """
+
+    PLAIN = "plain"
+    K_ELEMENT_MAJOR = "k_element_major"
+    OPAQUE = "opaque"
 
 
 def _bad(owner: str, field: str, value: Any, rule: str) -> LayoutError:
@@ -244,6 +265,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
             Descriptive only (the bytes are in ``block_len``): it lets a mismatch be
             named in the engine's terms. :meth:`from_kv_caches` fills it in.
         head_dim: Elements per head; 0 when not known. Descriptive, as ``num_kv_heads``.
+        interior: where a token's bytes lie inside a block beyond ``kv_layout``
+            (:class:`BlockInterior`); compared by the handshake.
     """
 
     block_size: int
@@ -258,9 +281,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
     # unknown fields).
     num_kv_heads: int = 0
     head_dim: int = 0
+    interior: BlockInterior = BlockInterior.PLAIN
 
     def __post_init__(self) -> None:
         _check_int("KVLayout", "block_size", self.block_size, 1)
+        if not isinstance(self.interior, BlockInterior):
+            raise _bad("KVLayout", "interior", self.interior, "must be a BlockInterior")
         _check_int("KVLayout", "num_kv_heads", self.num_kv_heads, 0)
         _check_int("KVLayout", "head_dim", self.head_dim, 0)
         _check_int("KVLayout", "num_shards", self.num_shards, 1)
@@ -345,7 +371,15 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
         Returns:
             ``(field, self_value, other_value)`` or ``None`` when the shapes agree.
         """
-        for name in ("block_size", "dtype", "split_axis", "num_shards", "kv_layout", "groups"):
+        for name in (
+            "block_size",
+            "dtype",
+            "split_axis",
+            "num_shards",
+            "kv_layout",
+            "interior",
+            "groups",
+        ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return name, mine, theirs
@@ -395,6 +429,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, weakref=True):
             f"block_len={block_len} dtype={self.dtype} kv_layout={self.kv_layout} mem={mems}"
             + (f" kv_heads={self.num_kv_heads}" if self.num_kv_heads else "")
             + (f" head_dim={self.head_dim}" if self.head_dim else "")
+            + (
+                f" interior={self.interior.value}"
+                if self.interior is not BlockInterior.PLAIN
+                else ""
+            )
         )
 
     @classmethod

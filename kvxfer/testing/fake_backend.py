@@ -64,7 +64,7 @@ from kvxfer.errors import BackendError, PeerError, RegistrationError
 
 if TYPE_CHECKING:
     from kvxfer.core.block_lists import ChainLists
-    from kvxfer.core.descriptors import DescriptorTable
+    from kvxfer.core.descriptors import DescriptorTable, Runs
     from kvxfer.core.layout import KVLayout
 
 __all__ = ["FakeBackend", "Faults", "fabric_members"]
@@ -149,6 +149,7 @@ class _Xfer:
     state: XferStatus = XferStatus.PENDING
     bytes_moved: int = 0
     lists: ChainLists | None = None  # rows of these chain lists, not table ids
+    runs: Runs | None = None  # address runs (post_runs), not table ids
     remote: DescriptorTable | None = None  # the peer's table when it was posted
 
 
@@ -264,6 +265,7 @@ class FakeBackend(Backend):
             ),
             merges_contiguous=True,
             guard=True,
+            address_runs=True,
             # Its writes end with the agent (nothing is queued in a kernel): a test
             # that needs a producer announcing its stall limit sets it.
             writes_outlive_process=_flag(options, "writes_outlive_process", False),
@@ -439,6 +441,34 @@ class FakeBackend(Backend):
             self.lists_posted += 1
             return handle
 
+    def post_runs(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        runs: Runs,
+        notification: bytes = b"",
+    ) -> XferHandle:
+        with _LOCK:
+            self._require_open()
+            self._known(peer)
+            if self._table is None:
+                raise RegistrationError("post before prepare_local")
+            # A NIC refuses addresses outside registered memory: so does the fake.
+            be = self._live(peer)
+            for side, addr, spans in (
+                ("local", runs.local_addr, self._spans),
+                ("remote", runs.remote_addr, None if be is None else be._spans),
+            ):
+                bad = _outside(addr, runs.length, spans) if spans is not None else addr
+                if len(bad):
+                    raise BackendError(
+                        f"{side} address runs outside registered memory ({len(bad)} run(s))"
+                    )
+            ids = np.arange(len(runs), dtype=np.int64)
+            handle = self._queue(op, peer, ids, ids.copy(), notification, None)
+            self._xfers[handle].runs = runs
+            return handle
+
     def _known(self, peer: PeerHandle) -> _Peer:
         """The peer's record (under the lock); PeerError unless it is added and live."""
         known = self._peers.get(peer)
@@ -503,7 +533,10 @@ class FakeBackend(Backend):
             xfer.polls += 1
             if xfer.polls <= xfer.faults.complete_after_polls:
                 return xfer.state
-            if xfer.lists is None:
+            if xfer.runs is not None:
+                local = _Rows(xfer.runs.local_addr, xfer.runs.length)
+                remote = _Rows(xfer.runs.remote_addr, xfer.runs.length)
+            elif xfer.lists is None:
                 local = _Rows(self._table.addr, self._table.length)
                 remote = _Rows(known.addr, known.length)
             else:
