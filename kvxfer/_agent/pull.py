@@ -93,6 +93,13 @@ class Puller:
                         f"tokens here and {ticket.block_size} at the producer, across TP "
                         "sizes: different block sizes are served between equal TP sizes only"
                     )
+                plan = self._local.config.plan
+                if plan.chunk_mode or plan.swa_window_mode:
+                    raise PlanError(
+                        f"request {ticket.request_id!r}: blocks of {rules.block_size} "
+                        f"tokens here and {ticket.block_size} at the producer: chunk_mode "
+                        "and swa_window_mode cut blocks of one size only; turn them off"
+                    )
                 pairing = pair_ratio(
                     local_blocks,
                     ticket.block_ids,
