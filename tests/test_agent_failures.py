@@ -183,15 +183,16 @@ def test_a_ticket_naming_no_possible_host_fails_at_once_by_name() -> None:
 def test_incompatible_model_and_block_size_are_refused() -> None:
     prod = AgentProc(ProcSpec(engine_id="p-compat", role="kv_producer"))
     other_model = AgentProc(ProcSpec(engine_id="d-model", role="kv_consumer", model="other/model"))
-    other_bs = AgentProc(ProcSpec(engine_id="d-bs", role="kv_consumer", block_size=32))
+    # 24 and 16: neither divides the other (whole multiples pull unit by unit).
+    other_bs = AgentProc(ProcSpec(engine_id="d-bs", role="kv_consumer", block_size=24))
     try:
         ticket = prod.call("hold", "c1", [1], 16)
         other_model.call("pull", ticket, [2], None)
         r = other_model.call("wait", "c1", 20)
         assert not r["ok"] and "compat" in r["error"].lower()
-        other_bs.call("pull", ticket, [2], None)
-        r = other_bs.call("wait", "c1", 20)
-        assert not r["ok"] and "block_size" in r["error"]
+        # The ticket states the producer's block size: refused at the call, by name.
+        with pytest.raises(RuntimeError, match=r"block_size.*whole multiple.*local=24 remote=16"):
+            other_bs.call("pull", ticket, [2], None)
     finally:
         for p in (other_model, other_bs, prod):
             assert p.close() == 0
