@@ -156,18 +156,19 @@ class Pipelined:
         self,
         transport: Backend,
         copier: Copier,
-        ids: list[tuple[IntArray, IntArray]],
+        posts: Sequence[Callable[[], XferHandle]],
     ) -> None:
-        """Post every slice (``ids``: local and remote ids per slice)."""
+        """Post every slice: ``posts[k]()`` posts slice *k* on ``transport`` (by table
+        ids or by address runs) and returns its handle."""
         if self.op is XferOp.WRITE:
             # Stage-outs queue up on the copy threads and run ahead of the posts.
             self.staged = [copier.submit(CopyDirection.OUT, t) for t in self.tasks]
         try:
-            for k, (local, remote) in enumerate(ids):
+            for k, post_slice in enumerate(posts):
                 staged = self.staged[k]
                 if staged is not None:
                     staged.result()  # a failed copy raises here: nothing unstaged moves
-                self.handles.append(transport.post(self.op, self.peer, local, remote))
+                self.handles.append(post_slice())
                 self.moved.append(False)
                 if self.op is XferOp.READ:
                     # Transports that copy inside post (UCX over CMA) are done already:

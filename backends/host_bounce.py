@@ -32,6 +32,7 @@ region, so chunk_mode, swa_window_mode and push_stream are not available with it
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -53,6 +54,7 @@ from kvxfer.backend import (
     XferStatus,
 )
 from kvxfer.backends._bounce import Copier, CopyDirection, CopyTask, Pipelined, slice_ids
+from kvxfer.core.descriptors import Runs
 from kvxfer.core.layout import MemKind
 from kvxfer.errors import (
     BackendError,
@@ -111,6 +113,28 @@ def _runs(blocks: IntArray) -> list[tuple[int, int]]:
     starts = ids[np.concatenate(([0], cut))]
     stops = ids[np.append(cut - 1, len(ids) - 1)] + 1
     return list(zip(starts.tolist(), stops.tolist()))
+
+
+def _touched(region: IntArray, first: IntArray, last: IntArray) -> list[CopyTask]:
+    """One copy task per region: the blocks ``first[i] ..= last[i]`` of its runs."""
+    counts = last - first + 1
+    starts = np.repeat(first, counts)
+    steps = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    blocks, owner = starts + steps, np.repeat(region, counts)
+    return [(int(r), np.unique(blocks[owner == r])) for r in np.unique(region).tolist()]
+
+
+def _take(runs: Runs, sel: IntArray) -> Runs:
+    """The runs at positions ``sel``, in that order."""
+    return Runs(
+        local_addr=runs.local_addr[sel],
+        remote_addr=runs.remote_addr[sel],
+        length=runs.length[sel],
+        local_device=runs.local_device[sel],
+        remote_device=runs.remote_device[sel],
+    )
 
 
 def host_block_view(region: Region) -> ByteArray:
@@ -244,6 +268,8 @@ class HostBounceBackend(Backend):
             # A piece of a block is a slice of its staging copy; the engine's copy op
             # copies whole regions.
             head_sections=self._copy_op is None,
+            # Runs land in staging; the blocks they touch are copied whole.
+            address_runs=self._transport.capabilities.address_runs,
         )
 
     @property
@@ -486,12 +512,88 @@ class HostBounceBackend(Backend):
                     for r, lo, hi in zip(regions.tolist(), bounds, bounds[1:])
                 ]
             )
-        job = Pipelined(op, peer, notification, tasks)
-        job.post(
-            self._transport,
-            self._copier,
-            [(local_ids[a:z], remote_ids[a:z]) for a, z in cuts],
+        transport = self._transport
+        return self._start(
+            Pipelined(op, peer, notification, tasks),
+            [
+                functools.partial(transport.post, op, peer, local_ids[a:z], remote_ids[a:z])
+                for a, z in cuts
+            ],
         )
+
+    def post_runs(
+        self,
+        op: XferOp,
+        peer: PeerHandle,
+        runs: Runs,
+        notification: bytes = b"",
+    ) -> XferHandle:
+        """Move address runs between staging buffers (a pull between different block
+        sizes, :mod:`kvxfer.core.ratio`), with the engine's copy of every block a run
+        touches, as :meth:`post_engine`.
+
+        The runs address this backend's staging (the layout :meth:`register` exposed)
+        and the peer's. READ: DONE once every run landed and each touched block was
+        copied into the engine. A block only partly written by the runs is copied
+        whole: its other bytes are the staging row's, past the request's last token
+        (a larger block's uncovered tail), which the engine never reads before it
+        writes them. WRITE: the touched blocks are staged out before their runs move.
+        """
+        with self._lock:
+            if self._engine is None or self._closed:
+                raise RegistrationError(f"{op.value} before register or after close")
+            layout = self._engine
+        if not self._transport.capabilities.address_runs:
+            raise BackendError(
+                f"host_bounce: its transport {self._transport.capabilities.name} posts no "
+                "address runs"
+            )
+        nb = layout.num_blocks
+        region, first, last = self._run_blocks(runs)
+        # Region by region (as post_engine): each slice's copy is one task per region.
+        order = np.lexsort((first, region))
+        region, first, last = region[order], first[order], last[order]
+        cuts = slice_ids(region * nb + first, nb, self._slices)
+        tasks = [_touched(region[a:z], first[a:z], last[a:z]) for a, z in cuts]
+        transport = self._transport
+        return self._start(
+            Pipelined(op, peer, notification, tasks),
+            [
+                functools.partial(transport.post_runs, op, peer, _take(runs, order[a:z]))
+                for a, z in cuts
+            ],
+        )
+
+    def _run_blocks(self, runs: Runs) -> tuple[IntArray, IntArray, IntArray]:
+        """For each run: its staging region and the first and last block it touches.
+
+        Raises:
+            PlanError: a run is not inside one staging region.
+        """
+        bases = np.array([int(v.ctypes.data) for v in self._staging], dtype=np.uint64)
+        rows = np.array([v.shape[1] for v in self._staging], dtype=np.uint64)
+        ends = bases + rows * np.array([v.shape[0] for v in self._staging], dtype=np.uint64)
+        addr = np.asarray(runs.local_addr, dtype=np.uint64)
+        length = np.asarray(runs.length, dtype=np.uint64)
+        # Staging buffers are separate allocations, in no address order.
+        by_addr = np.argsort(bases, kind="stable")
+        pos = np.searchsorted(bases[by_addr], addr, side="right").astype(np.int64) - 1
+        inside = pos >= 0
+        at = by_addr[np.maximum(pos, 0)]
+        region = at.astype(np.int64)
+        inside &= (length > 0) & (addr + length <= ends[at])
+        if not inside.all():
+            bad = int(np.flatnonzero(~inside)[0])
+            raise PlanError(
+                f"host bounce: address run {bad} (0x{int(addr[bad]):x}, {int(length[bad])} "
+                "bytes) is not inside one staging region"
+            )
+        first = ((addr - bases[at]) // rows[at]).astype(np.int64)
+        last = ((addr + length - 1 - bases[at]) // rows[at]).astype(np.int64)
+        return region, first, last
+
+    def _start(self, job: Pipelined, posts: Sequence[Callable[[], XferHandle]]) -> XferHandle:
+        job.post(self._transport, self._copier, posts)
         handle = XferHandle(next(self._job_ids))
         with self._lock:
             self._jobs[handle] = job

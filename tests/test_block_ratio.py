@@ -8,17 +8,21 @@ from __future__ import annotations
 import itertools
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvxfer.agent import Agent, AgentConfig
-from kvxfer.backend import BackendOptions
+from kvxfer.backend import Backend, BackendOptions, Capabilities, PeerHandle, XferOp
+from kvxfer.backends.host_bounce import HostBounceBackend, torch_copy_op
 from kvxfer.core.compat import Fingerprint, check_pair
+from kvxfer.core.descriptors import Runs
 from kvxfer.core.layout import Group, GroupKind, KVLayout, Region
 from kvxfer.core.ratio import check_ratio, pair_units
 from kvxfer.errors import LayoutMismatch, PlanError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
+from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 
 SHAPE = ModelShape(name="sm", layers=2, kv_heads=2, head_dim=8)
@@ -33,8 +37,14 @@ _names = itertools.count()
 PRODUCER_BLOCKS, CONSUMER_BLOCKS = 40, 64
 
 
-def _agent(role: Role, bs: int, nb: int, seed: int | None) -> tuple[Agent, HostKVCache]:
-    backend = FakeBackend(BackendOptions(agent_name=f"ratio-{next(_names)}"))
+def _agent(
+    role: Role, bs: int, nb: int, seed: int | None, kind: str = "fake"
+) -> tuple[Agent, HostKVCache]:
+    options = BackendOptions(agent_name=f"ratio-{next(_names)}")
+    backend: Backend = FakeBackend(options)
+    if kind == "host_bounce":
+        # Staging buffers moved by the fake fabric, copied to and from the cache.
+        backend = HostBounceBackend(options, transport=backend)
     agent = Agent(
         AgentConfig(engine_id=f"e-{role.value}-{next(_names)}", fingerprint=FP, role=role),
         backend=backend,
@@ -45,13 +55,14 @@ def _agent(role: Role, bs: int, nb: int, seed: int | None) -> tuple[Agent, HostK
     return agent, cache
 
 
+@pytest.mark.parametrize("kind", ["fake", "host_bounce"])
 @pytest.mark.parametrize(("pbs", "cbs"), [(128, 16), (128, 64), (16, 128), (32, 64)])
 @pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 128, 129, 300])
 def test_a_pull_between_block_sizes_moves_every_token_to_its_position(
-    pbs: int, cbs: int, num_tokens: int
+    pbs: int, cbs: int, num_tokens: int, kind: str
 ) -> None:
-    producer, pc = _agent(Role.PRODUCER, pbs, PRODUCER_BLOCKS, 1)
-    consumer, cc = _agent(Role.CONSUMER, cbs, CONSUMER_BLOCKS, None)
+    producer, pc = _agent(Role.PRODUCER, pbs, PRODUCER_BLOCKS, 1, kind)
+    consumer, cc = _agent(Role.CONSUMER, cbs, CONSUMER_BLOCKS, None, kind)
     try:
         pn, cn = -(-num_tokens // pbs), -(-num_tokens // cbs)
         pb = list(range(3, 3 + pn))[::-1]  # scattered, descending
@@ -130,3 +141,89 @@ def test_what_a_ratio_cannot_serve_is_refused_naming_both_sizes() -> None:
     # Whole multiples in either direction pass, compared at the smaller size.
     assert check_ratio(_layout(128), _layout(16)) == 16
     assert check_ratio(_layout(16), _layout(64)) == 16
+
+
+class _NoRuns(FakeBackend):
+    """A fabric whose backend says it posts no address runs."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return msgspec.structs.replace(super().capabilities, address_runs=False)
+
+
+def _pull_state(producer: Agent, consumer: Agent, pb: list[int], cb: list[int], n: int) -> Transfer:
+    pull = consumer.pull(producer.hold("q", pb, n), cb)
+    deadline = time.monotonic() + 20
+    while not pull.done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return pull
+
+
+def test_a_backend_that_posts_no_address_runs_fails_the_pull_by_name() -> None:
+    producer, _ = _agent(Role.PRODUCER, 128, PRODUCER_BLOCKS, 1)
+    options = BackendOptions(agent_name=f"ratio-{next(_names)}")
+    consumer = Agent(
+        AgentConfig(engine_id=f"e-noruns-{next(_names)}", fingerprint=FP, role=Role.CONSUMER),
+        backend=_NoRuns(options),
+    )
+    try:
+        consumer.register(HostKVCache(SHAPE, 16, CONSUMER_BLOCKS).layout())
+        consumer.serve()
+        pull = _pull_state(producer, consumer, [3, 4], list(range(5, 18)), 200)
+        assert pull.state is TransferState.FAILED
+        assert "blocks of 16 tokens here and 128 at the peer need a backend that posts" in str(
+            pull.error
+        )
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_host_bounce_through_the_engines_copy_op_moves_a_ratio_exactly() -> None:
+    torch = pytest.importorskip("torch")  # installed by `make env`; the op is torch's
+    caches, agents = [], []
+    for role, bs, nb, seed in ((Role.PRODUCER, 16, 40, 3), (Role.CONSUMER, 64, 16, None)):
+        cache = HostKVCache(SHAPE, bs, nb, fill_seed=seed)
+        options = BackendOptions(agent_name=f"ratio-{next(_names)}")
+        op = torch_copy_op([torch.from_numpy(r.reshape(nb, -1)) for r in cache.regions])
+        agent = Agent(
+            AgentConfig(engine_id=f"e-op-{next(_names)}", fingerprint=FP, role=role),
+            backend=HostBounceBackend(options, transport=FakeBackend(options), copy_op=op),
+        )
+        agent.register(cache.layout())
+        agent.serve()
+        caches.append(cache)
+        agents.append(agent)
+    try:
+        pb, cb = list(range(20, 7, -1)), [9, 2, 5, 11]  # 200 tokens: 13 blocks / 4
+        pull = _pull_state(agents[0], agents[1], pb, cb, 200)
+        assert pull.state is TransferState.DONE, pull.error
+        words = SHAPE.token_bytes() // 2
+        tokens = np.arange(200)
+        for r in range(len(caches[0].regions)):
+            pv = caches[0].regions[r].reshape(40, 16, words)
+            cv = caches[1].regions[r].reshape(16, 64, words)
+            got = cv[np.array(cb)[tokens // 64], tokens % 64]
+            assert (got == pv[np.array(pb)[tokens // 16], tokens % 16]).all(), f"region {r}"
+    finally:
+        for a in agents[::-1]:
+            a.close()
+
+
+def test_host_bounce_refuses_address_runs_outside_its_staging() -> None:
+    options = BackendOptions(agent_name=f"ratio-{next(_names)}")
+    be = HostBounceBackend(options, transport=FakeBackend(options))
+    try:
+        exposed = be.register(HostKVCache(SHAPE, 16, 4).layout())
+        top = exposed.regions[-1].base + 4 * exposed.regions[-1].block_len
+        runs = Runs(
+            local_addr=np.array([exposed.regions[0].base, top - 8], dtype=np.uint64),
+            remote_addr=np.array([0, 64], dtype=np.uint64),
+            length=np.array([64, 16], dtype=np.uint64),
+            local_device=np.zeros(2, dtype=np.int64),
+            remote_device=np.zeros(2, dtype=np.int64),
+        )
+        with pytest.raises(PlanError, match=r"address run 1 \(0x[0-9a-f]+, 16 bytes\) is not"):
+            be.post_runs(XferOp.READ, PeerHandle(1), runs)
+    finally:
+        be.close()
