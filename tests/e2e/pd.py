@@ -163,9 +163,11 @@ def through_pd(
     decode_prompt: str | Sequence[int],
     *,
     max_tokens: int = MAX_TOKENS,
+    tag: str = "",
 ) -> list[int]:
-    """Prefill ``prefill_prompt`` on P, then decode ``decode_prompt`` on D with its KV."""
-    rid = f"e2e-{uuid.uuid4().hex[:12]}"  # one id for both, as a proxy sends
+    """Prefill ``prefill_prompt`` on P, then decode ``decode_prompt`` on D with its KV;
+    ``tag`` goes into the request id (the corrupting test connectors look for marks)."""
+    rid = f"e2e-{tag}{uuid.uuid4().hex[:12]}"  # one id for both, as a proxy sends
     params = prefill(pair.prefill, prefill_prompt, rid)
     return decode(pair.decode, decode_prompt, params, max_tokens=max_tokens, request_id=rid)
 

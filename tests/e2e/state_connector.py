@@ -1,5 +1,5 @@
-"""kvxfer's connectors with one recurrent-state element corrupted on arrival, for the
-negative control of tests/e2e/test_pd_state.py.
+"""kvxfer's connectors with one recurrent-state or KV element corrupted on arrival, for
+the negative controls of tests/e2e/test_pd_state.py and tests/e2e/test_pd_block_ratio.py.
 
 Load with ``kv_connector_module_path="tests.e2e.state_connector"`` and the usual
 ``kv_connector`` name. With ``$KVXFER_E2E_FLIP_STATE=1`` in the consumer's
@@ -11,7 +11,11 @@ state of the first Mamba2 / Gated DeltaNet layer gets its high exponent bit flip
 to decode; if decode's output does not change, decode
 did not use the state kvxfer moved.
 
-Other requests, and every request without the variable, go through kvxfer's
+With ``$KVXFER_E2E_FLIP_KV=1`` instead, a load for a request whose id contains
+:data:`FLIP_KV_MARK` gets every element of its first local block of the first
+attention layer negated (vLLM 0.32's CPU caches are block-first).
+
+Other requests, and every request without the variables, go through kvxfer's
 connectors unchanged, so one decode instance serves both the equality checks and the
 control.
 """
@@ -29,7 +33,9 @@ from kvxfer.adapters.vllm.scheduler import LoadSpec
 
 __all__ = [
     "ENV",
+    "FLIP_KV_MARK",
     "FLIP_MARK",
+    "KV_ENV",
     "RblnNixlPullConnector",
     "RblnNixlPushConnector",
     "StateFlipConnector",
@@ -38,6 +44,9 @@ __all__ = [
 ENV = "KVXFER_E2E_FLIP_STATE"
 #: Marks the requests (in ``X-Request-Id``) whose state is corrupted.
 FLIP_MARK = "flip-state"
+KV_ENV = "KVXFER_E2E_FLIP_KV"
+#: Marks the requests whose attention KV is corrupted.
+FLIP_KV_MARK = "flip-kv"
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 
@@ -47,12 +56,22 @@ class StateFlipConnector(kvxfer_connector._RblnNixlBase):
 
     _flip_state: tuple[int, torch.Tensor] | None = None
     _flip_loads: dict[str, LoadSpec]
+    _mark: str = FLIP_MARK
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
+        self._flip_loads = {}
+        if os.environ.get(KV_ENV) == "1":
+            for name, cache in kv_caches.items():
+                g = int(self._groups.layer_groups.get(name, -1))
+                if g >= 0 and not self._groups.groups[g].is_state:
+                    self._flip_state = (g, cache)
+                    self._mark = FLIP_KV_MARK
+                    log.warning("kvxfer e2e: corrupting the KV of %s on marked loads", name)
+                    return
+            raise RuntimeError(f"{KV_ENV}=1 but no attention layer among {sorted(kv_caches)}")
         if os.environ.get(ENV) != "1":
             return
-        self._flip_loads = {}
         state_groups = [g for g, grp in enumerate(self._groups.groups) if grp.is_state]
         context = self._vllm_config.compilation_config.static_forward_context
         for name in kv_caches:
@@ -74,7 +93,7 @@ class StateFlipConnector(kvxfer_connector._RblnNixlBase):
         ):
             return
         for load in meta.plan.loads:
-            if FLIP_MARK in load.request_id:
+            if self._mark in load.request_id:
                 self._flip_loads[load.request_id] = load
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -87,11 +106,18 @@ class StateFlipConnector(kvxfer_connector._RblnNixlBase):
             load = self._flip_loads.pop(rid, None)
             if load is None or rid in failed:
                 continue
-            (slot,) = load.local_blocks[g]
-            # The high exponent bit of the first element (little-endian: its last
-            # byte): one flipped bit, as a bad link would flip it.
-            ssm[slot].view(-1)[:1].view(torch.uint8)[-1] ^= 0x40
-            log.warning("kvxfer e2e: SSM state of slot %d of %s corrupted", slot, rid)
+            # A state group's one running slot, or an attention group's first block.
+            slot = int(load.local_blocks[g][0])
+            if self._mark == FLIP_KV_MARK:
+                # Every element of the block's K and V negated (their sign bits
+                # flipped): one bad block. One flipped element of a random-weight
+                # model's K can leave greedy output as it was.
+                ssm[slot].neg_()
+            else:
+                # The high exponent bit of the first element (little-endian: its last
+                # byte): one flipped bit, as a bad link would flip it.
+                ssm[slot].view(-1)[:1].view(torch.uint8)[-1] ^= 0x40
+            log.warning("kvxfer e2e: %s of slot %d of %s corrupted", self._mark, slot, rid)
         return results
 
 

@@ -1,55 +1,84 @@
-"""Prefill and decode with different ``--block-size`` on real vLLM CPU engines (issue 54):
-a pull pair with prefill blocks of 128 and decode blocks of 32 (the CPU attention's
-smallest) gives unified's greedy output for prompts shorter than a block, across block
-boundaries and long, with nothing but the connector name; the decode reads each
-128-block's 32-token pieces in place (kvxfer.core.ratio) from vLLM's CPU cache (K
-element-major inside each head).
+"""Prefill and decode with different ``--block-size`` on real vLLM CPU engines (issue 54).
 
-The direct path (``kv_buffer_device: "rbln"`` with the emulated nixl-rbln adapter: host
-memory over NIXL's UCX plugin) posts the address runs; host bounce does not, and
-refuses such a pull by name."""
+Two pull pairs, prefill blocks of 128 each:
+
+- the default path (host bounce, ``kv_buffer_device: "cpu"``) into decode blocks of 64,
+  with nothing but the connector name in the config;
+- the direct path (``kv_buffer_device: "rbln"`` with the emulated nixl-rbln adapter:
+  host memory over NIXL's UCX plugin) into decode blocks of 32, the CPU attention's
+  smallest.
+
+Each gives unified's greedy output for prompts shorter than a block, across block
+boundaries and long: the decode reads each 128-block's pieces in place
+(kvxfer.core.ratio) from vLLM's CPU cache (K element-major inside each head). A negative
+control corrupts one element of the first block that landed (tests/e2e/state_connector.py)
+and the output must change, so equality means decode attended to the bytes kvxfer moved.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from .pd import PD_ENV, PDPair, kv_config, reference, through_pd
 from .servers import VllmServer, free_port, start_server, wait_all_healthy
+from .state_connector import FLIP_KV_MARK, KV_ENV
 from .test_unified_baseline import PROMPTS
 
 pytestmark = pytest.mark.e2e
 
 # vLLM 0.32's CPU attention takes block sizes that are multiples of 32 only.
-PREFILL_BLOCK, DECODE_BLOCK = 128, 32
-EMULATED = {"KVXFER_RBLN_ADAPTER": "emulated"}
+PREFILL_BLOCK = 128
+MODULE = "tests.e2e.state_connector"
+# A prompt no other test sends: the corrupted blocks stay in decode's prefix cache.
+CONTROL = "Lantern keepers " + PROMPTS["long"]
 
 
-@pytest.fixture(scope="module")
-def ratio_pair(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[PDPair]:
+@dataclasses.dataclass(frozen=True)
+class RatioPath:
+    name: str
+    buffer_device: str
+    decode_block: int
+    env: dict[str, str]
+
+
+PATHS = [
+    RatioPath("host-bounce", "cpu", 64, {}),
+    RatioPath("direct", "rbln", 32, {"KVXFER_RBLN_ADAPTER": "emulated"}),
+]
+
+
+@pytest.fixture(scope="module", params=PATHS, ids=[p.name for p in PATHS])
+def ratio_pair(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, e2e_log_dir: Path
+) -> Iterator[PDPair]:
+    path: RatioPath = request.param
     p_port, d_port = free_port(), free_port()
     ahead = {"connect_ahead": [{"host": "localhost", "port": p_port}]}
+    base: dict[str, Any] = {"kv_connector_module_path": MODULE, "buffer_device": path.buffer_device}
     prefill = start_server(
-        "prefill-bs128",
+        f"prefill-bs{PREFILL_BLOCK}-{path.name}",
         tiny_model_dir,
         e2e_log_dir,
         block_size=PREFILL_BLOCK,
-        kv_transfer_config=kv_config("kv_producer", "pull", buffer_device="rbln"),
-        env={**PD_ENV, **EMULATED, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
+        kv_transfer_config=kv_config("kv_producer", "pull", **base),
+        env={**PD_ENV, **path.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
         wait=False,
     )
     decode = start_server(
-        "decode-bs32",
+        f"decode-bs{path.decode_block}-{path.name}",
         tiny_model_dir,
         e2e_log_dir,
-        block_size=DECODE_BLOCK,
-        kv_transfer_config=kv_config("kv_consumer", "pull", buffer_device="rbln", extra=ahead),
-        env={**PD_ENV, **EMULATED, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)},
+        block_size=path.decode_block,
+        kv_transfer_config=kv_config("kv_consumer", "pull", extra=ahead, **base),
+        env={**PD_ENV, **path.env, KV_ENV: "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)},
         wait=False,
     )
-    pair = PDPair("pull", prefill, decode)
+    pair = PDPair(path.name, prefill, decode)
     try:
         wait_all_healthy([prefill, decode])
         yield pair
@@ -58,11 +87,17 @@ def ratio_pair(tiny_model_dir: Path, e2e_log_dir: Path) -> Iterator[PDPair]:
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_prefill_block_128_to_decode_block_32_equals_unified(
+def test_prefill_block_128_to_smaller_decode_blocks_equals_unified(
     ratio_pair: PDPair, unified_server: VllmServer, name: str
 ) -> None:
     prompt = PROMPTS[name]
     got = through_pd(ratio_pair, prompt, prompt)
     assert got == reference(unified_server, prompt)
-    log = ratio_pair.decode.log_path.read_text(errors="replace")
+    log = ratio_pair.decode.log_text()
     assert "load failed" not in log.lower(), log[-3000:]
+
+
+def test_block_ratio_negative_control(ratio_pair: PDPair, unified_server: VllmServer) -> None:
+    got = through_pd(ratio_pair, CONTROL, CONTROL, tag=FLIP_KV_MARK)
+    assert "flip-kv of slot" in ratio_pair.decode.log_text(), "the corrupting connector did not run"
+    assert got != reference(unified_server, CONTROL), "decode ignored the KV kvxfer moved"
