@@ -18,7 +18,15 @@ from typing import Any
 import msgspec
 
 from kvxfer.core.descriptors import PlanOptions, chunk_size
-from kvxfer.core.layout import BlockInterior, Group, GroupKind, KVLayout, KVPart, split_kv
+from kvxfer.core.layout import (
+    BlockInterior,
+    Group,
+    GroupKind,
+    KVLayout,
+    KVPart,
+    SplitAxis,
+    split_kv,
+)
 from kvxfer.errors import ConfigError
 
 __all__ = [
@@ -102,6 +110,7 @@ def describe_kv_caches(
     regions = _Regions()
     seen: set[tuple[int, int]] = set()
     head_major = False
+    subs: set[int] = set()  # kernel blocks per block, by layer
     for layer, (name, t) in enumerate(kv_caches.items()):
         g = int(group_of.get(name, 0))
         if isinstance(t, list | tuple):
@@ -115,6 +124,7 @@ def describe_kv_caches(
             continue
         seen.add((int(t.data_ptr()), g))
         if int(t.shape[0]) == num_blocks:
+            subs.add(1)
             cpu_shape = t.dim() == 4 and int(t.shape[2]) == block_size
             head_major = head_major or cpu_shape
             if cpu_shape and g in split:
@@ -137,9 +147,30 @@ def describe_kv_caches(
                 continue
             regions.add(t, layer, KVPart.KV, g)
             continue
-        k, v = split_kv(t, kv_dim=0 if int(t.shape[0]) == 2 else 1)
-        regions.add(k, layer, KVPart.K, g)
-        regions.add(v, layer, KVPart.V, g)
+        sub, kv_dim = _kernel_split(name, t, num_blocks)
+        if sub > 1 and g in split:
+            raise ConfigError(
+                "chunk_mode/swa_window_mode",
+                True,
+                f"cut the blocks of KV cache group {g}, but the attention kernel splits "
+                f"each {block_size}-token block into {sub} blocks of "
+                f"{block_size // sub}: leave both modes off",
+            )
+        subs.add(sub)
+        if kv_dim is None:
+            _add_kernel_blocks(regions, t, sub, layer, KVPart.KV, g)
+            continue
+        k, v = split_kv(t, kv_dim=kv_dim)
+        _add_kernel_blocks(regions, k, sub, layer, KVPart.K, g)
+        _add_kernel_blocks(regions, v, sub, layer, KVPart.V, g)
+    if len(subs) > 1:
+        raise ConfigError(
+            "kv_caches",
+            sorted(subs),
+            f"attention kernels that split the {block_size}-token blocks differently "
+            "in one engine (kernel blocks per block, by layer)",
+        )
+    kernel_split = max(subs, default=1)
     if head_major:
         # Whole regions of a head-major cache are not token-major; split ones are.
         kv_layout = "NHD" if split else "HND"
@@ -148,6 +179,10 @@ def describe_kv_caches(
         block_size=block_size,
         layers=regions.layers,
         parts=regions.parts,
+        shards=regions.shards,
+        # The kernel's blocks as token shards of the block the scheduler names.
+        split_axis=SplitAxis.TOKEN if kernel_split > 1 else SplitAxis.HEAD,
+        num_shards=kernel_split,
         region_groups=regions.groups,
         groups=groups,
         kv_layout=kv_layout,
@@ -252,9 +287,17 @@ class _Regions:
         self.groups: list[int] = []
         self.heads: list[int] = []
         self.lanes: list[int] = []
+        self.shards: list[int] = []
 
     def add(
-        self, view: Any, layer: int, part: KVPart, group: int, head: int = 0, lane: int = 0
+        self,
+        view: Any,
+        layer: int,
+        part: KVPart,
+        group: int,
+        head: int = 0,
+        lane: int = 0,
+        shard: int = 0,
     ) -> None:
         self.views.append(view)
         self.layers.append(layer)
@@ -262,6 +305,41 @@ class _Regions:
         self.groups.append(group)
         self.heads.append(head)
         self.lanes.append(lane)
+        self.shards.append(shard)
+
+
+def _kernel_split(name: str, t: Any, num_blocks: int) -> tuple[int, int | None]:
+    """``(sub, kv_dim)`` of a KV tensor that is not block-first at ``num_blocks``: the
+    kernel blocks per scheduler block and the dimension K and V are split on (None:
+    block-first, described packed).
+
+    vLLM gives an attention kernel that supports only smaller blocks than the KV
+    cache manager's a tensor of ``num_blocks * sub`` kernel blocks of
+    ``block_size / sub`` tokens, scheduler block *b* being kernel blocks
+    ``b*sub .. b*sub+sub-1`` (``prepare_kernel_block_sizes``).
+
+    Raises:
+        ConfigError: no block dimension is a whole multiple of ``num_blocks``.
+    """
+    shape = tuple(int(d) for d in t.shape)
+    if len(shape) > 1 and shape[0] == 2 and shape[1] % num_blocks == 0:
+        return shape[1] // num_blocks, 0
+    if shape and shape[0] % num_blocks == 0:  # packed, as a block-first tensor is
+        return shape[0] // num_blocks, None
+    raise ConfigError(
+        f"kv_caches[{name!r}].shape",
+        shape,
+        f"no block dimension is a whole multiple of the KV cache's {num_blocks} blocks",
+    )
+
+
+def _add_kernel_blocks(
+    regions: _Regions, t: Any, sub: int, layer: int, part: KVPart, group: int
+) -> None:
+    """``t``'s blocks as regions: one when a block is one kernel block, else one per
+    kernel block *j* of every scheduler block (token shard *j*: ``t[j::sub]``)."""
+    for j in range(sub):
+        regions.add(t[j::sub] if sub > 1 else t, layer, part, group, shard=j)
 
 
 def _split_heads(
