@@ -19,6 +19,8 @@ The package, one module per job:
   :mod:`.tp_push` - ``--tp``: pulls and pushes across tensor-parallel sizes (the pure
   parts; the parent; a prefill or decode rank's process, its state and set-up, its
   push commands);
+* :mod:`.block_ratio` - ``--block-ratios``: pulls between block sizes (the option, the
+  cases with their equal-size pulls, a case's address runs, the figures against them);
 * :mod:`.netns` - two network namespaces joined by a veth pair (``--netns``);
 * :mod:`.report` - cross-case figures, the bars, the table and the plot;
 * :mod:`.tables` - the Markdown tables of docs/PERFORMANCE.md from ``--json`` runs

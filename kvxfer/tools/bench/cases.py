@@ -81,30 +81,51 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
     backend: str
     mode: str = "whole"
     chunk_tokens: int = 0  # chunk mode's lower bound (0 elsewhere)
+    #: A pull between block sizes (``--block-ratios``): the consumer's block size, where
+    #: ``block_size`` is the producer's (0: the same; :mod:`.block_ratio`).
+    consumer_block_size: int = 0
 
     @property
     def shape(self) -> ModelShape:
         return SHAPES[self.model]
 
     @property
+    def is_ratio(self) -> bool:
+        """Whether the two sides' blocks hold different token counts."""
+        return self.consumer_block_size not in (0, self.block_size)
+
+    def block_size_of(self, side: str) -> int:
+        """Tokens per block on ``side`` ("local" consumer, "remote" producer)."""
+        if side == "local":
+            return self.consumer_block_size or self.block_size
+        return self.block_size
+
+    @property
+    def unit(self) -> int:
+        """Tokens of the smaller side's block: what a pull between sizes moves at a time."""
+        return min(self.block_size_of("local"), self.block_size)
+
+    @property
     def label(self) -> str:
         mode = "" if self.mode == "whole" else f" {self.mode}"
+        ratio = f":{self.consumer_block_size}" if self.is_ratio else ""
         return (
-            f"{self.model} bs{self.block_size} {self.tokens}t {self.pattern} {self.direction} "
-            f"{self.backend}{mode}"
+            f"{self.model} bs{self.block_size}{ratio} {self.tokens}t {self.pattern} "
+            f"{self.direction} {self.backend}{mode}"
         )
 
     @property
-    def cache_key(self) -> tuple[str, int, int]:
+    def cache_key(self) -> tuple[str, int, int, int]:
         """Cases sharing this key share one KV cache per process."""
-        return (self.model, self.block_size, self.tokens)
+        return (self.model, self.block_size, self.block_size_of("local"), self.tokens)
 
     @property
-    def agent_key(self) -> tuple[str, int, int, str, str, int]:
+    def agent_key(self) -> tuple[str, int, int, int, str, str, int]:
         """Cases sharing this key share one pair of kvxfer agents per direction."""
         return (
             self.model,
             self.block_size,
+            self.block_size_of("local"),
             self.tokens,
             self.backend,
             self.mode,
@@ -116,6 +137,8 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
         out: dict[str, Any] = msgspec.to_builtins(self)
         out["layers"] = self.shape.layers
         out["label"] = self.label
+        if self.is_ratio:
+            out["block_ratio"] = f"{self.block_size}:{self.consumer_block_size}"
         return out
 
 
@@ -194,8 +217,8 @@ def build_matrix(
 def order_cases(cases: Iterable[Case]) -> list[Case]:
     """Cases grouped by cache, then by agent pair (stable otherwise), so each cache and
     each agent pair is set up once."""
-    first_cache: dict[tuple[str, int, int], int] = {}
-    first_agents: dict[tuple[str, int, int, str, str, int], int] = {}
+    first_cache: dict[tuple[str, int, int, int], int] = {}
+    first_agents: dict[tuple[str, int, int, int, str, str, int], int] = {}
     items = list(cases)
     for i, c in enumerate(items):
         first_cache.setdefault(c.cache_key, i)
@@ -208,20 +231,20 @@ def order_cases(cases: Iterable[Case]) -> list[Case]:
 
 
 # -- block lists ------------------------------------------------------------------------
-def request_blocks(case: Case) -> int:
-    """Blocks the request's tokens fill (the last one possibly partly)."""
-    return -(-case.tokens // case.block_size)
+def request_blocks(case: Case, side: str = "remote") -> int:
+    """Blocks the request's tokens fill on ``side`` (the last one possibly partly)."""
+    return -(-case.tokens // case.block_size_of(side))
 
 
-def num_blocks_for(case: Case) -> int:
-    """Blocks per region: the request, the allocator's holes and a little slack."""
-    n = request_blocks(case)
+def num_blocks_for(case: Case, side: str = "remote") -> int:
+    """Blocks per region on ``side``: the request, the allocator's holes and a little slack."""
+    n = request_blocks(case, side)
     return n + n // (_HOLE_EVERY - 1) + 8
 
 
 def case_blocks(case: Case, side: str) -> npt.NDArray[np.int64]:
     """The block ids the request occupies on ``side`` ("local" consumer, "remote" producer)."""
-    n, total = request_blocks(case), num_blocks_for(case)
+    n, total = request_blocks(case, side), num_blocks_for(case, side)
     remote = side == "remote"
     if case.pattern == "scattered":
         rng = np.random.default_rng(7 if remote else 11)
@@ -247,10 +270,13 @@ def _chunk(range_tokens: int, bound: int) -> int:
 
 
 def expected_bytes(case: Case) -> tuple[int, int]:
-    """``(bytes the mode moves, bytes whole blocks would move)`` for the request."""
+    """``(bytes the mode moves, bytes whole blocks would move)`` for the request.
+
+    Between block sizes, whole blocks of the smaller size (the units a pull moves).
+    """
     shape = case.shape
-    tb, bs, n_tok = shape.token_bytes(), case.block_size, case.tokens
-    n = request_blocks(case)
+    tb, bs, n_tok = shape.token_bytes(), case.unit, case.tokens
+    n = -(-n_tok // bs)
     regions = 2 * shape.layers
     whole = regions * n * bs * tb
     if case.mode == "whole":
@@ -286,12 +312,15 @@ def case_memory(case: Case) -> int:
     scratch and the verification's temporaries (about six times one region).
     """
     shape = case.shape
-    region = num_blocks_for(case) * case.block_size * shape.token_bytes()
-    cache = 2 * shape.layers * region
-    staging = cache if case.backend == "host_bounce" else 0
+    total = 0
+    for side in ("remote", "local"):  # the two block sizes of a pull between sizes
+        region = num_blocks_for(case, side) * case.block_size_of(side) * shape.token_bytes()
+        cache = 2 * shape.layers * region
+        staging = cache if case.backend == "host_bounce" else 0
+        total += cache + staging + PROCESS_OVERHEAD
     moved, _ = expected_bytes(case)
-    per_process = cache + staging + PROCESS_OVERHEAD
-    return 2 * per_process + min(moved, MEMCPY_SCRATCH) + 6 * region
+    region = num_blocks_for(case, "local") * case.block_size_of("local") * shape.token_bytes()
+    return total + min(moved, MEMCPY_SCRATCH) + 6 * region
 
 
 def mem_available() -> int:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import kvxfer.tools.bench.block_ratio as block_ratio
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.device as device
 import kvxfer.tools.bench.report as report
@@ -142,6 +143,15 @@ def parser() -> argparse.ArgumentParser:
         "(qwen3-0.6b, 16, 4000 (quick 1000), contiguous, pull and push)",
     )
     p.add_argument(
+        "--block-ratios",
+        metavar="P:C,...",
+        help="instead of the matrix, pulls from a producer with blocks of P tokens to a "
+        "consumer with blocks of C, one a whole multiple of the other (e.g. "
+        "128:16,128:64,16:128), each beside the pull of equal block sizes at the smaller "
+        "size (the same bytes), on ucx; --models --tokens --patterns select (qwen3-0.6b, "
+        "4000, contiguous)",
+    )
+    p.add_argument(
         "--firsts",
         type=int,
         default=None,
@@ -259,7 +269,15 @@ def plan_cases(args: argparse.Namespace) -> tuple[list[bc.Case], list[Result]]:
     """
     cases: list[bc.Case] = []
     impossible: list[tuple[bc.Case, str]] = []
-    for preset in QUICK if args.quick else (_ALL,):
+    if args.block_ratios:
+        pick = {k: getattr(args, k) or v for k, v in block_ratio.DEFAULTS.items()}
+        cases = block_ratio.build_cases(
+            ratios=block_ratio.parse_ratios(args.block_ratios),
+            models=_strs(pick["models"]),
+            tokens=_ints(pick["tokens"]),
+            patterns=_strs(pick["patterns"]),
+        )
+    for preset in () if args.block_ratios else QUICK if args.quick else (_ALL,):
         pick = {k: getattr(args, k) or preset[k] for k in preset}
         more, bad = bc.build_matrix(
             models=_strs(pick["models"]),
@@ -325,7 +343,8 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
     if header is not None and both and on_host and _cma.ucx_uses_cma(header.get("ucx_tls")):
         header["cma"] = _kernel_copy_rates()
     planning: list[bc.Case] = []
-    if not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
+    matrix = not args.block_ratios  # the planning cases belong to the matrix
+    if matrix and not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
         patterns = ("contiguous",) if args.quick else bc.PATTERNS
         planning = [
             bc.Case(model=m, block_size=16, tokens=n, pattern=p, direction="pull", backend="ucx")
@@ -382,7 +401,7 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
             obj = json.loads(line)
             if obj.get("kind") == "run":
                 header = obj
-            elif obj.get("kind") in ("transfer", "planning", "tp"):
+            elif obj.get("kind") in ("transfer", "planning", "tp", block_ratio.KIND):
                 results.append(obj)
     return header, results
 
@@ -466,6 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"kvxfer bench: --progress-interval-us {args.progress_interval_us:g}: {refused}",
                 file=sys.stderr,
             )
+            return 2
+    if args.block_ratios and not (args.tables or args.hybrid or args.from_json):
+        refused = block_ratio.refusal(args)
+        if refused:
+            print(f"kvxfer bench: --block-ratios: {refused}", file=sys.stderr)
             return 2
     if args.firsts is not None and not args.tp:
         print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)

@@ -48,6 +48,8 @@ class Measure:
     def cmd_raw_read(self, payload: dict[str, Any]) -> dict[str, Any]:
         case = msgspec.convert(payload["case"], bc.Case)
         self.state.prepare_verify(case, payload["verify"])
+        if case.is_ratio:
+            return self._raw_ratio_read(case, payload["verify"])
         assert self.state.dlists is not None
         t0 = time.perf_counter()
         lids, rids, ids_s, plan = self._timed_ids(case)
@@ -66,6 +68,31 @@ class Measure:
             "make_s": make_s,
             "bad": bad,
             **self._counts(plan),
+        }
+
+    def _raw_ratio_read(self, case: bc.Case, verify: bool) -> dict[str, Any]:
+        """Raw NIXL's pull between block sizes: kvxfer's address runs, planned inside
+        the timed region as kvxfer's consumer plans them per request, posted as
+        per-request lists (what kvxfer's ``post_runs`` does) with the DONE notice."""
+        assert self.state.raw_peer is not None
+        t0 = time.perf_counter()
+        runs = self.state.ratio_runs(case, self.state.exposed, self.state.peer_layout)
+        ids_s = time.perf_counter() - t0
+        xfer_s, make_s = self.state.raw.xfer_runs(
+            "READ", runs, self.state.raw_peer, DONE_NOTICE, 300
+        )
+        s = time.perf_counter() - t0
+        bad = self.state.verify(case) if verify else None
+        n = len(runs)
+        return {
+            "s": s,
+            "xfer_s": xfer_s,
+            "ids_s": ids_s,
+            "make_s": make_s,
+            "bad": bad,
+            "descriptors": n,
+            "bytes": runs.nbytes,
+            "runs": n,
         }
 
     def cmd_raw_stage_out(self, payload: dict[str, Any]) -> float:

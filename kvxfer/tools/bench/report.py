@@ -6,6 +6,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+import kvxfer.tools.bench.block_ratio as block_ratio
+
 __all__ = ["bar", "check_bars", "format_bars", "format_summary", "format_table", "plot", "relate"]
 
 Result = dict[str, Any]
@@ -45,7 +47,8 @@ def relate(results: Sequence[Result]) -> None:
     (perfect overlap at the two-thread copy rate of the case's reps), and
     ``bounce_vs_floor`` (the ratio over the latter); ``push_vs_pull`` (GB/s) and
     ``nixl_write_vs_read`` (raw NIXL's WRITE over its READ) for a push against the same
-    case pulled.
+    case pulled; a pull between block sizes against the equal-size pull of the same
+    bytes (:func:`.block_ratio.relate`).
     """
     index = {_key(r): r for r in results if _ok(r)}
     for r in results:
@@ -82,6 +85,7 @@ def relate(results: Sequence[Result]) -> None:
                     three = 3 * r["bytes_moved"] / (r["memcpy_2t_gbps"] * 1e9)
                     r["bounce_bw_floor"] = max(1.0, three / direct["kvxfer_s"])
                     r["bounce_vs_floor"] = r["bounce_vs_direct"] / r["bounce_bw_floor"]
+    block_ratio.relate(results)  # pulls between block sizes against their equal-size pull
 
 
 def _worst(rows: list[tuple[float, str]], lowest: bool = True) -> tuple[float, str] | None:
@@ -127,6 +131,8 @@ def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Res
     (:mod:`kvxfer.tools.cma`), quoted beside the push bar.
     """
     ok = [r for r in results if _ok(r)]
+    # Pulls between block sizes post the very runs raw NIXL posts: the same two bars.
+    runs = ok + [r for r in results if r.get("kind") == block_ratio.KIND and r["status"] == "ok"]
     checks: list[Result] = []
 
     def add(
@@ -138,7 +144,7 @@ def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Res
     ) -> None:
         checks.append(bar(name, target, worst, holds, note))
 
-    nixl = _worst([(r["kvxfer_vs_nixl"], r["label"]) for r in ok if r["kvxfer_vs_nixl"]])
+    nixl = _worst([(r["kvxfer_vs_nixl"], r["label"]) for r in runs if r["kvxfer_vs_nixl"]])
     add(
         "kvxfer vs raw NIXL, same descriptors",
         f">= {NIXL_BAR}",
@@ -193,7 +199,7 @@ def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Res
         _transport_note(pushes, cma),
     )
     again = _worst(
-        [(float(r["handshakes_in_timed_reps"] or 0), r["label"]) for r in ok], lowest=False
+        [(float(r["handshakes_in_timed_reps"] or 0), r["label"]) for r in runs], lowest=False
     )
     add("handshakes after the first transfer", "== 0", again, again is not None and again[0] == 0)
     return checks
@@ -306,6 +312,7 @@ def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
             f"  {r['label']:<58} {r['push_vs_pull']:.2f}  raw NIXL {r['nixl_write_vs_read']:.2f}"
             for r in pushes
         ]
+    lines += block_ratio.format_lines(results)
     saved = [r for r in results if "time_saved_s" in r]
     if saved:
         lines += ["", "chunk/window modes against whole blocks (same case):"]

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 import kvxfer.tools.bench.cases as bc
+from kvxfer.tools.bench.block_ratio import KIND as RATIO_KIND
 from kvxfer.tools.bench.netns import NetnsPair
 from kvxfer.tools.bench.procs import BenchError, Children
 from kvxfer.tools.bench.worker import worker_main
@@ -322,7 +323,13 @@ class Runner:
 
 def failed(case: bc.Case, reason: str, status: str = "failed") -> dict[str, Any]:
     """A result object for a case that did not produce numbers."""
-    return {"kind": "transfer", **case.fields(), "status": status, "reason": reason}
+    return {"kind": _kind(case), **case.fields(), "status": status, "reason": reason}
+
+
+def _kind(case: bc.Case) -> str:
+    """A result's JSON ``kind``: ``ratio`` for a pull between block sizes, which the
+    matrix's bars and tables leave to :mod:`.block_ratio`."""
+    return RATIO_KIND if case.is_ratio else "transfer"
 
 
 def assemble(
@@ -361,7 +368,7 @@ def assemble(
         if d.get("s_strict", d["s"]) > 0 and "s_prepped" in r
     ]
     return {
-        "kind": "transfer",
+        "kind": _kind(case),
         **case.fields(),
         "status": "ok" if ok else "failed",
         "reason": "" if ok else _why(verified, same, moved, expected),

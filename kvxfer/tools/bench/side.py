@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+import kvxfer.tools.bench.block_ratio as block_ratio
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.data import MemcpyBench, verify_regions, zero_rows
 from kvxfer.tools.bench.device import TorchKVCache
@@ -55,14 +56,18 @@ class BenchSide:
         while time.perf_counter() < end:
             spins += 1
 
+    @property
+    def own_side(self) -> str:
+        """This process's side as the case's block lists name it ("remote": producer)."""
+        return "remote" if self.side == "producer" else "local"
+
     def blocks(self, case: bc.Case, *, own: bool) -> npt.NDArray[np.int64]:
         """The case's block ids on this side (``own``) or the other; computed once, so
         that generating them never lands inside a timed region."""
-        mine = "remote" if self.side == "producer" else "local"
         theirs = "local" if self.side == "producer" else "remote"
         key = (case, own)
         if key not in self.block_cache:
-            self.block_cache[key] = bc.case_blocks(case, mine if own else theirs)
+            self.block_cache[key] = bc.case_blocks(case, self.own_side if own else theirs)
         return self.block_cache[key]
 
     def groups(self, blocks: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
@@ -76,6 +81,12 @@ class BenchSide:
 
         mine, theirs = self.blocks(case, own=True), self.blocks(case, own=False)
         return build_plan(tables[0], tables[1], self.groups(mine), self.groups(theirs), case.tokens)
+
+    def ratio_runs(self, case: bc.Case, local: Any, remote: Any) -> Any:
+        """kvxfer's address runs of a pull between block sizes on the consumer's
+        ``local`` layout from the producer's ``remote`` one (:mod:`.block_ratio`)."""
+        mine, theirs = self.blocks(case, own=True), self.blocks(case, own=False)
+        return block_ratio.pull_runs(case, local, remote, mine, theirs)
 
     def prepare_verify(self, case: bc.Case, verify: bool) -> None:
         """Before a transfer: zero the blocks it will land in when it is verified, and
@@ -100,15 +111,19 @@ class BenchSide:
     def verify(self, case: bc.Case) -> int:
         """Wrong 8-byte words in the case's landed blocks (0: byte-exact)."""
         assert self.verify_tables is not None
-        plan = self.plan(case, self.verify_tables)
-        runs = plan.runs(*self.verify_tables, merge=False)
+        if case.is_ratio:
+            layout = self.cache.layout()
+            runs = self.ratio_runs(case, layout, self.peer_layout)
+            addrs = block_ratio.split_at_regions(runs, layout, self.peer_layout)
+        else:
+            plan = self.plan(case, self.verify_tables)
+            runs = plan.runs(*self.verify_tables, merge=False)
+            addrs = (runs.local_addr, runs.remote_addr, runs.length)
         rows = [self.blocks(case, own=True)] * len(self.cache.regions)
         device = isinstance(self.cache, TorchKVCache)  # --device: check a host copy
         return verify_regions(
             self.cache.host_regions() if device else self.cache.regions,
-            runs.local_addr,
-            runs.remote_addr,
-            runs.length,
+            *addrs,
             self.peer_layout,
             rows,
             self.cache.bases() if device else None,

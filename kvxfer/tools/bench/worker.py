@@ -97,17 +97,20 @@ class Worker:
         self.cmd_close_cache(None)
         moved, _ = bc.expected_bytes(case)
         scratch = min(moved, bc.MEMCPY_SCRATCH)
+        # The two sides' block sizes differ in a pull between sizes (--block-ratios).
+        side = self.state.own_side
+        bs, nb = case.block_size_of(side), bc.num_blocks_for(case, side)
         if self.device is not None:
             from kvxfer.tools.bench.device import DeviceMemcpy, TorchKVCache
 
-            cache = TorchKVCache(case.shape, case.block_size, bc.num_blocks_for(case), self.device)
+            cache = TorchKVCache(case.shape, bs, nb, self.device)
             self.state.cache = cache
             if self.state.side == "producer":
                 cache.fill()
             else:
                 self.state.memcpy = DeviceMemcpy(cache.regions, scratch)
         else:
-            self.state.cache = HostKVCache(case.shape, case.block_size, bc.num_blocks_for(case))
+            self.state.cache = HostKVCache(case.shape, bs, nb)
             _pool(self.state.cache)
             if self.state.side == "producer":
                 fill_regions(self.state.cache.regions)
