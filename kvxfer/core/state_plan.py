@@ -35,6 +35,7 @@ from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch, PlanError
 __all__ = [
     "StatePiece",
     "check_state_layout",
+    "check_state_pair",
     "join_runs",
     "plan_slots",
     "slot_runs",
@@ -288,3 +289,52 @@ def join_runs(*runs: Runs) -> Runs:
         for name in ("local_addr", "remote_addr", "length", "local_device", "remote_device")
     ]
     return _runs(columns)
+
+
+def check_state_pair(
+    local: KVLayout,
+    remote: KVLayout,
+    *,
+    local_split: StateSplit | None,
+    remote_split: StateSplit | None,
+    local_tp: int,
+    remote_tp: int,
+) -> None:
+    """Raise unless two ranks can exchange their state slots: the handshake's check
+    of the state groups, beside the attention heads'. Equal TP sizes move slots whole
+    (same bytes per slot); other TP sizes need both sides' :class:`StateSplit` (the
+    same) and regions holding their shares.
+
+    Raises:
+        ConfigError: a split not stated, a TP size it cannot serve, or a conv state
+            not dim-major.
+        LayoutMismatch: other state regions or splits (naming the field).
+        LayoutError: a state region that does not hold its share.
+    """
+    mine, theirs = state_regions(local), state_regions(remote)
+    if not mine and not theirs:
+        return
+    for key in (*mine, *theirs):
+        if key not in mine or key not in theirs:
+            where = f"layer {key[0]} {key[1].name} state region"
+            raise LayoutMismatch(where, key in mine, key in theirs)
+    if local_tp == remote_tp:
+        for key, i in mine.items():
+            a, b = local.regions[i].block_len, remote.regions[theirs[key]].block_len
+            if a != b:
+                raise LayoutMismatch(f"layer {key[0]} {key[1].name} state bytes per slot", a, b)
+        return
+    for side, split in (("local", local_split), ("remote", remote_split)):
+        if split is None:
+            raise ConfigError(
+                f"{side} tp.state",
+                None,
+                f"state groups between TP sizes {local_tp} and {remote_tp} need both "
+                "instances to state how TP splits their state slots (TPRank.state)",
+            )
+    assert local_split is not None and remote_split is not None
+    difference = local_split.first_difference(remote_split)
+    if difference is not None:
+        raise LayoutMismatch(*difference)
+    check_state_layout(local, local_split, local_tp, side="local")
+    check_state_layout(remote, remote_split, remote_tp, side="remote")
