@@ -22,12 +22,13 @@ from kvxfer.core.heads import HeadLayout, source_ranks
 from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, KVPart, Region
 from kvxfer.core.state_plan import (
     check_state_layout,
+    check_state_pair,
     plan_slots,
     slot_runs,
     state_source_ranks,
 )
 from kvxfer.core.state_split import StateSegment, StateSplit, unit_ranks, units_of
-from kvxfer.errors import ConfigError, LayoutError
+from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
 
 I64 = npt.NDArray[np.int64]
 _PARTS = (KVPart.CONV, KVPart.SSM)
@@ -266,3 +267,21 @@ def test_refusals_name_the_key_the_value_and_the_rule() -> None:
         check_state_layout(sd, split, 2, side="local")
     with pytest.raises(ConfigError, match=r"StateSegment.units=0"):
         StateSegment(name="x", units=0, unit_bytes=1)
+
+
+def test_the_handshake_check_names_what_keeps_two_state_layouts_apart() -> None:
+    split = StateSplit(
+        conv=(StateSegment(name="x", units=4, unit_bytes=2),),
+        ssm=(StateSegment(name="heads", units=4, unit_bytes=3),),
+    )
+    one, two = _layout(split, 1, 1, 2, 0, base=0), _layout(split, 2, 1, 2, 0, base=9_000)
+    check_state_pair(one, two, local_split=split, remote_split=split, local_tp=1, remote_tp=2)
+    with pytest.raises(ConfigError, match=r"remote tp.state=None: state groups between TP sizes"):
+        check_state_pair(one, two, local_split=split, remote_split=None, local_tp=1, remote_tp=2)
+    other = StateSplit(conv=split.conv, ssm=(StateSegment(name="heads", units=4, unit_bytes=5),))
+    with pytest.raises(LayoutMismatch, match=r"state.ssm\[0\]"):
+        check_state_pair(one, two, local_split=split, remote_split=other, local_tp=1, remote_tp=2)
+    # Equal TP sizes move slots whole: only the bytes per slot must agree.
+    check_state_pair(one, one, local_split=None, remote_split=None, local_tp=1, remote_tp=1)
+    with pytest.raises(LayoutMismatch, match=r"layer 1 CONV state bytes per slot"):
+        check_state_pair(one, two, local_split=None, remote_split=None, local_tp=2, remote_tp=2)
