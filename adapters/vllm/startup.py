@@ -30,6 +30,7 @@ from kvxfer.backend import Backend
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.heads import HeadLayout, TPRank, place_heads, region_heads
 from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, MemKind
+from kvxfer.core.state_plan import check_state_layout
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.types import Direction
 
@@ -514,15 +515,22 @@ def agent_factory(
 
 def _tp_for(layout: KVLayout, tp: TPRank) -> TPRank | None:
     """``tp`` when the layout's regions split by head the way pulls across TP sizes
-    plan them (vLLM's head-major CPU and device caches do); None otherwise, and the
-    worker then refuses a load from another TP size with this reason."""
-    if any(g.is_state for g in layout.groups):
+    plan them (vLLM's head-major CPU and device caches do) and, with Mamba/GDN state
+    groups, its slots split as ``tp.state`` says (DS conv order); None otherwise, and
+    the worker then refuses a load from another TP size with this reason."""
+    state = next((g for g, group in enumerate(layout.groups) if group.is_state), None)
+    if state is not None and tp.state is None:
+        # tp_identity does not derive the split from vLLM's model config yet.
         log.info(
-            "kvxfer: pulls and pushes across TP sizes are not available with Mamba/GDN "
-            "state groups: pair instances of equal TP size"
+            "kvxfer: kv_cache_groups[%d] holds Mamba/GDN state whose TP split "
+            "(TPRank.state) is not known: pulls across TP sizes need it; pair "
+            "instances of equal TP size",
+            state,
         )
         return None
     try:
+        if tp.state is not None:
+            check_state_layout(layout, tp.state, tp.heads.tp_size, side="local")
         region_heads(place_heads(layout, tp.heads, tp.rank), tp.heads, tp.rank)
     except KvxferError as exc:
         log.info("kvxfer: pulls across TP sizes are not available with this layout: %s", exc)

@@ -362,12 +362,16 @@ class WorkerSide:
             and across_tp(load.remote_params, self.tp_size)
             and any(g.is_state for g in self.layout.groups)
         ):
-            why = (
-                f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "
-                f"this instance {self.tp_size}: kvxfer moves Mamba/GDN state between "
-                "instances of equal TP size only (each rank's conv state interleaves "
-                "its share of every sub-projection)"
-            )
+            tp = agent.config.tp
+            if tp is None or tp.state is None:
+                why = (
+                    f"tp_size={load.remote_params.get('tp_size')} (the producer's; this "
+                    f"instance runs {self.tp_size}): Mamba/GDN state is pulled across TP "
+                    "sizes only where each rank says how TP splits its state slots "
+                    "(TPRank.state, with VLLM_SSM_CONV_STATE_LAYOUT=DS), which this "
+                    "adapter does not derive from the model yet: pair instances of equal "
+                    "TP size"
+                )
         if why is None and across_tp(load.remote_params, self.tp_size) and agent.config.tp is None:
             why = (
                 f"the producer runs tensor-parallel size {load.remote_params.get('tp_size')}, "

@@ -182,7 +182,7 @@ class Runtime:
         transfer: Transfer,
         op: XferOp,
         peer: Peer,
-        work: Pairing | UnitPairing | Plan | ChainPlan,
+        work: Pairing | UnitPairing | Plan | ChainPlan | Runs,
         notification: bytes | Callable[[int], bytes],
     ) -> None:
         """Plan and post one transfer. Called without the agent lock: with UCX over CMA
@@ -194,7 +194,8 @@ class Runtime:
         rank's part of a request across TP sizes, :mod:`kvxfer._agent.tp_pull`): its ids
         index the local and ``peer`` tables, or, for a :class:`ChainPlan`, the rows of
         chain lists prepared with ``peer`` (:meth:`prepare_lists`), or a pairing of two
-        block sizes (:class:`~kvxfer.core.ratio.UnitPairing`), posted as address runs."""
+        block sizes (:class:`~kvxfer.core.ratio.UnitPairing`), posted as address runs,
+        or address runs made already (a hybrid model's part across TP sizes)."""
         table, exposed = self._local.require_registered()
         meta = transfer.meta
         with self._lock:
@@ -222,6 +223,14 @@ class Runtime:
                         f"address runs; {self._backend.capabilities.name} does not"
                     )
                 plan = unit_runs(exposed, peer.info.layout, work)
+            elif isinstance(work, Runs):
+                # A hybrid model's part across TP sizes (kvxfer.core.state_tp_plan).
+                if not self._backend.capabilities.address_runs:
+                    raise PlanError(
+                        "state slots across TP sizes are read as address runs; "
+                        f"{self._backend.capabilities.name} posts none: pair equal TP sizes"
+                    )
+                plan = work
             elif isinstance(work, Plan | ChainPlan):
                 plan = work
             else:
@@ -232,7 +241,7 @@ class Runtime:
             return
         t1 = time.perf_counter()
         if meta.pull is not None:
-            again: Pairing | UnitPairing | Plan | ChainPlan = (
+            again: Pairing | UnitPairing | Plan | ChainPlan | Runs = (
                 work if isinstance(plan, Runs) else plan
             )
             meta.pull.repost = functools.partial(self.post, transfer, op, peer, again, notification)

@@ -21,6 +21,10 @@ each of its heads from the one producer rank :func:`kvxfer.core.heads.source_ran
   theirs; :class:`~kvxfer._agent.fanout.Fanout` folds them into the one Transfer the
   engine sees.
 
+A hybrid model's layout (Mamba2 / Gated DeltaNet state groups beside attention) is
+planned by a :class:`~kvxfer.core.state_tp_plan.HybridTPPlanner` instead: each rank's
+part, KV heads and state-slot sub-ranges, goes as one list of address runs.
+
 When any rank's handshake or planning fails nothing is posted to the others; every
 needed rank whose sub-transfer did not complete is told to release the request.
 The replica-spreading salt is the request id's CRC-32, so a consumer rank reading a
@@ -52,6 +56,7 @@ from kvxfer.core.heads import (
     heads_per_region,
     source_choices,
 )
+from kvxfer.core.state_tp_plan import HybridTPPlanner, RunsPlan
 from kvxfer.core.tp_plan import RankPlan, TPPlanner
 from kvxfer.errors import (
     KvxferError,
@@ -100,7 +105,7 @@ class TPPuller:
         self._lock = lock
         # Per set of peers and replica choice: its planner, and by producer rank the
         # chain lists the backend prepared with that rank (posted as ChainPlans).
-        self._planners: dict[tuple[object, ...], tuple[TPPlanner, _Listed]] = {}
+        self._planners: dict[tuple[object, ...], tuple[_Planner, _Listed]] = {}
         # One build at a time: a pull starting while connect() builds the same planner
         # waits for it instead of building it (and preparing its lists) a second time.
         self._building = threading.Lock()
@@ -244,7 +249,7 @@ class TPPuller:
 
     def _planner(
         self, producer: HeadLayout, sources: dict[int, int], peers: dict[int, Peer], salt: int
-    ) -> tuple[TPPlanner, _Listed]:
+    ) -> tuple[_Planner, _Listed]:
         """The planner of pulls reading ``sources`` from ``peers`` (cached: built once
         per set of peers and replica choice, which ``salt`` made), and the ranks whose
         chain lists are prepared with their peer (:mod:`kvxfer.core.block_lists`)."""
@@ -267,12 +272,25 @@ class TPPuller:
         sources: dict[int, int],
         peers: dict[int, Peer],
         salt: int,
-    ) -> tuple[TPPlanner, _Listed]:
+    ) -> tuple[_Planner, _Listed]:
         with self._lock:
             cached = self._planners.get(key)
         if cached is not None:  # built by the thread this one waited for
             return cached
         tp = self._tp()
+        _, exposed = self._local.require_registered()
+        if any(g.is_state for g in exposed.groups):
+            # State slots are read in sub-ranges no prepared table covers: address
+            # runs, planned from the layouts (no tables or chain lists to prepare).
+            hybrid = HybridTPPlanner.build(
+                exposed,
+                {p: peer.info.layout for p, peer in peers.items()},
+                options=self._local.config.plan,
+                local_tp=tp,
+                remote_tp_size=producer.tp_size,
+                salt=salt,
+            )
+            return self._keep(key, hybrid, {})
         # The producer ranks' tables were cut at their handshakes to what this rank
         # posts at (kvxfer._agent.peers); ours is the whole table or its one-head section.
         narrowest = min(
@@ -296,6 +314,11 @@ class TPPuller:
             if (lists := planner.chain_lists(p)) is not None
             and self._runtime.prepare_lists(peers[p], lists)
         }
+        return self._keep(key, planner, listed)
+
+    def _keep(
+        self, key: tuple[object, ...], planner: _Planner, listed: _Listed
+    ) -> tuple[_Planner, _Listed]:
         with self._lock:
             if len(self._planners) >= _MAX_PLANNERS:
                 self._planners.pop(next(iter(self._planners)))
@@ -315,7 +338,7 @@ class TPPuller:
             self._fail_all(fanout, FailureKind.POST, exc)
             return
         for rp in plans:
-            fanout.planned(rp.rank, blocks.to_wire(rp.plan.local_blocks))
+            fanout.planned(rp.rank, blocks.to_wire(_local_blocks(rp)))
         # Made only where one goes as a notification (an unguarded rank's, on its data).
         notices = {rp.rank: functools.partial(self._done_notice, job, rp.rank) for rp in plans}
         ticket = job.ticket
@@ -343,7 +366,8 @@ class TPPuller:
             sub = fanout.subs[rp.rank]
             guarded = sub.meta.pull is not None and sub.meta.pull.guard is not None
             notice = b"" if guarded else notices[rp.rank]()
-            self._runtime.post(sub, XferOp.READ, peers[rp.rank], rp.plan, notice)
+            work = rp.runs if isinstance(rp, RunsPlan) else rp.plan
+            self._runtime.post(sub, XferOp.READ, peers[rp.rank], work, notice)
 
     @staticmethod
     def _read(read: list[tuple[int, int]], rank: int, readers: int, reason: str) -> None:
@@ -381,6 +405,8 @@ class TPPuller:
 
 #: By producer rank, the chain lists prepared with it.
 _Listed = dict[int, ChainLists]
+#: Plans a pull across TP sizes: by descriptor ids, or (hybrid models) as address runs.
+_Planner = TPPlanner | HybridTPPlanner
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -392,11 +418,13 @@ class _ListedPlan:
 
 
 def _plans(
-    planner: TPPlanner, listed: _Listed, pairing: Pairing
-) -> tuple[RankPlan | _ListedPlan, ...]:
+    planner: _Planner, listed: _Listed, pairing: Pairing
+) -> tuple[RankPlan | _ListedPlan | RunsPlan, ...]:
     """Each rank's part of ``pairing``: rows of its chain lists where they are
     prepared (a broadcast per group), else the planner's plan."""
     local, remote, tokens = pairing.local, pairing.remote, pairing.num_tokens
+    if isinstance(planner, HybridTPPlanner):
+        return planner.plan(local, remote, tokens)
     if len(listed) == len(planner.ranks):
         return tuple(_ListedPlan(p, listed[p].plan(local, remote, tokens)) for p in planner.ranks)
     return tuple(
@@ -405,6 +433,13 @@ def _plans(
         else rp
         for rp in planner.plan(local, remote, tokens)
     )
+
+
+def _local_blocks(part: RankPlan | _ListedPlan | RunsPlan) -> tuple[blocks.IntArray, ...]:
+    """The local blocks ``part`` writes into (the ones invalid if it fails)."""
+    if isinstance(part, RunsPlan):
+        return part.local_blocks
+    return part.plan.local_blocks
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -21,6 +21,7 @@ from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.core.heads import TPRank, check_head_layouts
 from kvxfer.core.layout import KVLayout
 from kvxfer.core.ratio import at_unit, check_ratio
+from kvxfer.core.state_plan import check_state_pair
 from kvxfer.errors import ConfigError, LayoutMismatch
 from kvxfer.types import Direction
 
@@ -151,4 +152,12 @@ def check_pair(
         remote_heads=remote_tp.heads,
         local_rank=local_tp.rank,
         remote_rank=remote_tp.rank,
+    )
+    check_state_pair(
+        local,
+        remote,
+        local_split=local_tp.state,
+        remote_split=remote_tp.state,
+        local_tp=local_tp.heads.tp_size,
+        remote_tp=remote_tp.heads.tp_size,
     )

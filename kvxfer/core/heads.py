@@ -66,6 +66,7 @@ from typing import Any
 import msgspec
 
 from kvxfer.core.layout import KVLayout, KVPart, SplitAxis
+from kvxfer.core.state_split import StateSplit
 from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
 
 __all__ = [
@@ -192,14 +193,24 @@ class TPRank(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         heads: the group's head layout.
         rank: this rank, in ``[0, heads.tp_size)``.
+        state: how TP splits the model's recurrent-state slots (Mamba2 / GDN layers),
+            where it has any and the engine says (None: not stated; state groups
+            then pair between equal TP sizes only).
     """
 
     heads: HeadLayout
     rank: int = 0
+    # Added with state pulls across TP sizes (issue 53): defaulted, so an older peer's
+    # TPRank decodes as "not stated".
+    state: StateSplit | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.heads, HeadLayout):
             raise ConfigError("heads", self.heads, "must be a HeadLayout")
+        if self.state is not None:
+            if not isinstance(self.state, StateSplit):
+                raise ConfigError("state", self.state, "must be a StateSplit")
+            self.state.check(self.heads.tp_size)
         if not _is_int(self.rank) or not 0 <= self.rank < self.heads.tp_size:
             raise ConfigError(
                 "tp_rank", self.rank, f"must be an int in [0, tp_size={self.heads.tp_size})"
@@ -320,9 +331,13 @@ def _readers(
 
 
 def _keys(layout: KVLayout) -> dict[_Key, list[int]]:
-    """Region indices per (layer, part, shard), in table order."""
+    """Region indices per (layer, part, shard), in table order: attention regions
+    only (a state group's regions are split by their own units,
+    :mod:`kvxfer.core.state_split`, and hold no KV heads)."""
     out: dict[_Key, list[int]] = {}
     for i, r in enumerate(layout.regions):
+        if layout.groups[r.group].is_state:
+            continue
         out.setdefault((r.layer, r.part, r.shard), []).append(i)
     return out
 
@@ -354,6 +369,8 @@ def _per_region(
             f"in {count} region(s) per (layer, part, shard): {per} per region"
         )
     for i, r in enumerate(layout.regions):
+        if layout.groups[r.group].is_state:
+            continue
         if r.block_len % (per * layout.tokens_per_desc):
             raise LayoutError(
                 f"KVLayout.regions[{i}].block_len={r.block_len}: not {per} head(s) x "
@@ -366,7 +383,8 @@ def region_heads(layout: KVLayout, heads: HeadLayout, rank: int) -> tuple[range,
     """The global heads each region of rank ``rank``'s layout holds, in table order.
 
     Every (layer, part, shard) must have the same number of regions, their heads
-    (``Region.head``, global) consecutive runs covering exactly the rank's heads.
+    (``Region.head``, global) consecutive runs covering exactly the rank's heads. A
+    state group's region holds no KV heads: ``range(0)``.
 
     Raises:
         LayoutError: naming the region and field that break the rule.
@@ -403,11 +421,19 @@ def place_heads(layout: KVLayout, heads: HeadLayout, rank: int) -> KVLayout:
     """
     _, per = _per_region(layout, heads, rank)
     first = heads.heads_of(rank).start
-    local = all(r.head < heads.heads_per_rank and r.head % per == 0 for r in layout.regions)
+    kv = [not layout.groups[r.group].is_state for r in layout.regions]
+    local = all(
+        r.head < heads.heads_per_rank and r.head % per == 0
+        for r, is_kv in zip(layout.regions, kv, strict=True)
+        if is_kv
+    )
     if first == 0 or not local:
         region_heads(layout, heads, rank)  # global already, or raise naming the region
         return layout
-    regions = tuple(msgspec.structs.replace(r, head=r.head + first) for r in layout.regions)
+    regions = tuple(
+        msgspec.structs.replace(r, head=r.head + first) if is_kv else r
+        for r, is_kv in zip(layout.regions, kv, strict=True)
+    )
     placed = msgspec.structs.replace(layout, regions=regions)
     region_heads(placed, heads, rank)
     return placed
@@ -460,6 +486,9 @@ def split_heads(layout: KVLayout, heads: HeadLayout, rank: int, per: int) -> KVL
     pieces = have // per
     regions = []
     for r in layout.regions:
+        if layout.groups[r.group].is_state:  # no KV heads: kept whole
+            regions.append(r)
+            continue
         size = r.block_len // pieces
         for j in range(pieces):
             regions.append(
@@ -612,6 +641,8 @@ def map_regions(
                 index[(p, r.layer, r.part, r.shard, h)] = (j, hs)
     out: list[RegionSource] = []
     for i, (r, hs) in enumerate(zip(local.regions, mine)):
+        if not hs:  # a state region: no heads (kvxfer.core.state_plan maps it)
+            continue
         p = ranks[hs.start]
         if p not in wanted:
             continue

@@ -196,9 +196,20 @@ class TPPlanner:
         Raises:
             LayoutMismatch: the layouts cannot exchange heads (named field).
             LayoutError: a layout disagrees with its head layout.
-            ConfigError: a needed rank's table is missing, or a head slice is needed.
+            ConfigError: a needed rank's table is missing, a head slice is needed, or
+                the layout has state groups (planned by ``HybridTPPlanner``).
             PlanError: a remote table was built with other options.
         """
+        if any(g.is_state for g in local.layout.groups):
+            # A state slot is read in sub-ranges of producer slots, which no table's
+            # descriptor covers: pulls plan those as address runs.
+            raise ConfigError(
+                "groups",
+                [g.kind.value for g in local.layout.groups],
+                "Mamba/GDN state groups across TP sizes are pulled as address runs "
+                "(kvxfer.core.state_tp_plan.HybridTPPlanner); a push between TP sizes "
+                "does not move them: pair equal TP sizes, or pull",
+            )
         ranks = needed_ranks(local_heads, local_rank, remote_heads, salt=salt)
         if only is not None:
             if not set(only) <= set(ranks):
