@@ -17,8 +17,9 @@ from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import Backend, BackendOptions, Capabilities
 from kvxfer.backends.host_bounce import HostBounceBackend
 from kvxfer.core.compat import Fingerprint
+from kvxfer.core.descriptors import PlanOptions
 from kvxfer.core.ratio_write import pair_write
-from kvxfer.errors import LayoutMismatch, PlanError
+from kvxfer.errors import LayoutMismatch, PlanError, TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.ticket import Ticket
@@ -293,3 +294,30 @@ def test_pair_write_cuts_windows_at_the_consumers_last_token() -> None:
             stop=100,
             final=True,
         )
+
+
+def test_chunk_mode_between_block_sizes_fails_the_push_by_name() -> None:
+    # chunk_mode cuts the blocks of one size; a write between sizes moves whole units.
+    name = f"push-ratio-{next(_names)}"
+    producer = Agent(
+        AgentConfig(
+            engine_id=name,
+            fingerprint=FP,
+            role=Role.PRODUCER,
+            direction=Direction.PUSH,
+            plan=PlanOptions(chunk_mode=True, chunk_tokens=32, prefill_step_tokens=32),
+        ),
+        backend=FakeBackend(BackendOptions(agent_name=name)),
+    )
+    producer.register(HostKVCache(SHAPE, 128, PRODUCER_BLOCKS, fill_seed=1).layout())
+    producer.serve()
+    consumer, cc = _agent(Role.CONSUMER, 16, CONSUMER_BLOCKS, None)
+    try:
+        transfer = _expect(producer, consumer, "chunk", list(range(5, 18)), 200)
+        producer.hold("chunk", [3, 4], 200)
+        with pytest.raises(TransferError, match="chunk_mode and swa_window_mode cut blocks of one"):
+            transfer.wait(20)
+        assert not any(r.any() for r in cc.regions)
+    finally:
+        consumer.close()
+        producer.close()
