@@ -321,3 +321,28 @@ def test_chunk_mode_between_block_sizes_fails_the_push_by_name() -> None:
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize(("pbs", "cbs", "cached"), [(128, 16, 3), (16, 64, 1), (32, 64, 2)])
+def test_a_streamed_push_after_a_prefix_hit_writes_by_position(
+    pbs: int, cbs: int, cached: int
+) -> None:
+    # Streamed writes are placed by token position, so a consumer that registered only
+    # the blocks after its prefix hit gets each token where it belongs.
+    producer, pc = _agent(Role.PRODUCER, pbs, PRODUCER_BLOCKS, 6, push_stream=True)
+    consumer, cc = _agent(Role.CONSUMER, cbs, CONSUMER_BLOCKS, None)
+    try:
+        n = 300
+        pb = list(range(3, 3 + -(-n // pbs)))
+        cb = list(range(5, 5 + -(-n // cbs) - cached))
+        transfer = _expect(producer, consumer, "sh", cb, n, cached)
+        for end in range(48, n, 48):
+            if end // pbs:
+                producer.stream("sh", pb[: end // pbs], end)
+        producer.hold("sh", pb, n)
+        transfer.wait(20)
+        assert transfer.state is TransferState.DONE
+        _check(pc, cc, pb, cb, n, first=cached * cbs)
+    finally:
+        consumer.close()
+        producer.close()
