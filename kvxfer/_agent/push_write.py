@@ -27,6 +27,7 @@ from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.leases import MAX_RIVALS, Lease, LeaseBook, Target
 from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import Peer, PeerCache
+from kvxfer._agent.push_ratio import Span, plan_ratio
 from kvxfer._agent.readers import MAX_READERS
 from kvxfer._agent.receptions import NOTICE_REUSE_S
 from kvxfer._agent.runtime import Runtime
@@ -35,6 +36,9 @@ from kvxfer._agent.workers import IoPool
 from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp
 from kvxfer.core import blocks, wire
+from kvxfer.core.block_lists import ChainPlan
+from kvxfer.core.descriptors import Plan
+from kvxfer.core.ratio import UnitPairing
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.io.serial import SerialWorker
 from kvxfer.transfer import FailureKind, FailureStage, Transfer, TransferState, WriteState
@@ -66,6 +70,7 @@ class Write(msgspec.Struct):
     tokens: int
     final: bool
     early: tuple[float, bytes] | None  # the final notice encoded at registration
+    span: Span  # the write's tokens, planned anew into a consumer of another block size
 
 
 class PushWriter:
@@ -349,7 +354,16 @@ class PushWriter:
         # Tokens inside the written slice: whole blocks, except the request's tail.
         tokens = lease.num_tokens - first * block_size if final else (stop - first) * block_size
         early, slot.final_notice = (slot.final_notice if final else None), None
-        job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early)
+        # A stream's lists are whole blocks from block 0; the hold's end at its last token.
+        held = lease.num_tokens if final else max(map(len, lease.blocks), default=0) * block_size
+        span = Span(
+            blocks=lease.blocks,
+            held_tokens=held,
+            start=start * block_size,
+            stop=lease.num_tokens if final else stop * block_size,
+            final=final,
+        )
+        job = Write(transfer, slot, target, local, remote, max(tokens, 0), final, early, span)
         if engine and self._pusher.idle and self._inline:
             return job
         self._pusher.submit(self._post_write, job)
@@ -374,16 +388,30 @@ class PushWriter:
         write = transfer.meta.write
         assert write is not None
         write.consumer = job.slot.peer = peer
-        notice = self._pushed_notice(target, job.remote, job.final, job.early)
         if transfer.done:  # failed meanwhile (agent closing, lease gone)
             return
+        ratio = None
         try:
             # A consumer of another TP size: this rank writes only the heads that
             # consumer rank holds and reads from this rank (None: the whole blocks).
             plan = self._planner.plan(peer, target, job.local, job.remote, job.tokens)
+            theirs = peer.info.layout.block_size
+            if theirs != self._local.block_size:
+                # Another block size (the handshake allowed a whole multiple): the
+                # write's tokens paired unit by unit, posted as address runs.
+                ratio = plan_ratio(
+                    job.span,
+                    target,
+                    block_size=self._local.block_size,
+                    consumer_block_size=theirs,
+                    plan=self._config.plan,
+                )
+                transfer.local_blocks = ratio.local
+                job = msgspec.structs.replace(job, local=ratio.local, remote=ratio.remote)
         except KvxferError as exc:
             self._runtime.fail(transfer, FailureKind.POST, exc)
             return
+        notice = self._pushed_notice(target, job.remote, job.final, job.early)
         if not any(job.local):
             # Everything was streamed already: only the final notice is left to send.
             try:
@@ -395,9 +423,13 @@ class PushWriter:
             return
         t0 = time.monotonic()
         # The job's blocks were checked when the engine called (Agent.push, stream).
-        work = plan or blocks.Pairing(
-            blocks.from_wire(job.local), blocks.from_wire(job.remote), job.tokens
-        )
+        work: Plan | ChainPlan | UnitPairing | blocks.Pairing
+        if ratio is not None:
+            work = ratio.pairing
+        else:
+            work = plan or blocks.Pairing(
+                blocks.from_wire(job.local), blocks.from_wire(job.remote), job.tokens
+            )
         self._runtime.post(transfer, XferOp.WRITE, peer, work, notice)
         if _timeline.isEnabledFor(logging.DEBUG):
             _timeline.debug(
@@ -508,10 +540,13 @@ class PushWriter:
             # none of them can land any more (on_free).
             self._leases.free(rid, FreeReason.RELEASED, wire.HoldState.FAILED)
             draining = self._leases.draining.get(rid)
+            # The consumer hears why (a backend that posts no address runs, named),
+            # not only that its request failed.
+            why = f"a write failed: {transfer.error}"[:1024]
             if draining is None:
-                self._tell_failed(lease, "a write failed")
+                self._tell_failed(lease, why)
             else:
-                self._leases.draining[rid] = (lease, "a write failed")
+                self._leases.draining[rid] = (lease, why)
             return
         if lease.all_written and all(w.state is TransferState.DONE for w in lease.writes):
             self._leases.free(rid, FreeReason.DONE, wire.HoldState.PUSHED)

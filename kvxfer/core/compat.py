@@ -107,14 +107,13 @@ def check_pair(
     *,
     local_tp: TPRank | None = None,
     remote_tp: TPRank | None = None,
-    direction: Direction | None = None,
 ) -> None:
     """Raise if two ranks cannot exchange KV: the handshake's layout check.
 
     Block sizes may differ where one divides the other
     (:func:`~kvxfer.core.ratio.check_ratio`, which names what else a ratio needs); the
-    rest is then compared as if both blocks held the smaller size's tokens. A pull
-    moves such pairs; ``direction`` PUSH refuses them (a push writes equal sizes only).
+    rest is then compared as if both blocks held the smaller size's tokens. Pulls and
+    pushes both move such pairs (a push's writes: :mod:`kvxfer.core.ratio_write`).
 
     When both sides say where they sit in their TP groups, their *global head
     layouts* are compared (:func:`~kvxfer.core.heads.check_head_layouts`: the same model
@@ -126,13 +125,6 @@ def check_pair(
         LayoutMismatch: naming the first differing field and both values.
         LayoutError: a layout disagrees with its own head layout.
     """
-    if local.block_size != remote.block_size and direction is Direction.PUSH:
-        raise LayoutMismatch(
-            "block_size (a push writes between equal block sizes only; pull serves "
-            "different ones: transfer_mode pull, or give both instances one block size)",
-            local.block_size,
-            remote.block_size,
-        )
     if local.block_size != remote.block_size:
         # Different block sizes (kvxfer.core.ratio): compared at the smaller one.
         unit = check_ratio(

@@ -396,7 +396,6 @@ class Responder:
                 hello.layout,
                 local_tp=welcome.tp,
                 remote_tp=hello.tp,
-                direction=welcome.direction,
             )
         except LayoutMismatch as exc:
             raise _Refusal(
@@ -620,7 +619,6 @@ class Initiator:
             message.layout,
             local_tp=mine.tp,
             remote_tp=message.tp,
-            direction=mine.direction,
         )
         return PeerInfo(
             engine_id=message.engine_id,
