@@ -323,12 +323,16 @@ def test_chunk_mode_between_block_sizes_fails_the_push_by_name() -> None:
         producer.close()
 
 
-@pytest.mark.parametrize(("pbs", "cbs", "cached"), [(128, 16, 3), (16, 64, 1), (32, 64, 2)])
+@pytest.mark.parametrize(
+    ("pbs", "cbs", "cached"), [(128, 16, 3), (16, 64, 1), (32, 64, 2), (16, 16, 2), (32, 32, 1)]
+)
 def test_a_streamed_push_after_a_prefix_hit_writes_by_position(
     pbs: int, cbs: int, cached: int
 ) -> None:
     # Streamed writes are placed by token position, so a consumer that registered only
-    # the blocks after its prefix hit gets each token where it belongs.
+    # the blocks after its prefix hit gets each token where it belongs (equal block
+    # sizes too: there a write mid-stream once went to the consumer's first registered
+    # block for the producer's first block).
     producer, pc = _agent(Role.PRODUCER, pbs, PRODUCER_BLOCKS, 6, push_stream=True)
     consumer, cc = _agent(Role.CONSUMER, cbs, CONSUMER_BLOCKS, None)
     try:

@@ -343,7 +343,13 @@ class PushWriter:
             slot.final_posted = True
         # A consumer whose leading blocks are local prefix-cache hits registers only the
         # request's last blocks: skip as many of ours (per group) and write the suffix.
-        offsets = [max(0, len(g) - len(t)) for g, t in zip(lease.blocks, target.block_ids)]
+        if final:
+            offsets = [max(0, len(g) - len(t)) for g, t in zip(lease.blocks, target.block_ids)]
+        else:
+            # Mid-stream our lists hold the blocks closed so far, not the request's: the
+            # consumer's skip is its request's blocks less those it registered.
+            whole = -(-target.num_tokens // block_size)
+            offsets = [max(0, whole - len(t)) for t in target.block_ids]
         local = tuple(g[max(start, o) : stop] for g, o in zip(lease.blocks, offsets))
         remote = tuple(t[max(start, o) - o : stop - o] for t, o in zip(target.block_ids, offsets))
         first = max(start, offsets[0]) if offsets else start
