@@ -9,8 +9,9 @@ The result is cached under ``<repo>/.cache/e2e-models/<key>/`` where ``key`` has
 every parameter of the build (and a builder version), so a changed spec rebuilds and
 an unchanged one is reused. Building takes a few seconds; the directory is < 1 MB.
 
-Run ``python -m tests.e2e.model [hybrid|mamba2|gdn]`` from the repository root to build
-it (or the hybrid Gemma3, Mamba2 or Gated DeltaNet model) and print the path.
+Run ``python -m tests.e2e.model [hybrid|mamba2|gdn|mla]`` from the repository root to
+build it (or the hybrid Gemma3, Mamba2, Gated DeltaNet or DeepSeek-V3 MLA model) and
+print the path.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class TinyModelSpec:
     #: "granite_hybrid": a dense GraniteMoeHybrid (no experts) alternating Mamba2 and
     #: attention layers; "qwen3_next": a Qwen3-Next alternating Gated DeltaNet and
     #: attention layers (its vLLM CPU kernels need bfloat16 and 128-element GDN heads;
-    #: vLLM refuses a Qwen3-Next without MoE layers, so it has 4 tiny experts).
+    #: vLLM refuses a Qwen3-Next without MoE layers, so it has 4 tiny experts);
+    #: "deepseek_v3": a dense DeepSeek-V3 with MLA latent KV (:data:`MLA_DIMS`: vLLM
+    #: CPU's MLA kernels take only a 512 + 64 latent; no MoE layer).
     arch: str = "qwen2"
     sliding_window: int = 0
 
@@ -81,8 +84,19 @@ class TinyModelSpec:
         fields = dataclasses.asdict(self)
         if self.arch == "qwen2":  # keys of the original builder stay valid
             del fields["arch"], fields["sliding_window"]
+        if self.arch == "deepseek_v3":
+            fields["mla"] = MLA_DIMS
         blob = json.dumps({"builder": BUILDER_VERSION, **fields}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+#: The MLA dimensions of the ``deepseek_v3`` build. vLLM 0.32's CPU MLA backend
+#: (``v1/attention/backends/mla/cpu_mla.py``) takes one latent cache head of 576
+#: elements only (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, its decode kernel's
+#: one compiled size); any other sum fails the first forward ("Head dimension N is not
+#: supported by MLA", ``MLACommonMetadata.__post_init__``). The no-PE and V head
+#: dimensions are free: they take the spec's ``head_dim``.
+MLA_DIMS: dict[str, int] = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 
 
 def _corpus(spec: TinyModelSpec) -> list[str]:
@@ -162,10 +176,12 @@ def _model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
         return Gemma3ForCausalLM, config
     if spec.arch in _STATE_ARCHS:
         return _state_model_and_config(spec, eos_id)
+    if spec.arch == "deepseek_v3":
+        return _mla_model_and_config(spec, eos_id)
     if spec.arch != "qwen2":
         raise ValueError(
             f"TinyModelSpec.arch={spec.arch!r}: must be 'qwen2', 'gemma3', "
-            "'granite_hybrid' or 'qwen3_next'"
+            "'granite_hybrid', 'qwen3_next' or 'deepseek_v3'"
         )
     config = Qwen2Config(
         vocab_size=spec.vocab_size,
@@ -247,6 +263,43 @@ def _state_model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
     return transformers.Qwen3NextForCausalLM, config
 
 
+def _mla_model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
+    """A dense DeepSeek-V3: MLA attention (latent KV, :data:`MLA_DIMS`) in every layer.
+
+    ``first_k_dense_replace`` covers every layer, so no MoE layer is built (vLLM logs
+    "No DeepseekV2MoE layer found"); ``q_lora_rank=None`` gives a plain ``q_proj``.
+    """
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,  # MLA: one latent for all heads
+        q_lora_rank=None,
+        qk_nope_head_dim=spec.head_dim,
+        v_head_dim=spec.head_dim,
+        kv_lora_rank=MLA_DIMS["kv_lora_rank"],
+        qk_rope_head_dim=MLA_DIMS["qk_rope_head_dim"],
+        first_k_dense_replace=spec.num_hidden_layers,
+        n_routed_experts=4,  # never built (see above); DeepseekV3Config wants a count
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=False,  # see gemma3 above
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        architectures=["DeepseekV3ForCausalLM"],
+    )
+    return transformers.DeepseekV3ForCausalLM, config
+
+
 def _build_model(spec: TinyModelSpec, out: Path, eos_id: int) -> None:
     import torch
 
@@ -317,6 +370,10 @@ HYBRID_SPEC = TinyModelSpec(arch="gemma3", num_hidden_layers=4, sliding_window=1
 MAMBA2_SPEC = TinyModelSpec(arch="granite_hybrid", num_hidden_layers=4, dtype="float32")
 GDN_SPEC = TinyModelSpec(arch="qwen3_next", num_hidden_layers=4, dtype="bfloat16")
 
+#: The MLA model of tests/e2e/test_pd_mla.py: 2 dense DeepSeek-V3 layers, 4 heads of
+#: 32 (no-PE part and V), one 576-element latent per token and layer, float32.
+MLA_SPEC = TinyModelSpec(arch="deepseek_v3", dtype="float32")
+
 
 def describe(path: Path) -> dict[str, Any]:
     """Sizes and ids worth logging from a built model directory."""
@@ -328,6 +385,6 @@ def describe(path: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     import sys
 
-    named = {"hybrid": HYBRID_SPEC, "mamba2": MAMBA2_SPEC, "gdn": GDN_SPEC}
+    named = {"hybrid": HYBRID_SPEC, "mamba2": MAMBA2_SPEC, "gdn": GDN_SPEC, "mla": MLA_SPEC}
     spec = named[sys.argv[1]] if sys.argv[1:] else TinyModelSpec()
     print(json.dumps(describe(build_tiny_model(spec)), indent=1))
