@@ -1,18 +1,20 @@
 """Prefill and decode with different ``--block-size`` on real vLLM CPU engines (issue 54).
 
-Two pull pairs, prefill blocks of 128 each:
+Three pairs:
 
-- the default path (host bounce, ``kv_buffer_device: "cpu"``) into decode blocks of 64,
-  with nothing but the connector name in the config;
-- the direct path (``kv_buffer_device: "rbln"`` with the emulated nixl-rbln adapter:
-  host memory over NIXL's UCX plugin) into decode blocks of 32, the CPU attention's
-  smallest.
+- pull, prefill 128 → decode 64 through the default path (host bounce,
+  ``kv_buffer_device: "cpu"``), with nothing but the connector name in the config;
+- pull, prefill 128 → decode 32 (the CPU attention's smallest) through the direct path
+  (``kv_buffer_device: "rbln"`` with the emulated nixl-rbln adapter: host memory over
+  NIXL's UCX plugin);
+- push, prefill 32 → decode 128 (the reverse ratio) through host bounce.
 
 Each gives unified's greedy output for prompts shorter than a block, across block
-boundaries and long: the decode reads each 128-block's pieces in place
-(kvxfer.core.ratio) from vLLM's CPU cache (K element-major inside each head). A negative
-control corrupts one element of the first block that landed (tests/e2e/state_connector.py)
-and the output must change, so equality means decode attended to the bytes kvxfer moved.
+boundaries and long: the side that posts names each block's pieces of the smaller size
+in place (kvxfer.core.ratio, ratio_write) in vLLM's CPU cache (K element-major inside
+each head). A negative control negates the first block that landed in decode's first
+layer (tests/e2e/state_connector.py) and the output must change, so equality means
+decode attended to the bytes kvxfer moved.
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ CONTROL = "Lantern keepers " + PROMPTS["long"]
 @dataclasses.dataclass(frozen=True)
 class RatioPath:
     name: str
+    mode: str
     buffer_device: str
+    prefill_block: int
     decode_block: int
     env: dict[str, str]
 
 
 PATHS = [
-    RatioPath("host-bounce", "cpu", 64, {}),
-    RatioPath("direct", "rbln", 32, {"KVXFER_RBLN_ADAPTER": "emulated"}),
+    RatioPath("pull-host-bounce", "pull", "cpu", PREFILL_BLOCK, 64, {}),
+    RatioPath(
+        "pull-direct", "pull", "rbln", PREFILL_BLOCK, 32, {"KVXFER_RBLN_ADAPTER": "emulated"}
+    ),
+    RatioPath("push-host-bounce", "push", "cpu", 32, PREFILL_BLOCK, {}),
 ]
 
 
@@ -58,14 +65,18 @@ def ratio_pair(
 ) -> Iterator[PDPair]:
     path: RatioPath = request.param
     p_port, d_port = free_port(), free_port()
-    ahead = {"connect_ahead": [{"host": "localhost", "port": p_port}]}
+    # The side that posts (pull: decode, push: prefill) connects ahead to the other.
+    pull = path.mode == "pull"
+    ahead = {"connect_ahead": [{"host": "localhost", "port": p_port if pull else d_port}]}
     base: dict[str, Any] = {"kv_connector_module_path": MODULE, "buffer_device": path.buffer_device}
     prefill = start_server(
-        f"prefill-bs{PREFILL_BLOCK}-{path.name}",
+        f"prefill-bs{path.prefill_block}-{path.name}",
         tiny_model_dir,
         e2e_log_dir,
-        block_size=PREFILL_BLOCK,
-        kv_transfer_config=kv_config("kv_producer", "pull", **base),
+        block_size=path.prefill_block,
+        kv_transfer_config=kv_config(
+            "kv_producer", path.mode, extra=None if pull else ahead, **base
+        ),
         env={**PD_ENV, **path.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(p_port)},
         wait=False,
     )
@@ -74,11 +85,13 @@ def ratio_pair(
         tiny_model_dir,
         e2e_log_dir,
         block_size=path.decode_block,
-        kv_transfer_config=kv_config("kv_consumer", "pull", extra=ahead, **base),
+        kv_transfer_config=kv_config(
+            "kv_consumer", path.mode, extra=ahead if pull else None, **base
+        ),
         env={**PD_ENV, **path.env, KV_ENV: "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(d_port)},
         wait=False,
     )
-    pair = PDPair(path.name, prefill, decode)
+    pair = PDPair(path.mode, prefill, decode)
     try:
         wait_all_healthy([prefill, decode])
         yield pair
@@ -87,7 +100,7 @@ def ratio_pair(
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_prefill_block_128_to_smaller_decode_blocks_equals_unified(
+def test_different_block_sizes_equal_unified(
     ratio_pair: PDPair, unified_server: VllmServer, name: str
 ) -> None:
     prompt = PROMPTS[name]
