@@ -185,9 +185,11 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         interior = None
         # The first attention layer's tensor (state layers come as lists of views).
         first = next((t for t in kv_caches.values() if not isinstance(t, list | tuple)), None)
-        if first is not None and first.device.type == "cpu" and first.dim() == 4:
+        latent = bool(getattr(self._vllm_config.model_config, "use_mla", False))
+        if first is not None and first.device.type == "cpu" and first.dim() == 4 and not latent:
             # Which order vLLM's CPU attention writes a block in (chunk_mode and
-            # swa_window_mode cut its token ranges).
+            # swa_window_mode cut its token ranges). An MLA cache holds one latent
+            # vector per token, not K and V halves: nothing to probe.
             interior = probe_interior(
                 num_kv_heads=int(first.shape[1]),
                 block_size=int(first.shape[2]),

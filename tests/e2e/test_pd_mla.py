@@ -138,6 +138,8 @@ def test_mla_pd_equals_unified_with_negative_controls(mla_case: MlaCase) -> None
     for server in (p, d):
         layout = re.search(r"kvxfer: KV layout (.*)", server.log_text())
         assert layout, f"{server.name}: kvxfer logged no KV layout"
+        # A latent cache has no K and V halves to probe the order of.
+        assert "could not probe the CPU KV cache order" not in server.log_text(), server.name
 
     for i, length in enumerate(LENGTHS):
         prompt, ref = case.untied(length, seed=1000 * i + 17)
