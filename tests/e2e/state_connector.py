@@ -117,7 +117,8 @@ class StateFlipConnector(kvxfer_connector._RblnNixlBase):
                 # The high exponent bit of the first element (little-endian: its last
                 # byte): one flipped bit, as a bad link would flip it.
                 ssm[slot].view(-1)[:1].view(torch.uint8)[-1] ^= 0x40
-            log.warning("kvxfer e2e: %s of slot %d of %s corrupted", self._mark, slot, rid)
+            what = FLIP_KV_MARK if self._mark == FLIP_KV_MARK else "SSM state"
+            log.warning("kvxfer e2e: %s of slot %d of %s corrupted", what, slot, rid)
         return results
 
 
