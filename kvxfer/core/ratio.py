@@ -51,6 +51,7 @@ __all__ = [
     "ratio_pieces",
     "slices_per_unit",
     "unit_runs",
+    "units_between",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -181,6 +182,27 @@ class UnitPairing(NamedTuple):
     units: tuple[Units, ...]
 
 
+def units_between(
+    local: Sequence[int] | IntArray,
+    remote: Sequence[int] | IntArray,
+    u0: int,
+    u1: int,
+    local_side: tuple[int, int],
+    remote_side: tuple[int, int],
+) -> Units:
+    """The units ``u0 .. u1`` (by token position, none when ``u1 <= u0``) of two block
+    lists; each side is ``(k, first)``: units per block and the position of its list's
+    first block."""
+    (kl, first_local), (kr, first_remote) = local_side, remote_side
+    u = np.arange(u0, max(u0, u1), dtype=np.int64)
+    return Units(
+        local_block=np.asarray(local, dtype=np.int64)[u // kl - first_local],
+        local_piece=u % kl,
+        remote_block=np.asarray(remote, dtype=np.int64)[u // kr - first_remote],
+        remote_piece=u % kr,
+    )
+
+
 def pair_units(
     local: Groups,
     remote: Groups,
@@ -232,15 +254,7 @@ def pair_units(
                 f"{remote_block_size}; the {len(mine)} local block(s) of {local_block_size} "
                 f"need tokens {u0 * g}..{num_tokens}"
             )
-        u = np.arange(u0, max(u0, u1), dtype=np.int64)
-        per_group.append(
-            Units(
-                local_block=np.asarray(mine, dtype=np.int64)[u // kl - first_local],
-                local_piece=u % kl,
-                remote_block=np.asarray(theirs, dtype=np.int64)[u // kr - first_remote],
-                remote_piece=u % kr,
-            )
-        )
+        per_group.append(units_between(mine, theirs, u0, u1, (kl, first_local), (kr, first_remote)))
     return UnitPairing(
         local=local,
         remote=remote,

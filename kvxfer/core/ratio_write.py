@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvxfer.core.blocks import Groups
-from kvxfer.core.ratio import UnitPairing, Units, ratio_pieces
+from kvxfer.core.ratio import UnitPairing, ratio_pieces, units_between
 from kvxfer.errors import PlanError
 
 __all__ = ["pair_write", "written_blocks"]
@@ -90,14 +90,8 @@ def pair_write(
                 f"{producer_block_size} hold tokens {first_producer * producer_block_size}"
                 f"..{producer_tokens}; the write needs tokens {u0 * g}..{min(u1 * g, end)}"
             )
-        u = np.arange(u0, max(u0, u1), dtype=np.int64)
         per_group.append(
-            Units(
-                local_block=np.asarray(mine, dtype=np.int64)[u // kp - first_producer],
-                local_piece=u % kp,
-                remote_block=np.asarray(theirs, dtype=np.int64)[u // kc - first_consumer],
-                remote_piece=u % kc,
-            )
+            units_between(mine, theirs, u0, u1, (kp, first_producer), (kc, first_consumer))
         )
     return UnitPairing(
         local=producer,
