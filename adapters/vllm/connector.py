@@ -166,6 +166,7 @@ class _RblnNixlBase(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 direction=self.direction,
                 tp_rank=self._tp_rank,
                 rails=self._rails,
+                kv_cache_config=kv_cache_config,
             )
             self._start_link_monitor()
 

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from kvxfer.adapters.vllm.kv_transfer_config import TransferConfig, parse_kv_transfer_config
+from kvxfer.adapters.vllm.state_split import derive_state_split, model_config_of
 from kvxfer.adapters.vllm.worker import AgentFactory
 from kvxfer.agent import Agent, AgentConfig, PushPost
 from kvxfer.agent_config import DEFAULT_WARM_UP_DESCRIPTORS, check_warm_up_descriptors
@@ -50,6 +51,7 @@ __all__ = [
     "positive_seconds",
     "push_post",
     "require_nixl_rbln",
+    "state_tp_identity",
     "warm_up_descriptors",
 ]
 
@@ -431,6 +433,7 @@ def agent_factory(
     direction: Direction,
     tp_rank: int,
     rails: Sequence[Any] = (),
+    kv_cache_config: Any = None,
 ) -> AgentFactory:
     """The function that builds this worker's Agent once its KV cache is known.
 
@@ -444,6 +447,8 @@ def agent_factory(
         direction: The connector's direction.
         tp_rank: This worker's tensor-parallel rank (side-channel port offset).
         rails: The data-plane rails (:func:`data_plane_rails`).
+        kv_cache_config: vLLM's ``KVCacheConfig``: its state groups' specs say how TP
+            splits their slots (:func:`state_tp_identity`); None: not stated.
 
     Raises:
         ConfigError: a bad ``kv_lease_duration``, ``transfer_timeout_s``,
@@ -457,7 +462,7 @@ def agent_factory(
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     rail_names = tuple(r.name for r in rails)
     backend_name = "nixl_rbln" if cfg.device_to_device else "host_bounce"
-    tp = tp_identity(vllm_config, tp_rank)
+    tp, state_why = state_tp_identity(vllm_config, tp_rank, kv_cache_config)
 
     def build(layout: KVLayout, tensors: Sequence[Any]) -> Agent:
         from vllm import envs
@@ -483,7 +488,7 @@ def agent_factory(
             stripe_width=cfg.stripe_width,
             push_post=post,
             warm_up_descriptors=warm_up,
-            tp=_tp_for(layout, tp),
+            tp=_tp_for(layout, tp, state_why),
         )
         backend: Backend | None = None
         on_device = any(r.mem is not MemKind.DRAM for r in layout.regions)
@@ -513,19 +518,19 @@ def agent_factory(
     return build
 
 
-def _tp_for(layout: KVLayout, tp: TPRank) -> TPRank | None:
+def _tp_for(layout: KVLayout, tp: TPRank, state_why: str = "") -> TPRank | None:
     """``tp`` when the layout's regions split by head the way pulls across TP sizes
     plan them (vLLM's head-major CPU and device caches do) and, with Mamba/GDN state
-    groups, its slots split as ``tp.state`` says (DS conv order); None otherwise, and
-    the worker then refuses a load from another TP size with this reason."""
+    groups, its slots split as ``tp.state`` says (held bytes equal to the state
+    regions', DS conv order); None otherwise, and the worker then refuses a load from
+    another TP size, pointing at the reason logged here."""
     state = next((g for g, group in enumerate(layout.groups) if group.is_state), None)
     if state is not None and tp.state is None:
-        # tp_identity does not derive the split from vLLM's model config yet.
         log.info(
-            "kvxfer: kv_cache_groups[%d] holds Mamba/GDN state whose TP split "
-            "(TPRank.state) is not known: pulls across TP sizes need it; pair "
-            "instances of equal TP size",
+            "kvxfer: Mamba/GDN state across TP sizes: the TP split of kv_cache_groups[%d] "
+            "is not known (%s): pair instances of equal TP size",
             state,
+            state_why or "not derived",
         )
         return None
     try:
@@ -533,9 +538,38 @@ def _tp_for(layout: KVLayout, tp: TPRank) -> TPRank | None:
             check_state_layout(layout, tp.state, tp.heads.tp_size, side="local")
         region_heads(place_heads(layout, tp.heads, tp.rank), tp.heads, tp.rank)
     except KvxferError as exc:
-        log.info("kvxfer: pulls across TP sizes are not available with this layout: %s", exc)
+        what = "Mamba/GDN state across TP sizes" if tp.state is not None else "TP sizes"
+        log.info("kvxfer: %s: pulls across TP sizes are not available here: %s", what, exc)
         return None
     return tp
+
+
+def state_tp_identity(vllm_config: Any, tp_rank: int, kv_cache_config: Any) -> tuple[TPRank, str]:
+    """:func:`tp_identity` with ``TPRank.state`` derived from the model's config and
+    its state groups' specs (:func:`kvxfer.adapters.vllm.state_split.derive_state_split`)
+    where it has Mamba2 / Gated DeltaNet groups; the reason when it has such groups and
+    no split could be derived ("" otherwise). Never raises for the state: without a
+    split the groups pair between equal TP sizes only."""
+    tp = tp_identity(vllm_config, tp_rank)
+    raw = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    specs = [
+        g.kv_cache_spec
+        for g in raw
+        if type(g.kv_cache_spec).__name__ == "MambaSpec"
+        and getattr(getattr(g.kv_cache_spec, "mamba_type", None), "name", None) in _STATE_BACKENDS
+    ]
+    if not specs:
+        return tp, ""
+    try:
+        split, why = derive_state_split(
+            model_config_of(vllm_config), specs, tp.heads.tp_size, conv_state_layout()
+        )
+        if split is None:
+            return tp, why
+        return TPRank(heads=tp.heads, rank=tp.rank, state=split), ""
+    except (KvxferError, AttributeError, TypeError, ValueError) as exc:
+        # A config or spec of another shape than this module knows: no split, and why.
+        return tp, f"{type(exc).__name__}: {exc}"
 
 
 def tp_identity(vllm_config: Any, tp_rank: int) -> TPRank:

@@ -363,14 +363,25 @@ class WorkerSide:
             and any(g.is_state for g in self.layout.groups)
         ):
             tp = agent.config.tp
-            if tp is None or tp.state is None:
+            theirs = load.remote_params.get("tp_size")
+            if self.config.direction is Direction.PUSH:
+                # The Agent plans state slots across TP sizes for pulls only
+                # (kvxfer.core.state_tp_plan); a push's writes are whole-table plans.
                 why = (
-                    f"tp_size={load.remote_params.get('tp_size')} (the producer's; this "
-                    f"instance runs {self.tp_size}): Mamba/GDN state is pulled across TP "
-                    "sizes only where each rank says how TP splits its state slots "
-                    "(TPRank.state, with VLLM_SSM_CONV_STATE_LAYOUT=DS), which this "
-                    "adapter does not derive from the model yet: pair instances of equal "
-                    "TP size"
+                    f"tp_size={theirs} (the producer's; this instance runs "
+                    f"{self.tp_size}): a push moves Mamba/GDN state between instances of "
+                    "equal TP size only: pull across TP sizes (RblnNixlPullConnector), "
+                    "or pair equal TP sizes"
+                )
+            elif tp is None or tp.state is None:
+                why = (
+                    f"tp_size={theirs} (the producer's; this instance runs "
+                    f"{self.tp_size}): Mamba/GDN state is pulled across TP sizes only "
+                    "where each rank knows how TP splits its state slots (TPRank.state) "
+                    "and its conv state is dim-major (VLLM_SSM_CONV_STATE_LAYOUT=DS on "
+                    "both instances); this rank's is not available (the start-up log "
+                    "line 'kvxfer: Mamba/GDN state across TP sizes' says why): pair "
+                    "instances of equal TP size"
                 )
         if why is None and across_tp(load.remote_params, self.tp_size) and agent.config.tp is None:
             why = (
