@@ -538,8 +538,10 @@ def _tp_for(layout: KVLayout, tp: TPRank, state_why: str = "") -> TPRank | None:
             check_state_layout(layout, tp.state, tp.heads.tp_size, side="local")
         region_heads(place_heads(layout, tp.heads, tp.rank), tp.heads, tp.rank)
     except KvxferError as exc:
-        what = "Mamba/GDN state across TP sizes" if tp.state is not None else "TP sizes"
-        log.info("kvxfer: %s: pulls across TP sizes are not available here: %s", what, exc)
+        what = "Mamba/GDN state across TP sizes: " if tp.state is not None else ""
+        log.info(
+            "kvxfer: %spulls across TP sizes are not available with this layout: %s", what, exc
+        )
         return None
     return tp
 
