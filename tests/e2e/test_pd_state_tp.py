@@ -39,7 +39,9 @@ from .state_connector import ENV as FLIP_ENV
 from .state_connector import FLIP_MARK
 from .test_pd_state import MODULE, StateCase
 
-pytestmark = [pytest.mark.e2e, pytest.mark.own_servers]
+# e2e_half: the other half (every non-e2e test and the other own-servers e2e tests) is
+# the suite's longer path; this pair waits on its engines more than it computes.
+pytestmark = [pytest.mark.e2e, pytest.mark.own_servers, pytest.mark.e2e_half]
 
 ARGS = (*F32_ARGS, "--no-enable-prefix-caching")
 TP2 = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
