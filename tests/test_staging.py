@@ -14,13 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.core import wire
-from kvxfer.core.descriptors import Runs
+from kvxfer.core.descriptors import DescriptorTable, Runs, build_plan
 from kvxfer.core.gather_cost import GatherConfig, XferPath, choose_path
 from kvxfer.core.gather_plan import Copies, staging_rounds
 from kvxfer.core.layout import MemKind
-from kvxfer.core.staging import StagingSlots, first_outside
+from kvxfer.core.staging import StagingSlots, extents, first_outside
 from kvxfer.errors import ConfigError, PlanError
 from kvxfer.io.host_copy import gather_into, scatter_from
+from kvxfer.testing.kvcache import HostKVCache, ModelShape
 
 
 def u64(*xs: int) -> np.ndarray:
@@ -153,3 +154,63 @@ def test_force_and_slots() -> None:
         GatherConfig(slots=0)
     with pytest.raises(ConfigError, match=r"gather\.staging_bytes"):
         GatherConfig(staging_bytes=1, slots=2)
+
+
+@given(ranges=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 20)), max_size=20))
+def test_extents_cover_exactly_the_ranges(ranges: list[tuple[int, int]]) -> None:
+    addr = u64(*[a for a, _ in ranges])
+    length = u64(*[n for _, n in ranges])
+    starts, ends = extents(addr, length)
+    want = np.zeros(256, dtype=bool)
+    for a, n in ranges:
+        want[a : a + n] = True
+    got = np.zeros(256, dtype=bool)
+    for a, e in zip(starts.tolist(), ends.tolist()):
+        assert not got[a:e].any() and a < e
+        got[a:e] = True
+    assert np.array_equal(got, want)
+    assert (np.diff(starts.astype(np.int64)) > 0).all()
+
+
+SHAPE = ModelShape(name="gather", layers=2, kv_heads=1, head_dim=8)
+
+
+def test_gathered_pull_on_host_lands_byte_exact_and_hold_is_enforced() -> None:
+    """The pull's steps in one process: the producer checks each round's remote copies
+    against its hold's extents and gathers into its slot, one move stands in for the
+    consumer's READ of the slot, and the consumer scatters into its own blocks."""
+    bs, n = 16, 64
+    producer = HostKVCache(SHAPE, bs, n, fill_seed=3)
+    consumer = HostKVCache(SHAPE, bs, n)
+    p_table = DescriptorTable.build(producer.layout())
+    c_table = DescriptorTable.build(consumer.layout())
+    groups = len(producer.layout().groups)
+    held = list(range(0, 40, 2))  # scattered on the producer
+    local = list(range(5, 25))  # contiguous on the consumer
+    tokens = bs * len(held)
+    plan = build_plan(c_table, p_table, [local] * groups, [held] * groups, tokens)
+    runs = plan.runs(c_table, p_table)
+    choice = choose_path(runs, GatherConfig(staging_bytes=4096, slots=2, force=XferPath.GATHER))
+    assert choice.path is XferPath.GATHER and choice.staging is not None
+    hold_plan = build_plan(p_table, p_table, [held] * groups, [held] * groups, tokens)
+    hold_runs = hold_plan.runs(p_table, p_table)
+    starts, ends = extents(hold_runs.remote_addr, hold_runs.length)
+    pool = StagingSlots(4096, 2)
+    p_slot, c_slot = pool.acquire(), StagingSlots(4096, 2).acquire()
+    assert p_slot is not None and c_slot is not None
+    p_buf, c_buf = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    p_addr, c_addr = p_buf.ctypes.data + p_slot.offset, c_buf.ctypes.data + c_slot.offset
+    for rnd in choice.staging.rounds:
+        assert first_outside(rnd.remote.addr, rnd.remote.length, starts, ends) is None
+        gather_into(rnd.remote, p_addr, p_slot.nbytes)
+        ctypes.memmove(c_addr, p_addr, rnd.nbytes)  # the consumer's one READ
+        assert pool.generation(p_slot.index) == p_slot.generation  # slot not reused
+        scatter_from(rnd.local, c_addr, c_slot.nbytes)
+    assert consumer.mismatches(local, held, producer_seed=3) == 0
+    assert len(choice.staging.rounds) < len(runs)
+    # A ticket that names a block outside the hold: the producer's check refuses it.
+    stray = build_plan(c_table, p_table, [[0]] * groups, [[41]] * groups, bs)
+    stray_rounds = staging_rounds(stray.runs(c_table, p_table), 4096).rounds
+    assert (
+        first_outside(stray_rounds[0].remote.addr, stray_rounds[0].remote.length, starts, ends) == 0
+    )

@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from kvxfer.errors import ConfigError
 
-__all__ = ["Slot", "StagingSlots", "first_outside"]
+__all__ = ["Slot", "StagingSlots", "extents", "first_outside"]
 
 UIntArray = npt.NDArray[np.uint64]
 
@@ -90,6 +90,26 @@ class StagingSlots:
         self._lent.discard(i)
         self._generation[i] += 1
         self._free.append(i)
+
+
+def extents(addr: UIntArray, length: UIntArray) -> tuple[UIntArray, UIntArray]:
+    """Byte ranges ``[addr[i], addr[i] + length[i])`` sorted and merged where they
+    touch or overlap: the ``(starts, ends)`` :func:`first_outside` takes. The producer
+    builds a hold's from the runs of a plan of the hold's blocks against its own table.
+    """
+    addr = np.asarray(addr, dtype=np.uint64)
+    length = np.asarray(length, dtype=np.uint64)
+    keep = length > 0
+    order = np.argsort(addr[keep], kind="stable")
+    a, e = addr[keep][order], (addr[keep] + length[keep])[order]
+    if not len(a):
+        return a, e
+    reach = np.maximum.accumulate(e)
+    # A new extent starts where a range begins past everything before it ends.
+    new = np.concatenate(([True], a[1:] > reach[:-1]))
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(a)) - 1
+    return a[first], reach[last]
 
 
 def first_outside(
