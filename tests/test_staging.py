@@ -214,3 +214,14 @@ def test_gathered_pull_on_host_lands_byte_exact_and_hold_is_enforced() -> None:
     assert (
         first_outside(stray_rounds[0].remote.addr, stray_rounds[0].remote.length, starts, ends) == 0
     )
+
+
+def test_bench_reports_the_gather_models_choice() -> None:
+    from kvxfer.tools.bench.measure import gather_choice
+
+    one_run = mk_runs(u64(0), u64(1 << 30), u64(1 << 16))
+    assert gather_choice(one_run) == "direct"
+    # The bench's bs16 scattered case: 14,000 runs of 32 KiB (docs/DESIGN.md's table).
+    assert gather_choice(_scattered(14_000, 32768)) == "direct"  # CPU: copies cost more
+    gpu = GatherConfig(staging_bytes=64 << 20, descriptor_s=7e-6, link_gbps=500, copy_gbps=1000)
+    assert gather_choice(_scattered(14_000, 32768), gpu) == "gather"
