@@ -132,8 +132,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             this rank's heads (:mod:`kvxfer._agent.tp_pull`).
         gather: The gather path's staging size and costs (issue 55; see
             :class:`~kvxfer.core.gather_cost.GatherConfig`). Off by default
-            (``staging_bytes == 0``); the agent does not act on it yet: every
-            transfer still takes the direct path (docs/DESIGN.md, "Gather path").
+            (``staging_bytes == 0``); on, the agent registers and announces its
+            staging buffer, but every transfer still takes the direct path
+            (docs/DESIGN.md, "Gather path").
     """
 
     engine_id: str
