@@ -5,14 +5,17 @@ without staging memory, the Welcome says none and the agent still serves."""
 
 from __future__ import annotations
 
+import ctypes
+import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
-from kvxfer.backend import BackendOptions
+from kvxfer.backend import BackendOptions, XferOp, XferStatus
 from kvxfer.backends.ucx import UcxBackend
 from kvxfer.core import wire
-from kvxfer.core.descriptors import DescriptorTable
+from kvxfer.core.descriptors import DescriptorTable, Runs
 from kvxfer.core.gather_cost import GatherConfig
 from kvxfer.core.layout import MemKind
 from kvxfer.errors import BackendError, RegistrationError
@@ -98,6 +101,43 @@ def test_ucx_registers_staging_once_and_peers_still_connect() -> None:
             holder.register_staging(1 << 16)
         peer = reader.add_peer(holder.metadata(), DescriptorTable.build(layout))
         assert peer is not None
+    finally:
+        reader.close()
+        holder.close()
+
+
+def test_ucx_reads_a_peers_staging_slot_in_one_run() -> None:
+    """The gather path's transport step: one READ run from the producer's staging slot
+    into the consumer's (``post_runs``, one descriptor), byte-exact."""
+    cache = HostKVCache(SHAPE, BLOCK, NUM_BLOCKS)
+    holder = UcxBackend(BackendOptions(agent_name="slot-holder", progress_thread=True))
+    reader = UcxBackend(BackendOptions(agent_name="slot-reader"))
+    try:
+        layout = cache.layout()
+        holder.register(layout)
+        reader.register(layout)
+        theirs, mine = holder.register_staging(1 << 16), reader.register_staging(1 << 16)
+        data = np.random.default_rng(4).integers(0, 255, 1 << 15, dtype=np.uint8).tobytes()
+        ctypes.memmove(theirs + (1 << 15), data, len(data))  # the producer's slot 1
+        table = DescriptorTable.build(layout)
+        reader.prepare_local(table)
+        holder.prepare_local(table)
+        peer = reader.add_peer(holder.metadata(), table)
+        zero = np.zeros(1, dtype=np.int64)
+        run = Runs(
+            local_addr=np.array([mine], dtype=np.uint64),
+            remote_addr=np.array([theirs + (1 << 15)], dtype=np.uint64),
+            length=np.array([len(data)], dtype=np.uint64),
+            local_device=zero,
+            remote_device=zero,
+        )
+        handle = reader.post_runs(XferOp.READ, peer, run)
+        deadline = time.monotonic() + 10
+        while reader.status(handle) is XferStatus.PENDING and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert reader.status(handle) is XferStatus.DONE
+        reader.release(handle)
+        assert ctypes.string_at(mine, len(data)) == data
     finally:
         reader.close()
         holder.close()
