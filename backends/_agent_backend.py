@@ -171,6 +171,8 @@ class AgentBackend(Backend):
         # (None: it announced none).
         self._peer_guards: dict[PeerHandle, tuple[object, int | None]] = {}
         self._guard_reads: dict[XferHandle, int] = {}  # handle -> landing word
+        # The gather path's staging buffer (issue 55): kept alive while registered.
+        self._staging: npt.NDArray[np.uint8] | None = None
         self._failed: dict[XferHandle, str] = {}  # what NIXL said of a failed transfer
         # atexit holds only a weak reference: a backend dropped early is closed by GC.
         ref = weakref.ref(self)
@@ -270,6 +272,23 @@ class AgentBackend(Backend):
             self._words, self._guard_slots = words, slots
             self._landing_free = deque(range(LANDING_WORDS))
             return words[:slots]
+
+    def register_staging(self, nbytes: int) -> int:
+        with self._lock:
+            agent = self._live()
+            if self._staging is not None:
+                raise RegistrationError("this backend already registered staging memory")
+            if nbytes < 1:
+                raise RegistrationError(f"staging memory needs at least one byte, not {nbytes}")
+            staging = np.zeros(nbytes, dtype=np.uint8)
+            base = int(staging.ctypes.data)
+            what = f"{self._description} refused the staging buffer ({nbytes} B of DRAM)"
+            self._metadata = None  # the peers' blob must cover the new registration
+            with map_nixl_errors(NixlCall.REGISTER, what):
+                reg = agent.register(MemKind.DRAM, 0, [(base, nbytes)])
+            self._registrations.append(reg)
+            self._staging = staging
+            return base
 
     def guard_table(self) -> GuardTable | None:
         with self._lock:

@@ -653,6 +653,10 @@ class HostBounceBackend(Backend):
     def guard_table(self) -> GuardTable | None:
         return self._transport.guard_table()
 
+    def register_staging(self, nbytes: int) -> int:
+        # Host memory of the transport, as the guard table: peers READ it directly.
+        return self._transport.register_staging(nbytes)
+
     def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
         self._transport.add_peer_guard(peer, guard)
 

@@ -14,6 +14,7 @@ import msgspec
 from kvxfer.backend import BackendOptions
 from kvxfer.core.compat import Fingerprint
 from kvxfer.core.descriptors import PlanOptions
+from kvxfer.core.gather_cost import GatherConfig
 from kvxfer.core.heads import TPRank
 from kvxfer.errors import ConfigError
 from kvxfer.types import Direction, Role
@@ -129,6 +130,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             then paired region by region, rank *r* with rank *r*). With it, a pull whose
             ticket names another ``tp_size`` reads from every producer rank holding
             this rank's heads (:mod:`kvxfer._agent.tp_pull`).
+        gather: The gather path's staging size and costs (issue 55; see
+            :class:`~kvxfer.core.gather_cost.GatherConfig`). Off by default
+            (``staging_bytes == 0``); on, the agent registers and announces its
+            staging buffer, but every transfer still takes the direct path
+            (docs/DESIGN.md, "Gather path").
     """
 
     engine_id: str
@@ -155,6 +161,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
     push_post: PushPost = PushPost.AUTO
     tp: TPRank | None = None
+    gather: GatherConfig = msgspec.field(default_factory=GatherConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.push_post, PushPost):

@@ -319,6 +319,15 @@ class Backend(ABC):
         """Where peers read the guard table (sent in the handshake); None: none."""
         return None
 
+    # -- gather path staging (optional; issue 55) ----------------------------------
+    def register_staging(self, nbytes: int) -> int:
+        """Register ``nbytes`` of zeroed staging memory for the gather path and return
+        its address (as this backend's metadata addresses it, for peers to READ). Host
+        memory for now; a device cache's staging will take the cache's memory kind
+        through this same call. At most once, right after :meth:`register`, before
+        :meth:`metadata` is sent to any peer; the memory never grows."""
+        raise BackendError(f"backend {type(self).__name__} has no staging memory")
+
     def add_peer_guard(self, peer: PeerHandle, guard: GuardTable) -> None:
         """Prepare reads of a connected peer's guard table (from its handshake)."""
         raise BackendError(f"backend {type(self).__name__} cannot read guard words")

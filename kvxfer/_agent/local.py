@@ -13,6 +13,7 @@ from kvxfer.core.blocks import BlockIds
 from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.core.heads import TPRank, heads_per_region
 from kvxfer.core.layout import GroupKind, KVLayout
+from kvxfer.core.staging import StagingSlots
 from kvxfer.core.tp_plan import HeadSection
 from kvxfer.errors import RegistrationError
 from kvxfer.types import Direction, Role, posts
@@ -49,6 +50,10 @@ class LocalEnd:
         self.deferred: KVLayout | None = None
         #: What ``exposed_layout`` says of block ids (None until registered).
         self.rules: blocks.BlockRules | None = None
+        #: The gather path's staging buffer as the handshake announces it, and its
+        #: slots (None: gather off, or the backend has no staging memory; issue 55).
+        self.staging: wire.StagingInfo | None = None
+        self.staging_slots: StagingSlots | None = None
 
     def registered(
         self,

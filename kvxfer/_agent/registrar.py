@@ -16,9 +16,11 @@ from kvxfer._agent.guard import GuardBook
 from kvxfer._agent.leases import LeaseBook
 from kvxfer._agent.local import LocalEnd
 from kvxfer.backend import Backend
+from kvxfer.core import wire
 from kvxfer.core.descriptors import DescriptorTable
 from kvxfer.core.heads import place_heads
-from kvxfer.core.layout import KVLayout, take_tensors
+from kvxfer.core.layout import KVLayout, MemKind, take_tensors
+from kvxfer.core.staging import StagingSlots
 from kvxfer.core.tp_plan import HeadSection, head_section, prepared_rows
 from kvxfer.errors import KvxferError, RegistrationError
 
@@ -78,6 +80,19 @@ class Registrar:
         """Deregistered (the backend closed): the engine's tensors are its own again."""
         self._kept = None
 
+    def _register_staging(self, nbytes: int, slots: int) -> None:
+        """The gather path's staging buffer (issue 55), before any peer sees our
+        metadata. A backend without staging memory leaves it off: every request then
+        goes direct, as with gather off, so this logs rather than fails."""
+        try:
+            base = self._backend.register_staging(nbytes)
+        except KvxferError as e:
+            log.warning("%sno staging memory, gather path off: %s", self._log_prefix, e)
+            return
+        local = self._local
+        local.staging = wire.StagingInfo(base=base, nbytes=nbytes, slots=slots, mem=MemKind.DRAM)
+        local.staging_slots = StagingSlots(nbytes, slots)
+
     def _register_now(self, layout: KVLayout) -> None:
         config = self._local.config
         backend = self._backend
@@ -91,6 +106,9 @@ class Registrar:
             # Before any peer sees our metadata (NIXL's covers the table).
             words = backend.register_guard(GuardBook.slots_for(exposed.num_blocks))
             self._leases.guard = GuardBook(words)
+        gather = config.gather
+        if gather.enabled:
+            self._register_staging(gather.staging_bytes, gather.slots)
         table = DescriptorTable.build(exposed, config.plan)
         section = self._head_section(table)
         backend.prepare_local(prepared_rows(table, section))

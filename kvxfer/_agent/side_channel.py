@@ -233,4 +233,5 @@ class SideChannel:
             direction=config.direction,
             tp=config.tp,
             guard=self._backend.guard_table(),
+            staging=self._local.staging,
         )

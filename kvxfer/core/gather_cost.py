@@ -70,6 +70,13 @@ class GatherConfig(msgspec.Struct, frozen=True, kw_only=True):
         margin: the gather path is chosen only where its estimate is at most this
             share of the direct one (room for the figures' noise).
         min_runs: requests of fewer runs always go direct.
+        slots: how many equal slots the staging buffer is cut into (one request
+            holds one slot at a time; a request that finds none free goes direct);
+            a round moves at most ``slot_bytes``.
+        force: tests and the bench: DIRECT sends every request direct; GATHER
+            gathers every request the path can serve (enabled, and fewer rounds
+            than runs) whatever the estimates and ``min_runs`` say; None (the
+            default) lets the estimates choose.
     """
 
     staging_bytes: int = 0
@@ -81,6 +88,8 @@ class GatherConfig(msgspec.Struct, frozen=True, kw_only=True):
     round_s: float = 50e-6
     margin: float = 0.8
     min_runs: int = 64
+    slots: int = 1
+    force: XferPath | None = None
 
     def __post_init__(self) -> None:
         for key in ("staging_bytes", "min_runs"):
@@ -96,6 +105,12 @@ class GatherConfig(msgspec.Struct, frozen=True, kw_only=True):
             if not math.isfinite(value) or not low_ok:
                 rule = "must be finite and > 0" if key in positive else "must be finite and >= 0"
                 raise ConfigError(f"gather.{key}", value, rule)
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise ConfigError("gather.slots", self.slots, "must be an int >= 1")
+        if self.enabled and self.staging_bytes < self.slots:
+            raise ConfigError(
+                "gather.staging_bytes", self.staging_bytes, f"must be >= slots ({self.slots})"
+            )
         m = self.margin
         if isinstance(m, bool) or not isinstance(m, int | float) or not 0 < m <= 1:
             raise ConfigError("gather.margin", m, "must be a number in (0, 1]")
@@ -104,6 +119,11 @@ class GatherConfig(msgspec.Struct, frozen=True, kw_only=True):
     def enabled(self) -> bool:
         """Whether a request may take the gather path at all."""
         return self.staging_bytes > 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """Each slot's size, the most one round moves (0 when off)."""
+        return self.staging_bytes // self.slots
 
 
 class Estimate(NamedTuple):
@@ -146,12 +166,14 @@ def choose_path(runs: Runs, config: GatherConfig) -> PathChoice:
     direct = direct_seconds(config, len(runs), nbytes)
     # A request that fits no fewer rounds than it has runs cannot post fewer
     # descriptors staged: its copies would be pure cost.
-    rounds_needed = -(-nbytes // config.staging_bytes) if config.enabled else len(runs)
-    if not config.enabled or len(runs) < max(config.min_runs, 1) or rounds_needed >= len(runs):
+    rounds_needed = -(-nbytes // config.slot_bytes) if config.enabled else len(runs)
+    forced = config.force is XferPath.GATHER
+    few = len(runs) < (1 if forced else max(config.min_runs, 1))
+    if not config.enabled or config.force is XferPath.DIRECT or few or rounds_needed >= len(runs):
         return PathChoice(XferPath.DIRECT, Estimate(direct, math.inf), None)
-    plan = staging_rounds(runs, config.staging_bytes)
+    plan = staging_rounds(runs, config.slot_bytes)
     gather = gather_seconds(config, plan)
-    if gather <= config.margin * direct:
+    if forced or gather <= config.margin * direct:
         return PathChoice(XferPath.GATHER, Estimate(direct, gather), plan)
     return PathChoice(XferPath.DIRECT, Estimate(direct, gather), None)
 

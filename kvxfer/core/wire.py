@@ -52,7 +52,7 @@ from msgspec import Meta
 from kvxfer._version import PROTOCOL_VERSION
 from kvxfer.core.descriptors import PlanOptions
 from kvxfer.core.heads import TPRank
-from kvxfer.core.layout import KVLayout
+from kvxfer.core.layout import KVLayout, MemKind
 from kvxfer.errors import (
     AuthError,
     CompatError,
@@ -85,6 +85,7 @@ __all__ = [
     "Renew",
     "RenewHold",
     "Renewed",
+    "StagingInfo",
     "Welcome",
     "WireMessage",
     "capability_matches",
@@ -203,6 +204,18 @@ class Hello(WireMessage, frozen=True, kw_only=True, tag="hello"):
     tp: TPRank | None = None
 
 
+class StagingInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A producer's staging buffer for the gather path (issue 55): ``nbytes`` of
+    registered memory at ``base`` (as the backend's metadata addresses it), cut into
+    ``slots`` equal slots. Announced in :class:`Welcome`, outside the ``KVLayout``, so
+    layouts compare as they did before; an older peer skips the field."""
+
+    base: Count
+    nbytes: Annotated[int, Meta(ge=1, le=_MAX_INT64)]
+    slots: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
+    mem: MemKind = MemKind.DRAM
+
+
 class Welcome(WireMessage, frozen=True, kw_only=True, tag="welcome"):
     """Responder → initiator: the handshake is accepted; how to reach my memory."""
 
@@ -221,6 +234,8 @@ class Welcome(WireMessage, frozen=True, kw_only=True, tag="welcome"):
     guard: GuardTable | None = None
     #: Where the responder sits in its TP group (see Hello.tp).
     tp: TPRank | None = None
+    #: The gather path's staging buffer (None: no staging, or an earlier build).
+    staging: StagingInfo | None = None
 
 
 class Reject(WireMessage, frozen=True, kw_only=True, tag="reject"):

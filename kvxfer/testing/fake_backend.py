@@ -278,6 +278,7 @@ class FakeBackend(Backend):
         self._peers: dict[PeerHandle, _Peer] = {}
         self._xfers: dict[XferHandle, _Xfer] = {}
         self._guard: npt.NDArray[np.uint64] | None = None
+        self._staging: npt.NDArray[np.uint8] | None = None  # the gather path's (issue 55)
         self._sink = np.zeros(1, dtype=np.uint64)  # announced with the guard table
         self._peer_guards: dict[PeerHandle, GuardTable] = {}
         self._guard_reads: dict[XferHandle, _GuardRead] = {}
@@ -606,6 +607,17 @@ class FakeBackend(Backend):
                 raise RegistrationError(f"a guard table needs at least one slot, not {slots}")
             self._guard = np.zeros(slots, dtype=np.uint64)
             return self._guard
+
+    def register_staging(self, nbytes: int) -> int:
+        """Register ``nbytes`` of zeroed host staging memory; returns its address."""
+        with _LOCK:
+            self._require_open()
+            if self._staging is not None:
+                raise RegistrationError("this backend already registered staging memory")
+            if nbytes < 1:
+                raise RegistrationError(f"staging memory needs at least one byte, not {nbytes}")
+            self._staging = np.zeros(nbytes, dtype=np.uint8)
+            return int(self._staging.ctypes.data)
 
     def guard_table(self) -> GuardTable | None:
         """What a handshake tells peers about the guard table (None: none registered)."""

@@ -11,11 +11,26 @@ import msgspec
 import numpy as np
 
 import kvxfer.tools.bench.cases as bc
+from kvxfer.core.descriptors import Runs
+from kvxfer.core.gather_cost import GatherConfig, choose_path
 from kvxfer.tools.bench.side import BenchSide
 
-__all__ = ["DONE_NOTICE", "Measure"]
+__all__ = ["BENCH_GATHER", "DONE_NOTICE", "Measure", "gather_choice"]
 
 DONE_NOTICE = b"raw-done" * 16  # about the size of kvxfer's signed DONE notice
+
+#: The gather path's model as the bench reports it: 64 MiB of staging, this host's
+#: CPU cost defaults (docs/DESIGN.md, "Gather path").
+BENCH_GATHER = GatherConfig(staging_bytes=64 << 20)
+
+
+def gather_choice(runs: Runs, config: GatherConfig = BENCH_GATHER) -> str:
+    """The path the gather model would choose for ``runs`` ("direct" or "gather").
+
+    A model's choice, not the path taken: the agent does not gather yet, so every
+    measured kvxfer transfer went direct whatever this says.
+    """
+    return choose_path(runs, config).path.value
 
 
 class Measure:
@@ -24,13 +39,15 @@ class Measure:
     def __init__(self, side: BenchSide) -> None:
         self.state = side
 
-    def _counts(self, plan: Any) -> dict[str, int]:
+    def _counts(self, plan: Any) -> dict[str, int | str]:
         """What a raw request moved, worked out after its timed region."""
         assert self.state.tables is not None
+        runs = plan.runs(*self.state.tables)
         return {
             "descriptors": plan.num_descriptors,
             "bytes": plan.nbytes,
-            "runs": len(plan.runs(*self.state.tables)),
+            "runs": len(runs),
+            "gather_model": gather_choice(runs),
         }
 
     def _timed_ids(self, case: bc.Case) -> tuple[Any, Any, float, Any]:

@@ -39,6 +39,7 @@ RESULT_FIELDS = (
     "descriptors_posted",
     "nixl_descriptors",
     "runs",
+    "gather_model",
     "verified",
     "mismatched_words",
     "kvxfer_s",
@@ -380,6 +381,8 @@ def assemble(
         "descriptors_posted": stats["descriptors"],
         "nixl_descriptors": raw_first["descriptors"],
         "runs": raw_first.get("runs"),
+        # The gather model's choice for these runs (the agent itself still goes direct).
+        "gather_model": raw_first.get("gather_model"),
         "verified": verified,
         "mismatched_words": {"kvxfer": first["bad"], "nixl": raw_first["bad"]},
         "kvxfer_s": kv_s,
