@@ -133,7 +133,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         gather: The gather path's staging size and costs (issue 55; see
             :class:`~kvxfer.core.gather_cost.GatherConfig`). Off by default
             (``staging_bytes == 0``); on, the agent registers and announces its
-            staging buffer, but every transfer still takes the direct path
+            staging buffer, serves gathered rounds to consumers, and gathers its own
+            pulls from a producer that announced staging where ``choose_path`` (or
+            ``force``) says so, host memory only; pushes go direct
             (docs/DESIGN.md, "Gather path").
     """
 

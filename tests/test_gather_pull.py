@@ -16,12 +16,13 @@ import pytest
 from kvxfer.agent import Agent
 from kvxfer.agent_config import AgentConfig
 from kvxfer.core import wire
+from kvxfer.core.descriptors import DescriptorTable, build_plan
 from kvxfer.core.gather_cost import GatherConfig, XferPath
 from kvxfer.errors import TransferError
 from kvxfer.testing.kvcache import HostKVCache
 from kvxfer.transfer import FailureKind, TransferState
 from kvxfer.types import Direction, Role
-from tests.faultkit import BLOCK, NUM_BLOCKS, SHAPE, fingerprint
+from tests.faultkit import BLOCK, NUM_BLOCKS, SHAPE, Stranger, fingerprint
 
 FORCED = GatherConfig(staging_bytes=1 << 14, slots=2, force=XferPath.GATHER)
 SEED = 7
@@ -163,3 +164,50 @@ def test_wire_gather_messages_round_trip() -> None:
     assert wire.decode(wire.encode(done, "h")).message == done
     slot = wire.GatherSlot(request_id="r", slot=1, offset=8192, generation=3)
     assert wire.decode(wire.encode(slot, "h")).message == slot
+
+
+def _pieces(prod: End, held: list[int]) -> tuple[wire.GatherPiece, ...]:
+    """The producer-side pieces of ``held``, laid end to end in one slot."""
+    table = DescriptorTable.build(prod.cache.layout())
+    groups = [held] * len(prod.cache.layout().groups)
+    runs = build_plan(table, table, groups, groups, BLOCK * len(held)).runs(table, table)
+    out, offset = [], 0
+    for a, n in zip(runs.remote_addr.tolist(), runs.length.tolist()):
+        out.append(wire.GatherPiece(a, offset, n))
+        offset += n
+    return tuple(out)
+
+
+def test_producer_slots_come_back_with_the_hold_and_need_the_capability() -> None:
+    """A consumer that gathered a round and vanished leaks no slot: the hold's end
+    gives it back. A stranger without the capability gathers nothing, and a
+    GatherDone for a slot no longer lent frees nothing."""
+    for prod, _cons in _pair(FORCED, None):
+        ticket = prod.agent.hold("v1", [4, 6], BLOCK * 2)
+        slots = prod.agent._local.staging_slots  # type: ignore[attr-defined]
+        stranger = Stranger(prod.agent.serve()[0], prod.agent.serve()[1], Direction.PULL)
+        try:
+            pieces = _pieces(prod, [4, 6])
+            nope = stranger.request(
+                wire.GatherRound(request_id="v1", capability="00" * 16, pieces=pieces)
+            )
+            assert isinstance(nope, wire.Reject) and slots.free == 2
+            got = stranger.request(
+                wire.GatherRound(request_id="v1", capability=ticket.capability, pieces=pieces)
+            )
+            assert isinstance(got, wire.GatherSlot) and not got.busy
+            assert slots.free == 1
+            assert prod.agent.release("v1")
+            assert slots.free == 2  # the hold's end gave the slot back
+            late = stranger.request(
+                wire.GatherDone(
+                    request_id="v1",
+                    capability=ticket.capability,
+                    slot=got.slot,
+                    generation=got.generation,
+                )
+            )
+            assert isinstance(late, wire.Reject) and slots.free == 2
+            assert prod.agent.stats().gather_refused >= 1
+        finally:
+            stranger.close()
