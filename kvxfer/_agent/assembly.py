@@ -131,7 +131,9 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         gather.forget(lease.request_id)  # its staging slots come back with it
 
     leases = LeaseBook(stats, on_free=on_free)
-    gather = GatherDesk(local, leases, stats, lock)
+    gather = GatherDesk(
+        local, leases, stats, lock, bounces=backend.capabilities.stages_through_host
+    )
     receptions = Receptions(local, lock)
     readers = ReaderCount()  # consumer ranks of a request read across TP sizes
     runtime = Runtime(

@@ -41,6 +41,7 @@ from kvxfer.core.blocks import Pairing
 from kvxfer.core.descriptors import Runs, plan_pairing
 from kvxfer.core.gather_cost import XferPath, choose_path
 from kvxfer.core.gather_plan import StagingPlan
+from kvxfer.core.layout import MemKind
 from kvxfer.core.ratio import UnitPairing
 from kvxfer.core.staging import Slot
 from kvxfer.errors import HandshakeRejected, KvxferError, TransferError, TransferTimeout
@@ -140,9 +141,12 @@ class GatherPuller:
             or theirs is None
             or not isinstance(pairing, Pairing)
             or not self._backend.capabilities.address_runs
+            or self._backend.capabilities.stages_through_host
         ):
             return None
-        table, _ = self._local.require_registered()
+        table, exposed = self._local.require_registered()
+        if any(r.mem is not MemKind.DRAM for r in (*exposed.regions, *peer.layout.regions)):
+            return None  # the copies are memmoves by address: host memory only, for now
         try:
             runs = plan_pairing(table, peer.table, pairing).runs(table, peer.table)
         except KvxferError:

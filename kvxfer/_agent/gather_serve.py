@@ -25,6 +25,7 @@ from kvxfer.agent_config import AgentStats
 from kvxfer.core import wire
 from kvxfer.core.descriptors import build_plan
 from kvxfer.core.gather_plan import Copies
+from kvxfer.core.layout import MemKind
 from kvxfer.core.staging import Slot, extents, first_outside
 from kvxfer.errors import LeaseError
 from kvxfer.io.host_copy import gather_into
@@ -44,12 +45,21 @@ class GatherDesk:
         leases: The holds whose blocks a round may gather.
         stats: The agent's counters.
         lock: The agent lock (the lease book's and the slots' bookkeeping).
+        bounces: The backend stages blocks through host buffers (host bounce): its
+            rounds are refused, and its consumers read direct.
     """
 
     def __init__(
-        self, local: LocalEnd, leases: LeaseBook, stats: AgentStats, lock: threading.RLock
+        self,
+        local: LocalEnd,
+        leases: LeaseBook,
+        stats: AgentStats,
+        lock: threading.RLock,
+        *,
+        bounces: bool = False,
     ) -> None:
         self._local = local
+        self._bounces = bounces
         self._stats = stats
         self._leases = leases
         self._lock = lock
@@ -85,6 +95,13 @@ class GatherDesk:
         staging, slots = self._local.staging, self._local.staging_slots
         if staging is None or slots is None:
             return wire.Reject(code=wire.RejectCode.INVALID, reason="no staging memory here")
+        _, exposed = self._local.require_registered()
+        if self._bounces or any(r.mem is not MemKind.DRAM for r in exposed.regions):
+            # The copies are memmoves by address: device memory (or a host bounce's
+            # buffers, which stage_out fills only for direct reads) is not theirs.
+            return wire.Reject(
+                code=wire.RejectCode.INVALID, reason="gathered rounds read host memory only"
+            )
         n = len(msg.pieces)
         copies = Copies(
             addr=np.fromiter((p.addr for p in msg.pieces), np.uint64, n),
