@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -32,9 +33,13 @@ _names = itertools.count()
 class End:
     """One agent on ``ucx`` with its host cache."""
 
-    def __init__(self, role: Role, gather: GatherConfig | None, seed: int | None = None) -> None:
+    def __init__(
+        self, role: Role, gather: GatherConfig | None, seed: int | None = None, **config: Any
+    ) -> None:
         self.cache = HostKVCache(SHAPE, BLOCK, NUM_BLOCKS, fill_seed=seed)
-        extra = {} if gather is None else {"gather": gather}
+        extra: dict[str, Any] = dict(config)
+        if gather is not None:
+            extra["gather"] = gather
         self.agent = Agent(
             AgentConfig(
                 engine_id=f"gather-{role.value}-{next(_names)}",
@@ -211,3 +216,27 @@ def test_producer_slots_come_back_with_the_hold_and_need_the_capability() -> Non
             assert prod.agent.stats().gather_refused >= 1
         finally:
             stranger.close()
+
+
+def test_a_silent_producer_fails_the_gathered_pull_within_its_timeout() -> None:
+    """The producer stops answering after the handshake: the round's request is bounded
+    by the transfer's deadline, and the pull fails with every local block."""
+    prod = End(Role.PRODUCER, FORCED, seed=SEED)
+    cons = End(Role.CONSUMER, FORCED, transfer_timeout_s=1.5)
+    try:
+        warm = prod.agent.hold("w1", SCATTERED, BLOCK * len(SCATTERED))
+        cons.agent.pull(warm, LOCAL).wait(20)  # handshaken: the peer is cached
+        ticket = prod.agent.hold("q1", SCATTERED, BLOCK * len(SCATTERED))
+        prod.close()
+        t0 = time.monotonic()
+        t = cons.agent.pull(ticket, LOCAL)
+        with pytest.raises(TransferError):
+            t.wait(20)
+        assert time.monotonic() - t0 < 10
+        assert t.state is TransferState.FAILED and t.stats.path is XferPath.GATHER
+        assert set(LOCAL) <= set(t.invalid_blocks)
+        slots = cons.agent._local.staging_slots  # type: ignore[attr-defined]
+        assert slots.free == slots.slots
+    finally:
+        cons.close()
+        prod.close()

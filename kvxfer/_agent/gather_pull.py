@@ -159,7 +159,10 @@ class GatherPuller:
         plan = choice.staging
         if choice.path is not XferPath.GATHER or plan is None:
             return None
-        if any(len(r.remote) > wire.MAX_GATHER_PIECES for r in plan.rounds):
+        # A round's message must fit a side-channel frame (a piece encodes in at most
+        # 28 bytes; the rest of the frame in well under 1 KiB): else read direct.
+        fits = min(wire.MAX_GATHER_PIECES, (self._local.config.max_message_bytes - 1024) // 32)
+        if any(len(r.remote) > fits for r in plan.rounds):
             return None
         return plan
 
