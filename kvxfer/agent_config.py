@@ -133,7 +133,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
         gather: The gather path's staging size and costs (issue 55; see
             :class:`~kvxfer.core.gather_cost.GatherConfig`). Off by default
             (``staging_bytes == 0``); on, the agent registers and announces its
-            staging buffer, but every transfer still takes the direct path
+            staging buffer, serves gathered rounds to consumers, and gathers its own
+            pulls from a producer that announced staging where ``choose_path`` (or
+            ``force``) says so, host memory only; pushes go direct
             (docs/DESIGN.md, "Gather path").
     """
 
@@ -267,6 +269,16 @@ class AgentStats(msgspec.Struct, kw_only=True):
     quarantines: int = 0
     quarantine_s_total: float = 0.0
     quarantine_s_max: float = 0.0
+    #: Gather path (issue 55), consumer: pulls started through the staging slots, the
+    #: rounds they read (one descriptor each), and pulls sent direct instead because a
+    #: side's slots were all lent (staging never grows).
+    gathered_pulls: int = 0
+    gather_rounds: int = 0
+    gather_busy: int = 0
+    #: Gather path, producer: rounds gathered, and rounds refused (a piece outside
+    #: the hold, no such hold for the capability).
+    gather_served: int = 0
+    gather_refused: int = 0
 
     def copy(self) -> AgentStats:
         """A snapshot: the counters and copies of their dicts (taken under the agent lock)."""

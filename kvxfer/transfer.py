@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from kvxfer.core.gather_cost import XferPath
 from kvxfer.errors import KvxferError, TransferError, TransferTimeout
 
 if TYPE_CHECKING:
@@ -104,6 +105,9 @@ class TransferStats(msgspec.Struct, kw_only=True):
     settled_at: float = 0.0  # time.monotonic() when it settled (timelines across processes)
     failure: FailureKind | None = None
     stage: FailureStage | None = None
+    #: How its bytes moved: DIRECT (runs posted between the caches) or GATHER (rounds
+    #: through the staging slots, issue 55); ``descriptors`` counts what was posted.
+    path: XferPath = XferPath.DIRECT
 
 
 class PeerRef(Protocol):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from kvxfer._agent.gather_pull import GatherPuller
+from kvxfer._agent.gather_serve import GatherDesk
 from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.holds import HoldDesk
 from kvxfer._agent.leases import Lease, LeaseBook
@@ -126,8 +128,12 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
     # the book calls it through this closure; nothing is freed before it exists.
     def on_free(lease: Lease, reason: FreeReason) -> None:
         push.on_free(lease, reason)
+        gather.forget(lease.request_id)  # its staging slots come back with it
 
     leases = LeaseBook(stats, on_free=on_free)
+    gather = GatherDesk(
+        local, leases, stats, lock, bounces=backend.capabilities.stages_through_host
+    )
     receptions = Receptions(local, lock)
     readers = ReaderCount()  # consumer ranks of a request read across TP sizes
     runtime = Runtime(
@@ -144,6 +150,8 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
             wire.Release: holds.release,
             wire.Renew: holds.renew,
             wire.PushRegister: push.on_register,
+            wire.GatherRound: gather.on_round,
+            wire.GatherDone: gather.on_done,
         },
         hold_state=holds.state,
         welcomed=connected,
@@ -162,7 +170,16 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         push=push,
         producer=Producer(local, backend, holds, push, leases, runtime, side, lock),
         answers=answers,
-        puller=Puller(local, peers, runtime, side, io, tp, group),
+        puller=Puller(
+            local,
+            peers,
+            runtime,
+            side,
+            io,
+            tp,
+            group,
+            GatherPuller(local, backend, runtime, side, io, stats, lock),
+        ),
         receiver=PushReceiver(local, runtime, receptions, side, io, group, backend.agent_name),
         registrar=Registrar(local, backend, leases, lock, prefix),
         renewer=Renewer(side, group, io, stats, lock),

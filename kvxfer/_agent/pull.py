@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvxfer._agent.gather_pull import GatherPuller
 from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import Peer, PeerCache, refused_pairing
 from kvxfer._agent.runtime import Runtime
@@ -48,6 +49,8 @@ class Puller:
         io: Worker threads for first contacts and releases.
         tp: Pulls of tickets from a producer of another TP size.
         group: That producer group's ranks (which a ticket involves, their releases).
+        gather: Takes a pull through the staging slots where that pays (issue 55);
+            None: every pull goes direct.
     """
 
     def __init__(
@@ -59,8 +62,10 @@ class Puller:
         io: IoPool,
         tp: TPPuller,
         group: ProducerGroup,
+        gather: GatherPuller | None = None,
     ) -> None:
         self._local = local
+        self._gather = gather
         self._peers = peers
         self._runtime = runtime
         self._side = side
@@ -256,4 +261,14 @@ class Puller:
         ):
             return
         on_data = b"" if pull.guard is not None else notice()
-        self._runtime.post(transfer, XferOp.READ, peer, pairing, on_data)
+        direct = functools.partial(
+            self._runtime.post, transfer, XferOp.READ, peer, pairing, on_data
+        )
+        if self._gather is not None and self._gather.start(transfer, peer, ticket, pairing, direct):
+            # Gathered: its DONE goes over the side channel once the last round was
+            # scattered (the settler sends it through pull.release, guarded or not).
+            if pull.done_notice is None:
+                pull.done_notice = notice
+            transfer.meta.peer = peer
+            return
+        direct()

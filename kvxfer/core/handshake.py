@@ -110,6 +110,8 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     address: str = ""
     guard: wire.GuardTable | None = None
     tp: TPRank | None = None
+    #: The gather path's staging buffer it announced (None: none, or an earlier build).
+    staging: wire.StagingInfo | None = None
 
 
 def roles_pair(initiator: Role, responder: Role, direction: Direction) -> bool:
@@ -276,7 +278,10 @@ class Responder:
             if isinstance(message, wire.Hello):
                 self._check_compat(frame, message.engine_id)
                 return partial(self._finish, partial(self._hello, message), reply_to)
-            if isinstance(message, wire.PushRegister | wire.Release | wire.Renew):
+            if isinstance(
+                message,
+                wire.PushRegister | wire.Release | wire.Renew | wire.GatherRound | wire.GatherDone,
+            ):
                 self._check_compat(frame, message.engine_id)
                 return partial(self._finish, partial(self._hook, message), reply_to)
             raise _Refusal(
@@ -635,4 +640,5 @@ class Initiator:
             address=self.address,
             guard=message.guard,
             tp=message.tp,
+            staging=message.staging,
         )

@@ -13,7 +13,11 @@ a schema error. Phase 2 decodes the body with one typed decoder built at import.
 Evolution is append-only: a new field gets a default and older peers ignore it (unknown
 fields are skipped, extra envelope elements too). A new message type, a new enum member
 or a changed field type needs a ``PROTOCOL_VERSION`` bump, since an older decoder
-rejects them.
+rejects them, with one exception: a message type sent only to a peer whose handshake
+announced, in an append-only field, that it takes it. No older decoder ever sees one,
+so the version stays. The gather path's :class:`GatherRound` and :class:`GatherDone`
+(and their answer :class:`GatherSlot`) are of that kind: a consumer sends them only to a
+producer whose :attr:`Welcome.staging` is set, which a build without them never sets.
 
 Authentication (optional, shared secret): ``auth`` holds a 16-byte nonce, a millisecond
 timestamp, ``reply_to`` (the nonce of the request a reply answers) and an HMAC-SHA256
@@ -70,6 +74,10 @@ __all__ = [
     "Ack",
     "Auth",
     "Frame",
+    "GatherDone",
+    "GatherPiece",
+    "GatherRound",
+    "GatherSlot",
     "GuardTable",
     "Hello",
     "HoldState",
@@ -413,8 +421,79 @@ class Notice(WireMessage, frozen=True, kw_only=True, tag="notice"):
     source: Count = 0
 
 
+#: Pieces one gather round may name (a round of more pieces is cut by the consumer).
+MAX_GATHER_PIECES: Final = 1 << 16
+
+
+class GatherPiece(msgspec.Struct, frozen=True, array_like=True):
+    """One piece of a gather round: ``length`` bytes at the producer's address ``addr``
+    (as its metadata addresses them), gathered to ``offset`` in the staging slot."""
+
+    addr: Count
+    offset: Count
+    length: Annotated[int, Meta(ge=1, le=_MAX_INT64)]
+
+
+class GatherRound(WireMessage, frozen=True, kw_only=True, tag="gather_round"):
+    """Consumer → producer (gather path, issue 55): gather these pieces of request
+    ``request_id``'s hold into a staging slot. Sent only to a producer whose
+    :attr:`Welcome.staging` is set (see the module docstring on evolution).
+
+    ``capability``: the hold's token from the ticket; the producer gathers only pieces
+    that lie wholly inside that hold's blocks (R-SAFE-3) and answers
+    :class:`GatherSlot` (``busy`` when no slot is free: the consumer reads direct) or
+    a :class:`Reject`.
+    """
+
+    request_id: RequestId
+    capability: Capability = ""
+    engine_id: Name = ""
+    pieces: Annotated[tuple[GatherPiece, ...], Meta(max_length=MAX_GATHER_PIECES)]
+
+
+class GatherSlot(WireMessage, frozen=True, kw_only=True, tag="gather_slot"):
+    """Producer → consumer: the answer to a :class:`GatherRound` (the round lies in
+    staging slot ``slot`` at byte ``offset`` of the staging buffer, lent at
+    ``generation``) or to a :class:`GatherDone` (that slot was still lent at that
+    generation and the hold still stood: the bytes read are the hold's). ``busy``:
+    every slot is lent; nothing was gathered."""
+
+    request_id: RequestId
+    slot: Count = 0
+    offset: Count = 0
+    generation: Count = 0
+    busy: bool = False
+
+
+class GatherDone(WireMessage, frozen=True, kw_only=True, tag="gather_done"):
+    """Consumer → producer: the round in ``slot`` at ``generation`` was read (or is
+    given up: ``failed``); release the slot. Answered :class:`GatherSlot` when the slot
+    was still lent at that generation and the hold still stands, else :class:`Reject`:
+    the consumer then scatters nothing."""
+
+    request_id: RequestId
+    capability: Capability = ""
+    engine_id: Name = ""
+    slot: Count
+    generation: Count
+    failed: bool = False
+
+
 Message: TypeAlias = (
-    Hello | Welcome | Reject | PushRegister | Release | Renew | Renewed | Ack | Ping | Pong | Notice
+    Hello
+    | Welcome
+    | Reject
+    | PushRegister
+    | Release
+    | Renew
+    | Renewed
+    | Ack
+    | Ping
+    | Pong
+    | Notice
+    | GatherRound
+    | GatherSlot
+    | GatherDone
 )
 
 
