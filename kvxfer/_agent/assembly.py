@@ -178,7 +178,11 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
             io,
             tp,
             group,
-            GatherPuller(local, backend, runtime, side, io, stats, lock),
+            # Only where staging is configured: a pull with gathering off never
+            # enters the gather path's module (tests/test_call_path.py).
+            GatherPuller(local, backend, runtime, side, io, stats, lock)
+            if local.config.gather.enabled
+            else None,
         ),
         receiver=PushReceiver(local, runtime, receptions, side, io, group, backend.agent_name),
         registrar=Registrar(local, backend, leases, lock, prefix),
