@@ -143,6 +143,7 @@ def decode(
     *,
     max_tokens: int = MAX_TOKENS,
     request_id: str | None = None,
+    timeout: float = 60.0,
 ) -> list[int]:
     """The decode step of the proxy flow; returns the generated token ids."""
     headers = {"X-Request-Id": request_id} if request_id else None
@@ -153,6 +154,7 @@ def decode(
         return_token_ids=True,
         kv_transfer_params=dict(params),
         headers=headers,
+        timeout=timeout,
     )
     return tokens(out)
 
