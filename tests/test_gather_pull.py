@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvxfer.agent import Agent
@@ -19,6 +20,7 @@ from kvxfer.agent_config import AgentConfig
 from kvxfer.core import wire
 from kvxfer.core.descriptors import DescriptorTable, build_plan
 from kvxfer.core.gather_cost import GatherConfig, XferPath
+from kvxfer.core.gather_plan import Copies
 from kvxfer.errors import TransferError
 from kvxfer.testing.kvcache import HostKVCache
 from kvxfer.transfer import FailureKind, TransferState
@@ -74,6 +76,10 @@ def forced() -> Iterator[tuple[End, End]]:
 
 SCATTERED = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19]  # on the producer
 LOCAL = list(range(20, 30))  # contiguous here
+
+
+def u64(*values: int) -> Any:
+    return np.array(values, dtype=np.uint64)
 
 
 def _held_after(prod: End, rid: str, timeout: float = 5.0) -> list[str]:
@@ -162,7 +168,8 @@ def test_a_piece_outside_the_hold_is_refused(forced: tuple[End, End]) -> None:
 
 
 def test_wire_gather_messages_round_trip() -> None:
-    msg = wire.GatherRound(request_id="r", capability="ab", pieces=(wire.GatherPiece(4096, 0, 64),))
+    pieces = Copies(addr=u64(4096, 1 << 40), offset=u64(0, 64), length=u64(64, 8)).pack()
+    msg = wire.GatherRound(request_id="r", capability="ab", pieces=pieces)
     frame = wire.decode(wire.encode(msg, "h"))
     assert frame.message == msg
     done = wire.GatherDone(request_id="r", slot=1, generation=3)
@@ -171,16 +178,13 @@ def test_wire_gather_messages_round_trip() -> None:
     assert wire.decode(wire.encode(slot, "h")).message == slot
 
 
-def _pieces(prod: End, held: list[int]) -> tuple[wire.GatherPiece, ...]:
-    """The producer-side pieces of ``held``, laid end to end in one slot."""
+def _pieces(prod: End, held: list[int]) -> bytes:
+    """The producer-side pieces of ``held``, laid end to end in one slot, packed."""
     table = DescriptorTable.build(prod.cache.layout())
     groups = [held] * len(prod.cache.layout().groups)
     runs = build_plan(table, table, groups, groups, BLOCK * len(held)).runs(table, table)
-    out, offset = [], 0
-    for a, n in zip(runs.remote_addr.tolist(), runs.length.tolist()):
-        out.append(wire.GatherPiece(a, offset, n))
-        offset += n
-    return tuple(out)
+    offsets = np.cumsum(runs.length) - runs.length
+    return Copies(addr=runs.remote_addr, offset=offsets, length=runs.length).pack()
 
 
 def test_producer_slots_come_back_with_the_hold_and_need_the_capability() -> None:
@@ -197,6 +201,14 @@ def test_producer_slots_come_back_with_the_hold_and_need_the_capability() -> Non
                 wire.GatherRound(request_id="v1", capability="00" * 16, pieces=pieces)
             )
             assert isinstance(nope, wire.Reject) and slots.free == 2
+            # Pieces that do not unpack (a cut piece, an empty one) gather nothing.
+            empty = Copies(addr=u64(0), offset=u64(0), length=u64(0)).pack()
+            for bad in (pieces[:-1], pieces + empty):
+                refused = stranger.request(
+                    wire.GatherRound(request_id="v1", capability=ticket.capability, pieces=bad)
+                )
+                assert isinstance(refused, wire.Reject), refused
+                assert slots.free == 2
             got = stranger.request(
                 wire.GatherRound(request_id="v1", capability=ticket.capability, pieces=pieces)
             )

@@ -225,3 +225,70 @@ def test_bench_reports_the_gather_models_choice() -> None:
     assert gather_choice(_scattered(14_000, 32768)) == "direct"  # CPU: copies cost more
     gpu = GatherConfig(staging_bytes=64 << 20, descriptor_s=7e-6, link_gbps=500, copy_gbps=1000)
     assert gather_choice(_scattered(14_000, 32768), gpu) == "gather"
+
+
+def _reference(copies: Copies, src: np.ndarray, slot: np.ndarray, to_slot: bool) -> None:
+    for a, o, n in zip(copies.addr.tolist(), copies.offset.tolist(), copies.length.tolist()):
+        if to_slot:
+            slot[o : o + n] = src[a : a + n]
+        else:
+            src[a : a + n] = slot[o : o + n]
+
+
+@given(
+    width=st.sampled_from([1, 2, 48, 64, 96, 512]),
+    # From 1 piece (copied one by one) to over 16 (by rows where a width is shared).
+    count=st.integers(1, 3) | st.integers(20, 40),
+    gap=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_host_copies_by_rows_equal_piece_by_piece(
+    width: int, count: int, gap: int, seed: int
+) -> None:
+    """Whatever path a round takes (rows of a shared width, or one memmove a piece),
+    gathering and scattering move exactly the bytes a piece-by-piece copy moves, into
+    the slot offsets given (abutting, or with gaps), and nothing else."""
+    rng = np.random.default_rng(seed)
+    # Pieces at multiples of ``width`` in a 64-row engine buffer, distinct starts.
+    rows = rng.choice(61, count, replace=False).astype(np.uint64)
+    starts = rows * np.uint64(width)
+    lengths = rng.integers(1, 4, count).astype(np.uint64) * np.uint64(width)
+    offsets = np.cumsum(lengths + np.uint64(gap * width)) - lengths - np.uint64(gap * width)
+    engine = rng.integers(0, 256, 64 * width, dtype=np.uint8)
+    engine = np.concatenate([engine, np.zeros(3 * width, dtype=np.uint8)])
+    slot_nbytes = int((offsets + lengths).max()) + width
+    base = engine.ctypes.data
+    copies = Copies(starts + np.uint64(base), offsets.astype(np.uint64), lengths)
+    slot, want = np.zeros(slot_nbytes, np.uint8), np.zeros(slot_nbytes, np.uint8)
+    rel = Copies(starts, offsets.astype(np.uint64), lengths)
+    assert gather_into(copies, slot.ctypes.data, slot_nbytes) == int(lengths.sum())
+    _reference(rel, engine, want, to_slot=True)
+    assert np.array_equal(slot, want)
+    # Scatter a fresh slot back over a copy of the engine buffer.
+    fresh = rng.integers(0, 256, slot_nbytes, dtype=np.uint8)
+    before = engine.copy()
+    scatter_from(Copies(copies.addr, copies.offset, copies.length), fresh.ctypes.data, slot_nbytes)
+    _reference(rel, before, fresh, to_slot=False)
+    assert np.array_equal(engine, before)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(1, 2**64 - 1)),
+        max_size=50,
+    )
+)
+def test_pieces_pack_and_unpack_exactly(pieces: list[tuple[int, int, int]]) -> None:
+    cols = [np.array(c, dtype=np.uint64) for c in zip(*pieces)] or [u64()] * 3
+    copies = Copies(addr=cols[0], offset=cols[1], length=cols[2])
+    data = copies.pack()
+    assert len(data) == 24 * len(pieces)
+    back = Copies.unpack(data)
+    for a, b in ((back.addr, cols[0]), (back.offset, cols[1]), (back.length, cols[2])):
+        assert back.addr.dtype == np.uint64 and a.tolist() == b.tolist()
+    with pytest.raises(PlanError, match="whole number of 24-byte pieces"):
+        Copies.unpack(data + b"\0")
+    if pieces:
+        zero = Copies(addr=u64(1), offset=u64(2), length=u64(0)).pack()
+        with pytest.raises(PlanError, match=f"gather piece {len(pieces)} is empty"):
+            Copies.unpack(data + zero)

@@ -38,7 +38,7 @@ from kvxfer.agent_config import AgentStats
 from kvxfer.backend import Backend, XferOp, XferStatus
 from kvxfer.core import wire
 from kvxfer.core.blocks import Pairing
-from kvxfer.core.descriptors import Runs, plan_pairing
+from kvxfer.core.descriptors import Plan, Runs, plan_pairing
 from kvxfer.core.gather_cost import XferPath, choose_path
 from kvxfer.core.gather_plan import StagingPlan
 from kvxfer.core.layout import MemKind
@@ -105,22 +105,24 @@ class GatherPuller:
         ticket: Ticket,
         pairing: Pairing | UnitPairing,
         direct: Callable[[], None],
-    ) -> bool:
-        """Start ``transfer`` on the gather path when it applies; False: the caller
-        posts it direct (nothing was done). ``direct`` posts it direct later (a busy
-        producer)."""
-        plan = self._plan(peer, pairing)
+    ) -> Pairing | UnitPairing | Plan | None:
+        """Start ``transfer`` on the gather path when it applies (None); else the work
+        the caller posts direct (nothing was done): the request's plan where choosing
+        made one (so that a request that goes direct is planned once), or ``pairing``.
+        ``direct`` posts it direct later (a busy producer)."""
+        plan, made = self._plan(peer, pairing)
+        work = pairing if made is None else made
         slots = self._local.staging_slots
         if plan is None or slots is None:
-            return False
+            return work
         meta = transfer.meta
         with self._lock:
             if meta.doomed is not None or transfer.done:
-                return False  # the direct post settles it as it does any doomed pull
+                return work  # the direct post settles it as it does any doomed pull
             slot = slots.acquire()
             if slot is None:
                 self._stats.gather_busy += 1
-                return False  # our own slots are lent: direct (staging never grows)
+                return work  # our own slots are lent: direct (staging never grows)
             self._stats.gathered_pulls += 1
             # Busy until the rounds stop writing our blocks: a deadline or an abort
             # meanwhile quarantines the transfer instead of settling it (R-SAFE-5).
@@ -128,10 +130,15 @@ class GatherPuller:
         transfer.stats.path = XferPath.GATHER
         if not self._io.submit(self._run, transfer, peer, ticket, plan, slot, direct):
             self._stop(transfer, slot)
-            return False
-        return True
+            transfer.stats.path = XferPath.DIRECT
+            return work
+        return None
 
-    def _plan(self, peer: Peer, pairing: Pairing | UnitPairing) -> StagingPlan | None:
+    def _plan(
+        self, peer: Peer, pairing: Pairing | UnitPairing
+    ) -> tuple[StagingPlan | None, Plan | None]:
+        """The rounds of a request that is gathered, and the request's plan where one
+        was made."""
         config = self._local.config.gather
         mine, theirs = self._local.staging, peer.info.staging
         if (
@@ -143,14 +150,15 @@ class GatherPuller:
             or not self._backend.capabilities.address_runs
             or self._backend.capabilities.stages_through_host
         ):
-            return None
+            return None, None
         table, exposed = self._local.require_registered()
         if any(r.mem is not MemKind.DRAM for r in (*exposed.regions, *peer.layout.regions)):
-            return None  # the copies are memmoves by address: host memory only, for now
+            return None, None  # the copies are memmoves by address: host memory only, for now
         try:
-            runs = plan_pairing(table, peer.table, pairing).runs(table, peer.table)
+            made = plan_pairing(table, peer.table, pairing)
+            runs = made.runs(table, peer.table)
         except KvxferError:
-            return None  # the direct post fails it the same way, as before
+            return None, None  # the direct post fails it the same way, as before
         # A round fits the smaller of the two sides' slots.
         slot_bytes = min(mine.nbytes // mine.slots, theirs.nbytes // theirs.slots)
         choice = choose_path(
@@ -158,13 +166,16 @@ class GatherPuller:
         )
         plan = choice.staging
         if choice.path is not XferPath.GATHER or plan is None:
-            return None
-        # A round's message must fit a side-channel frame (a piece encodes in at most
-        # 28 bytes; the rest of the frame in well under 1 KiB): else read direct.
-        fits = min(wire.MAX_GATHER_PIECES, (self._local.config.max_message_bytes - 1024) // 32)
+            return None, made
+        # A round's message must fit a side-channel frame (a piece packs into 24
+        # bytes; the rest of the frame in well under 1 KiB): else read direct.
+        fits = min(
+            wire.MAX_GATHER_PIECES,
+            (self._local.config.max_message_bytes - 1024) // wire.GATHER_PIECE_BYTES,
+        )
         if any(len(r.remote) > fits for r in plan.rounds):
-            return None
-        return plan
+            return None, made
+        return plan, made
 
     def _stop(self, transfer: Transfer, slot: Slot | None) -> None:
         """The rounds stopped writing: give our slot back, end the posting mark."""
@@ -208,14 +219,7 @@ class GatherPuller:
             for rnd in plan.rounds:
                 if transfer.meta.doomed is not None:
                     break  # failed meanwhile (deadline, abort): settled below
-                pieces = tuple(
-                    wire.GatherPiece(a, o, n)
-                    for a, o, n in zip(
-                        rnd.remote.addr.tolist(),
-                        rnd.remote.offset.tolist(),
-                        rnd.remote.length.tolist(),
-                    )
-                )
+                pieces = rnd.remote.pack()
                 got = self._ask(
                     ticket,
                     transfer,

@@ -27,7 +27,7 @@ from kvxfer.core.descriptors import build_plan
 from kvxfer.core.gather_plan import Copies
 from kvxfer.core.layout import MemKind
 from kvxfer.core.staging import Slot, extents, first_outside
-from kvxfer.errors import LeaseError
+from kvxfer.errors import LeaseError, PlanError
 from kvxfer.io.host_copy import gather_into
 
 __all__ = ["GatherDesk"]
@@ -102,12 +102,10 @@ class GatherDesk:
             return wire.Reject(
                 code=wire.RejectCode.INVALID, reason="gathered rounds read host memory only"
             )
-        n = len(msg.pieces)
-        copies = Copies(
-            addr=np.fromiter((p.addr for p in msg.pieces), np.uint64, n),
-            offset=np.fromiter((p.offset for p in msg.pieces), np.uint64, n),
-            length=np.fromiter((p.length for p in msg.pieces), np.uint64, n),
-        )
+        try:
+            copies = Copies.unpack(msg.pieces)
+        except PlanError as exc:
+            return wire.Reject(code=wire.RejectCode.INVALID, reason=str(exc))
         with self._lock:
             starts, ends = self._hold_extents(msg.request_id, msg.capability)
             bad = first_outside(copies.addr, copies.length, starts, ends)

@@ -264,11 +264,16 @@ class Puller:
         direct = functools.partial(
             self._runtime.post, transfer, XferOp.READ, peer, pairing, on_data
         )
-        if self._gather is not None and self._gather.start(transfer, peer, ticket, pairing, direct):
+        if self._gather is None:
+            direct()
+            return
+        work = self._gather.start(transfer, peer, ticket, pairing, direct)
+        if work is None:
             # Gathered: its DONE goes over the side channel once the last round was
             # scattered (the settler sends it through pull.release, guarded or not).
             if pull.done_notice is None:
                 pull.done_notice = notice
             transfer.meta.peer = peer
             return
-        direct()
+        # Direct, with the plan the choice made where it made one.
+        self._runtime.post(transfer, XferOp.READ, peer, work, on_data)

@@ -14,10 +14,13 @@ bytes at the local copy's rate::
 :func:`choose_path` picks the gather path only where its estimate is below
 ``margin`` times the direct one, and never for requests of fewer than ``min_runs``
 runs, so contiguous requests keep today's direct path whatever the figures.
-:class:`GatherConfig`'s defaults are this project's CPU figures (UCX over CMA: ~3 µs
-a descriptor, ~12 GB/s for the link and for a one-thread copy), with the gather path
-off (``staging_bytes=0``); :func:`fit_costs` turns measured transfers (``kvxfer
-bench``: descriptors, bytes, seconds) into ``descriptor_s`` and the link's rate.
+:class:`GatherConfig`'s defaults are this project's CPU figures, fitted to ``kvxfer
+bench --gather`` on a 2-core host (UCX over CMA, 2026-12-07: 2.5 µs a descriptor,
+11 GB/s for the link; gathered pulls 3.5 ms of control per round, two side-channel
+round trips and a worker's hand-off; 0.5 µs a piece and 8 GB/s per side's copy), with
+the gather path off (``staging_bytes=0``); :func:`fit_costs` turns measured transfers
+(``kvxfer bench``: descriptors, bytes, seconds) into ``descriptor_s`` and the link's
+rate. A device cache needs its own figures (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "choose_path",
     "direct_seconds",
     "fit_costs",
+    "gather_estimate",
     "gather_seconds",
 ]
 
@@ -80,13 +84,13 @@ class GatherConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     staging_bytes: int = 0
-    descriptor_s: float = 3e-6
-    link_gbps: float = 12.0
-    copy_gbps: float = 12.0
+    descriptor_s: float = 2.5e-6
+    link_gbps: float = 11.0
+    copy_gbps: float = 8.0
     copy_call_s: float = 10e-6
-    copy_piece_s: float = 0.2e-6
-    round_s: float = 50e-6
-    margin: float = 0.8
+    copy_piece_s: float = 0.5e-6
+    round_s: float = 3.5e-3
+    margin: float = 0.9
     min_runs: int = 64
     slots: int = 1
     force: XferPath | None = None
@@ -160,8 +164,27 @@ def gather_seconds(config: GatherConfig, plan: StagingPlan) -> float:
     )
 
 
+def gather_estimate(config: GatherConfig, runs: int, nbytes: int) -> float:
+    """The gather path's estimate for ``runs`` merged runs of ``nbytes`` cut into
+    rounds of ``config.slot_bytes``, before any round is planned: each side copies at
+    most one piece per run plus one per cut between rounds, the count used here
+    (planning the rounds costs as much as planning the request again, which a request
+    that goes direct should not pay)."""
+    rounds = -(-nbytes // config.slot_bytes)
+    pieces = runs + rounds - 1
+    copies = (
+        2 * rounds * config.copy_call_s
+        + 2 * pieces * config.copy_piece_s
+        + 2 * nbytes / (config.copy_gbps * 1e9)
+    )
+    return (
+        rounds * (config.descriptor_s + config.round_s) + nbytes / (config.link_gbps * 1e9) + copies
+    )
+
+
 def choose_path(runs: Runs, config: GatherConfig) -> PathChoice:
-    """Direct or gathered for one request's merged ``runs`` (see the module docstring)."""
+    """Direct or gathered for one request's merged ``runs`` (see the module docstring);
+    the rounds are planned only for a request that is gathered."""
     nbytes = runs.nbytes
     direct = direct_seconds(config, len(runs), nbytes)
     # A request that fits no fewer rounds than it has runs cannot post fewer
@@ -171,9 +194,9 @@ def choose_path(runs: Runs, config: GatherConfig) -> PathChoice:
     few = len(runs) < (1 if forced else max(config.min_runs, 1))
     if not config.enabled or config.force is XferPath.DIRECT or few or rounds_needed >= len(runs):
         return PathChoice(XferPath.DIRECT, Estimate(direct, math.inf), None)
-    plan = staging_rounds(runs, config.slot_bytes)
-    gather = gather_seconds(config, plan)
+    gather = gather_estimate(config, len(runs), nbytes)
     if forced or gather <= config.margin * direct:
+        plan = staging_rounds(runs, config.slot_bytes)
         return PathChoice(XferPath.GATHER, Estimate(direct, gather), plan)
     return PathChoice(XferPath.DIRECT, Estimate(direct, gather), None)
 

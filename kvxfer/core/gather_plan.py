@@ -29,7 +29,10 @@ import numpy.typing as npt
 from kvxfer.core.descriptors import Runs
 from kvxfer.errors import PlanError
 
-__all__ = ["Copies", "StagedRound", "StagingPlan", "staging_rounds"]
+__all__ = ["PIECE_BYTES", "Copies", "StagedRound", "StagingPlan", "staging_rounds"]
+
+#: Bytes of one packed piece (:meth:`Copies.pack`): three uint64.
+PIECE_BYTES = 24
 
 IntArray = npt.NDArray[np.int64]
 UIntArray = npt.NDArray[np.uint64]
@@ -52,6 +55,29 @@ class Copies:
     def nbytes(self) -> int:
         """Bytes copied."""
         return int(self.length.sum())
+
+    def pack(self) -> bytes:
+        """The pieces as a gather round carries them on the wire: per piece three
+        little-endian uint64 (``addr``, ``offset``, ``length``), 24 bytes."""
+        return np.stack([self.addr, self.offset, self.length], axis=1).astype("<u8").tobytes()
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Copies:
+        """The pieces of :meth:`pack`.
+
+        Raises:
+            PlanError: ``data`` is not whole 24-byte pieces, or a piece is empty.
+        """
+        if len(data) % PIECE_BYTES:
+            raise PlanError(
+                f"gather pieces: {len(data)} bytes is not a whole number of "
+                f"{PIECE_BYTES}-byte pieces"
+            )
+        cols = np.frombuffer(data, dtype="<u8").reshape(-1, 3).astype(np.uint64).T
+        out = cls(addr=cols[0].copy(), offset=cols[1].copy(), length=cols[2].copy())
+        if len(out) and int(out.length.min()) == 0:
+            raise PlanError(f"gather piece {int(np.argmin(out.length))} is empty")
+        return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
