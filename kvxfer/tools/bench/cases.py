@@ -84,6 +84,10 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
     #: A pull between block sizes (``--block-ratios``): the consumer's block size, where
     #: ``block_size`` is the producer's (0: the same; :mod:`.block_ratio`).
     consumer_block_size: int = 0
+    #: The gather path (``--gather``, :mod:`.gather`): "off" (no staging: the direct
+    #: path), "auto" (staging on, the cost model picks per request), "force" (staging
+    #: on, every request gathered).
+    gather: str = "off"
 
     @property
     def shape(self) -> ModelShape:
@@ -109,9 +113,10 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
     def label(self) -> str:
         mode = "" if self.mode == "whole" else f" {self.mode}"
         ratio = f":{self.consumer_block_size}" if self.is_ratio else ""
+        gather = "" if self.gather == "off" else f" gather={self.gather}"
         return (
             f"{self.model} bs{self.block_size}{ratio} {self.tokens}t {self.pattern} "
-            f"{self.direction} {self.backend}{mode}"
+            f"{self.direction} {self.backend}{mode}{gather}"
         )
 
     @property
@@ -120,7 +125,7 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
         return (self.model, self.block_size, self.block_size_of("local"), self.tokens)
 
     @property
-    def agent_key(self) -> tuple[str, int, int, int, str, str, int]:
+    def agent_key(self) -> tuple[str, int, int, int, str, str, int, str]:
         """Cases sharing this key share one pair of kvxfer agents per direction."""
         return (
             self.model,
@@ -130,6 +135,7 @@ class Case(msgspec.Struct, frozen=True, kw_only=True):
             self.backend,
             self.mode,
             self.chunk_tokens,
+            self.gather,
         )
 
     def fields(self) -> dict[str, Any]:
@@ -218,7 +224,7 @@ def order_cases(cases: Iterable[Case]) -> list[Case]:
     """Cases grouped by cache, then by agent pair (stable otherwise), so each cache and
     each agent pair is set up once."""
     first_cache: dict[tuple[str, int, int, int], int] = {}
-    first_agents: dict[tuple[str, int, int, int, str, str, int], int] = {}
+    first_agents: dict[tuple[str, int, int, int, str, str, int, str], int] = {}
     items = list(cases)
     for i, c in enumerate(items):
         first_cache.setdefault(c.cache_key, i)

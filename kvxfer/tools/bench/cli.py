@@ -23,6 +23,7 @@ from typing import Any
 import kvxfer.tools.bench.block_ratio as block_ratio
 import kvxfer.tools.bench.cases as bc
 import kvxfer.tools.bench.device as device
+import kvxfer.tools.bench.gather as gather
 import kvxfer.tools.bench.report as report
 from kvxfer.agent import PushPost
 from kvxfer.agent_config import DEFAULT_PROGRESS_INTERVAL_S, check_progress_interval
@@ -152,6 +153,15 @@ def parser() -> argparse.ArgumentParser:
         "4000, contiguous)",
     )
     p.add_argument(
+        "--gather",
+        action="store_true",
+        help="instead of the matrix, pulls on ucx three ways in one run: direct (no "
+        "staging), gathered (every request through the staging slots) and auto (the "
+        "gather cost model picks per request), with the path each rep took and whether "
+        "the model picked the slower one; --models --block-sizes --tokens --patterns "
+        "select (qwen3-0.6b, 16,128, 4000, contiguous,scattered)",
+    )
+    p.add_argument(
         "--firsts",
         type=int,
         default=None,
@@ -277,7 +287,16 @@ def plan_cases(args: argparse.Namespace) -> tuple[list[bc.Case], list[Result]]:
             tokens=_ints(pick["tokens"]),
             patterns=_strs(pick["patterns"]),
         )
-    for preset in () if args.block_ratios else QUICK if args.quick else (_ALL,):
+    if args.gather:
+        pick = {k: getattr(args, k) or v for k, v in gather.DEFAULTS.items()}
+        cases = gather.build_cases(
+            models=_strs(pick["models"]),
+            block_sizes=_ints(pick["block_sizes"]),
+            tokens=_ints(pick["tokens"]),
+            patterns=_strs(pick["patterns"]),
+        )
+    instead = args.block_ratios or args.gather  # a sub-bench in place of the matrix
+    for preset in () if instead else QUICK if args.quick else (_ALL,):
         pick = {k: getattr(args, k) or preset[k] for k in preset}
         more, bad = bc.build_matrix(
             models=_strs(pick["models"]),
@@ -343,7 +362,8 @@ def run(args: argparse.Namespace, results: list[Result], header: Result | None =
     if header is not None and both and on_host and _cma.ucx_uses_cma(header.get("ucx_tls")):
         header["cma"] = _kernel_copy_rates()
     planning: list[bc.Case] = []
-    matrix = not args.block_ratios  # the planning cases belong to the matrix
+    # the planning cases belong to the matrix
+    matrix = not (args.block_ratios or args.gather)
     if matrix and not args.no_planning and "ucx" not in unavailable_backends(["ucx"]):
         patterns = ("contiguous",) if args.quick else bc.PATTERNS
         planning = [
@@ -401,7 +421,7 @@ def _load(path: str) -> tuple[dict[str, Any], list[Result]]:
             obj = json.loads(line)
             if obj.get("kind") == "run":
                 header = obj
-            elif obj.get("kind") in ("transfer", "planning", "tp", block_ratio.KIND):
+            elif obj.get("kind") in ("transfer", "planning", "tp", block_ratio.KIND, gather.KIND):
                 results.append(obj)
     return header, results
 
@@ -490,6 +510,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         refused = block_ratio.refusal(args)
         if refused:
             print(f"kvxfer bench: --block-ratios: {refused}", file=sys.stderr)
+            return 2
+    if args.gather and not (args.tables or args.hybrid or args.from_json):
+        refused = gather.refusal(args)
+        if refused:
+            print(f"kvxfer bench: --gather: {refused}", file=sys.stderr)
             return 2
     if args.firsts is not None and not args.tp:
         print(f"kvxfer bench: --firsts {args.firsts}: applies to --tp only", file=sys.stderr)

@@ -13,22 +13,23 @@ import numpy as np
 import kvxfer.tools.bench.cases as bc
 from kvxfer.core.descriptors import Runs
 from kvxfer.core.gather_cost import GatherConfig, choose_path
+from kvxfer.tools.bench.gather import STAGING_BYTES
 from kvxfer.tools.bench.side import BenchSide
 
 __all__ = ["BENCH_GATHER", "DONE_NOTICE", "Measure", "gather_choice"]
 
 DONE_NOTICE = b"raw-done" * 16  # about the size of kvxfer's signed DONE notice
 
-#: The gather path's model as the bench reports it: 64 MiB of staging, this host's
-#: CPU cost defaults (docs/DESIGN.md, "Gather path").
-BENCH_GATHER = GatherConfig(staging_bytes=64 << 20)
+#: The gather path's model as the bench reports it: the staging of ``--gather``'s
+#: agents, this host's CPU cost defaults (docs/DESIGN.md, "Gather path").
+BENCH_GATHER = GatherConfig(staging_bytes=STAGING_BYTES)
 
 
 def gather_choice(runs: Runs, config: GatherConfig = BENCH_GATHER) -> str:
     """The path the gather model would choose for ``runs`` ("direct" or "gather").
 
-    A model's choice, not the path taken: the agent does not gather yet, so every
-    measured kvxfer transfer went direct whatever this says.
+    A model's choice, not the path taken: a matrix case's agents have no staging and
+    go direct whatever this says; ``--gather`` measures the path taken (``paths``).
     """
     return choose_path(runs, config).path.value
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvxfer.tools.bench.block_ratio as block_ratio
+import kvxfer.tools.bench.gather as gather
 
 __all__ = ["bar", "check_bars", "format_bars", "format_summary", "format_table", "plot", "relate"]
 
@@ -86,6 +87,7 @@ def relate(results: Sequence[Result]) -> None:
                     r["bounce_bw_floor"] = max(1.0, three / direct["kvxfer_s"])
                     r["bounce_vs_floor"] = r["bounce_vs_direct"] / r["bounce_bw_floor"]
     block_ratio.relate(results)  # pulls between block sizes against their equal-size pull
+    gather.relate(results)  # gathered pulls against the direct pull of the same request
 
 
 def _worst(rows: list[tuple[float, str]], lowest: bool = True) -> tuple[float, str] | None:
@@ -202,6 +204,15 @@ def check_bars(results: Sequence[Result], cma: Result | None = None) -> list[Res
         [(float(r["handshakes_in_timed_reps"] or 0), r["label"]) for r in runs], lowest=False
     )
     add("handshakes after the first transfer", "== 0", again, again is not None and again[0] == 0)
+    picked = gather.check(results)
+    if picked is not None:
+        add(
+            "gather model's pick vs the faster path (GB/s)",
+            f">= {1 - gather.NOISE:.2f}",
+            picked.worst,
+            picked.holds,
+            picked.note,
+        )
     return checks
 
 
@@ -313,6 +324,7 @@ def format_table(results: Sequence[Result], bars: Sequence[Result]) -> str:
             for r in pushes
         ]
     lines += block_ratio.format_lines(results)
+    lines += gather.format_lines(results)
     saved = [r for r in results if "time_saved_s" in r]
     if saved:
         lines += ["", "chunk/window modes against whole blocks (same case):"]

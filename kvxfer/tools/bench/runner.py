@@ -20,6 +20,7 @@ import msgspec
 
 import kvxfer.tools.bench.cases as bc
 from kvxfer.tools.bench.block_ratio import KIND as RATIO_KIND
+from kvxfer.tools.bench.gather import KIND as GATHER_KIND
 from kvxfer.tools.bench.netns import NetnsPair
 from kvxfer.tools.bench.procs import BenchError, Children
 from kvxfer.tools.bench.worker import worker_main
@@ -40,6 +41,7 @@ RESULT_FIELDS = (
     "nixl_descriptors",
     "runs",
     "gather_model",
+    "paths",
     "verified",
     "mismatched_words",
     "kvxfer_s",
@@ -328,9 +330,12 @@ def failed(case: bc.Case, reason: str, status: str = "failed") -> dict[str, Any]
 
 
 def _kind(case: bc.Case) -> str:
-    """A result's JSON ``kind``: ``ratio`` for a pull between block sizes, which the
-    matrix's bars and tables leave to :mod:`.block_ratio`."""
-    return RATIO_KIND if case.is_ratio else "transfer"
+    """A result's JSON ``kind``: ``ratio`` for a pull between block sizes and ``gather``
+    for a pull with staging memory, which the matrix's bars and tables leave to
+    :mod:`.block_ratio` and :mod:`.gather`."""
+    if case.is_ratio:
+        return RATIO_KIND
+    return GATHER_KIND if case.gather != "off" else "transfer"
 
 
 def assemble(
@@ -358,7 +363,10 @@ def assemble(
     paired = [r / k for k, r in zip(kv, raw) if k > 0]
     paired_mc = [m / k for k, m in zip(kv, memcpy) if k > 0]
     verified = first["bad"] == 0 and raw_first["bad"] == 0
-    same = raw_first["descriptors"] == stats["descriptors"]
+    paths = [d["stats"].get("path", "direct") for d in (first, *details)]
+    # A gathered request posts a few staging reads where raw NIXL posts the direct
+    # path's runs: the counts agree only on the direct path.
+    same = raw_first["descriptors"] == stats["descriptors"] or stats.get("path") == "gather"
     hs = [d["handshakes"] for d in (first, *details) if d.get("handshakes") is not None]
     ok = verified and same and moved == expected and all(d.get("freed", True) for d in details)
     # The stricter reading: kvxfer with the producer's hold() on the clock even where
@@ -381,8 +389,10 @@ def assemble(
         "descriptors_posted": stats["descriptors"],
         "nixl_descriptors": raw_first["descriptors"],
         "runs": raw_first.get("runs"),
-        # The gather model's choice for these runs (the agent itself still goes direct).
+        # The bench's gather model's choice for these runs (64 MiB of staging), beside
+        # the path kvxfer's agents took on each rep (``paths``, the verified one first).
         "gather_model": raw_first.get("gather_model"),
+        "paths": paths,
         "verified": verified,
         "mismatched_words": {"kvxfer": first["bad"], "nixl": raw_first["bad"]},
         "kvxfer_s": kv_s,

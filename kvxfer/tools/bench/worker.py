@@ -134,6 +134,7 @@ class Worker:
         self.state.raw_peer = self.state.raw.add_peer(payload["raw"])
 
     def cmd_agents(self, case: bc.Case) -> dict[str, Any]:
+        import kvxfer.tools.bench.gather as gather
         from kvxfer.agent import Agent, AgentConfig, PushPost
         from kvxfer.core.compat import Fingerprint
         from kvxfer.types import Direction, Role
@@ -171,6 +172,7 @@ class Worker:
                     backend_extra=extra,
                     push_post=PushPost(self.push_post),
                     progress_interval_s=self.progress_interval_s,
+                    gather=gather.agent_config(case),
                 )
             )
             self.state.agents[d] = agent
@@ -338,6 +340,7 @@ class Worker:
         return {
             "bytes": s.bytes,
             "descriptors": s.descriptors,
+            "path": s.path.value,  # direct, or gathered through the staging slots
             "plan_s": s.plan_s,
             "post_s": s.post_s,
             "transfer_s": s.transfer_s,
