@@ -28,6 +28,7 @@ from kvxfer.tools.bench.device import (
     check_device,
     parse_device,
 )
+from tests.benchkit import rereport
 
 SHAPE = bc.SHAPES[bc.QWEN]
 
@@ -239,14 +240,7 @@ def test_a_torch_cache_run_through_two_processes_verifies(tmp_path: Any) -> None
         assert r["status"] == "ok", r
         assert r["verified"] is True and r["mismatched_words"] == {"kvxfer": 0, "nixl": 0}
         assert r["kvxfer_gbps"] > 0 and r["nixl_gbps"] > 0 and r["memcpy_gbps"] > 0
-    saved = tmp_path / "run.jsonl"
-    saved.write_text(out.stdout)
-    again = subprocess.run(
-        [sys.executable, "-m", "kvxfer.cli", "bench", "--from-json", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = rereport(tmp_path, out.stdout)
     assert again.returncode == 0, again.stderr
     assert "caches in torch memory on cpu (memcpy: a copy there)" in again.stdout
 

@@ -17,6 +17,7 @@ from kvxfer.tools.bench import cases as bc
 from kvxfer.tools.bench import cli as bench
 from kvxfer.tools.bench import gather, report
 from kvxfer.tools.bench.runner import RESULT_FIELDS, assemble
+from tests.benchkit import rereport
 
 
 def _case(gather_mode: str, **kw: Any) -> bc.Case:
@@ -187,14 +188,7 @@ def test_gather_through_two_processes(tmp_path: Any) -> None:
         assert auto["auto_slower"] in (True, False)
     bars = [o for o in objs if o["kind"] == "bar"]
     assert "gather model's pick vs the faster path (GB/s)" in {b["bar"] for b in bars}
-    saved = tmp_path / "run.jsonl"
-    saved.write_text(out.stdout)
-    again = subprocess.run(
-        [sys.executable, "-m", "kvxfer.cli", "bench", "--from-json", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = rereport(tmp_path, out.stdout)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "gather path against the direct pull" in again.stdout
     assert "gather=auto" in again.stdout

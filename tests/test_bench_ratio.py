@@ -20,6 +20,7 @@ from kvxfer.tools.bench import cases as bc
 from kvxfer.tools.bench import cli as bench
 from kvxfer.tools.bench.data import WORD_FACTOR, fill_regions, verify_regions
 from kvxfer.tools.bench.runner import RESULT_FIELDS, assemble
+from tests.benchkit import rereport
 
 
 def _ratio(p: int, c: int, **kw: Any) -> bc.Case:
@@ -229,13 +230,6 @@ def test_block_ratios_through_two_processes(tmp_path: Any) -> None:
         for key in ("kvxfer_gbps", "nixl_gbps", "memcpy_gbps", "equal_gbps", "vs_equal"):
             assert r[key] > 0, key
         assert r["equal_label"] == equal[0]["label"]
-    saved = tmp_path / "run.jsonl"
-    saved.write_text(out.stdout)
-    again = subprocess.run(
-        [sys.executable, "-m", "kvxfer.cli", "bench", "--from-json", str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = rereport(tmp_path, out.stdout)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "block-size ratios" in again.stdout and "bs32:16" in again.stdout

@@ -231,13 +231,9 @@ def relate(results: Sequence[Result]) -> None:
         r["nixl_vs_equal"] = bc.ratio(r["nixl_gbps"], ref["nixl_gbps"])
 
 
-def _f(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 def format_lines(results: Sequence[Result]) -> list[str]:
     """The report's section on ratio cases (none without them)."""
-    rows = [r for r in results if r.get("kind") == KIND and r.get("status") == "ok"]
+    rows = bc.measured(results, KIND)
     if not rows:
         return []
     lines = [
@@ -250,9 +246,9 @@ def format_lines(results: Sequence[Result]) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"  {r['label']:<44} {_f(r['kvxfer_gbps']):>7} {_f(r.get('equal_gbps')):>7} "
-            f"{_f(r.get('vs_equal')):>7} {_f(r['nixl_gbps']):>7} "
-            f"{_f(r.get('equal_nixl_gbps')):>7} {_f(r.get('nixl_vs_equal')):>7} "
+            f"  {r['label']:<44} {bc.fmt(r['kvxfer_gbps']):>7} {bc.fmt(r.get('equal_gbps')):>7} "
+            f"{bc.fmt(r.get('vs_equal')):>7} {bc.fmt(r['nixl_gbps']):>7} "
+            f"{bc.fmt(r.get('equal_nixl_gbps')):>7} {bc.fmt(r.get('nixl_vs_equal')):>7} "
             f"{r['descriptors_posted']:>7} "
             f"{'{}/{}'.format(r.get('equal_descriptors', '-'), r.get('equal_runs', '-')):>16}"
         )

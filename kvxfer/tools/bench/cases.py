@@ -386,6 +386,16 @@ def settled(kvxfer_s: Sequence[float], nixl_s: Sequence[float], width: float = 0
     return ci is not None and ci[1] - ci[0] <= width
 
 
+def fmt(v: float | None) -> str:
+    """A figure of a report's table: two decimals, "-" where there is none."""
+    return "-" if v is None else f"{v:.2f}"
+
+
+def measured(results: Sequence[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The results of ``kind`` that measured (``status`` ok), in order."""
+    return [r for r in results if r.get("kind") == kind and r.get("status") == "ok"]
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, None when either is missing or ``b`` is zero."""
     if a is None or b is None or b == 0:

@@ -191,13 +191,9 @@ def check(results: Sequence[Result]) -> Pick | None:
     return Pick(worst, holds, "" if every else "auto took both paths or lacks a sibling case")
 
 
-def _f(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 def format_lines(results: Sequence[Result]) -> list[str]:
     """The report's section on gathered cases (none without them)."""
-    rows = [r for r in results if r.get("kind") == KIND and r.get("status") == "ok"]
+    rows = bc.measured(results, KIND)
     if not rows:
         return []
     lines = [
@@ -213,8 +209,8 @@ def format_lines(results: Sequence[Result]) -> list[str]:
         slower = r.get("auto_slower")
         mark = "-" if slower is None else ("YES" if slower else "no")
         lines.append(
-            f"  {r['label']:<56} {_f(r['kvxfer_gbps']):>7} {_f(r.get('direct_gbps')):>7} "
-            f"{_f(r.get('vs_direct')):>8} {r['descriptors_posted']:>7} "
+            f"  {r['label']:<56} {bc.fmt(r['kvxfer_gbps']):>7} {bc.fmt(r.get('direct_gbps')):>7} "
+            f"{bc.fmt(r.get('vs_direct')):>8} {r['descriptors_posted']:>7} "
             f"{r.get('direct_descriptors', '-'):>7} {'+'.join(_paths(r)) or '-':>13} "
             f"{mark if r['gather'] == 'auto' else '':>7}"
         )
