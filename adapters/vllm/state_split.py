@@ -99,6 +99,38 @@ def _per_rank(units: int, tp_size: int) -> int:
     return 1 if units < tp_size else units // tp_size
 
 
+def _split(
+    spec: Any,
+    layout: ConvLayout,
+    sizes: tuple[int, int],
+    conv: Sequence[tuple[str, int, int]],
+    ssm: tuple[str, str, int, tuple[int, int, int]],
+    tp: int,
+    why: str,
+) -> StateSplit | str:
+    """The split of one rank's state slot from its sub-projections: ``conv`` lists
+    each conv segment as (name, units, channels per unit), ``ssm`` the temporal state
+    as (what the error calls it, segment name, units, this rank's shape, whose last
+    two dims make one unit); checked
+    against the shapes vLLM allocated (``spec``), else the reason (``why`` says where
+    the expected channel count comes from)."""
+    channels, length = _conv_dims(_shape(spec, 0), layout)
+    want = sum(_per_rank(units, tp) * per for _, units, per in conv)
+    if channels != want:
+        return f"the conv state has {channels} channels per rank, the config gives {want} ({why})"
+    label, name, units, ssm_want = ssm
+    if _shape(spec, 1) != ssm_want:
+        return f"the {label} state is {_shape(spec, 1)} per rank, the config gives {ssm_want}"
+    conv_b, ssm_b = sizes
+    return StateSplit(
+        conv=tuple(
+            StateSegment(name=n, units=units, unit_bytes=per * length * conv_b)
+            for n, units, per in conv
+        ),
+        ssm=(StateSegment(name=name, units=units, unit_bytes=ssm_want[1] * ssm_want[2] * ssm_b),),
+    )
+
+
 def _mamba2(
     config: Any, spec: Any, tp: int, layout: ConvLayout, sizes: tuple[int, int]
 ) -> StateSplit | str:
@@ -112,24 +144,14 @@ def _mamba2(
     # n_groups % tp == 0 or n_groups == 1); each rank then holds that one group.
     if groups % tp and groups != 1:
         return f"{groups} groups do not split over tp_size={tp} (vLLM replicates 1 group only)"
-    channels, length = _conv_dims(_shape(spec, 0), layout)
-    want = heads // tp * head_dim + 2 * _per_rank(groups, tp) * n
-    if channels != want:
-        return (
-            f"the conv state has {channels} channels per rank, the config gives {want} "
-            f"(x: {heads} heads x {head_dim} / tp {tp}, B and C: {groups} groups x {n})"
-        )
-    ssm_want = (heads // tp, head_dim, n)
-    if _shape(spec, 1) != ssm_want:
-        return f"the SSM state is {_shape(spec, 1)} per rank, the config gives {ssm_want}"
-    conv_b, ssm_b = sizes
-    return StateSplit(
-        conv=(
-            StateSegment(name="x", units=heads, unit_bytes=head_dim * length * conv_b),
-            StateSegment(name="B", units=groups, unit_bytes=n * length * conv_b),
-            StateSegment(name="C", units=groups, unit_bytes=n * length * conv_b),
-        ),
-        ssm=(StateSegment(name="heads", units=heads, unit_bytes=head_dim * n * ssm_b),),
+    return _split(
+        spec,
+        layout,
+        sizes,
+        conv=(("x", heads, head_dim), ("B", groups, n), ("C", groups, n)),
+        ssm=("SSM", "heads", heads, (heads // tp, head_dim, n)),
+        tp=tp,
+        why=f"x: {heads} heads x {head_dim} / tp {tp}, B and C: {groups} groups x {n}",
     )
 
 
@@ -143,24 +165,14 @@ def _gdn(
     # vLLM cuts q, k and v by channel; whole heads per rank only when tp divides both.
     if kh % tp or vh % tp:
         return f"{kh} key and {vh} value heads do not both split over tp_size={tp}"
-    channels, length = _conv_dims(_shape(spec, 0), layout)
-    want = (2 * kh * dk + vh * dv) // tp
-    if channels != want:
-        return (
-            f"the conv state has {channels} channels per rank, the config gives {want} "
-            f"(q, k: {kh} heads x {dk}, v: {vh} heads x {dv}, / tp {tp})"
-        )
-    ssm_want = (vh // tp, dv, dk)
-    if _shape(spec, 1) != ssm_want:
-        return f"the temporal state is {_shape(spec, 1)} per rank, the config gives {ssm_want}"
-    conv_b, ssm_b = sizes
-    return StateSplit(
-        conv=(
-            StateSegment(name="q", units=kh, unit_bytes=dk * length * conv_b),
-            StateSegment(name="k", units=kh, unit_bytes=dk * length * conv_b),
-            StateSegment(name="v", units=vh, unit_bytes=dv * length * conv_b),
-        ),
-        ssm=(StateSegment(name="v_heads", units=vh, unit_bytes=dv * dk * ssm_b),),
+    return _split(
+        spec,
+        layout,
+        sizes,
+        conv=(("q", kh, dk), ("k", kh, dk), ("v", vh, dv)),
+        ssm=("temporal", "v_heads", vh, (vh // tp, dv, dk)),
+        tp=tp,
+        why=f"q, k: {kh} heads x {dk}, v: {vh} heads x {dv}, / tp {tp}",
     )
 
 
