@@ -10,6 +10,7 @@ match on the shared ``X-Request-Id``).
 from __future__ import annotations
 
 import dataclasses
+import random
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -172,6 +173,35 @@ def through_pd(
     rid = f"e2e-{tag}{uuid.uuid4().hex[:12]}"  # one id for both, as a proxy sends
     params = prefill(pair.prefill, prefill_prompt, rid)
     return decode(pair.decode, decode_prompt, params, max_tokens=max_tokens, request_id=rid)
+
+
+def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    """``length`` token ids drawn from ``seed`` (none is 0)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab_size) for _ in range(length)]
+
+
+def untied(
+    unified: VllmServer, vocab_size: int, length: int, seed: int, new_tokens: int
+) -> tuple[list[int], list[int]]:
+    """A random ``length``-token prompt and ``unified``'s greedy continuation of it whose
+    picks are no near ties (random weights give exact ties now and then; equality
+    means nothing there): up to 8 prompts drawn from ``seed``."""
+    for attempt in range(8):
+        prompt = random_prompt(vocab_size, length, seed + 100_000 * attempt)
+        out = unified.complete(
+            prompt,
+            max_tokens=new_tokens,
+            logprobs=2,
+            return_token_ids=True,
+            return_tokens_as_token_ids=True,
+        )
+        top = out["choices"][0]["logprobs"]["top_logprobs"]
+        if all(
+            len(t) < 2 or abs(sorted(t.values())[-1] - sorted(t.values())[-2]) > 1e-3 for t in top
+        ):
+            return prompt, tokens(out)
+    raise AssertionError(f"no untied {length}-token prompt from seed {seed}")
 
 
 def reference(unified: VllmServer, prompt: str | Sequence[int]) -> list[int]:

@@ -23,7 +23,6 @@ changes the output, :mod:`tests.e2e.state_connector`) show decode used the moved
 from __future__ import annotations
 
 import json
-import random
 import re
 import uuid
 from collections.abc import Iterator
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from .model import MLA_SPEC, build_tiny_model
-from .pd import PD_ENV, PDPair, decode, divergence, kv_config, prefill, tokens
+from .pd import PD_ENV, PDPair, decode, divergence, kv_config, prefill, tokens, untied
 from .servers import F32_ARGS, VllmServer, free_port, start_server, wait_all_healthy
 from .state_connector import FLIP_KV_MARK, KV_ENV
 
@@ -58,28 +57,9 @@ class MlaCase:
     def __init__(self, unified: VllmServer, pair: PDPair) -> None:
         self.unified, self.pair = unified, pair
 
-    def prompt(self, length: int, seed: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(1, MLA_SPEC.vocab_size) for _ in range(length)]
-
     def untied(self, length: int, seed: int) -> tuple[list[int], list[int]]:
         """A prompt and its unified continuation with no near-tied greedy pick."""
-        for attempt in range(8):
-            prompt = self.prompt(length, seed + 100_000 * attempt)
-            out = self.unified.complete(
-                prompt,
-                max_tokens=NEW_TOKENS,
-                logprobs=2,
-                return_token_ids=True,
-                return_tokens_as_token_ids=True,
-            )
-            top = out["choices"][0]["logprobs"]["top_logprobs"]
-            if all(
-                len(t) < 2 or abs(sorted(t.values())[-1] - sorted(t.values())[-2]) > 1e-3
-                for t in top
-            ):
-                return prompt, tokens(out)
-        raise AssertionError(f"no untied {length}-token prompt from seed {seed}")
+        return untied(self.unified, MLA_SPEC.vocab_size, length, seed, NEW_TOKENS)
 
     def through_pd(
         self, prefill_prompt: list[int], decode_prompt: list[int], tag: str = ""

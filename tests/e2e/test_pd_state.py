@@ -29,7 +29,6 @@ kinds and both directions.
 from __future__ import annotations
 
 import os
-import random
 import re
 import uuid
 from collections.abc import Iterator
@@ -38,7 +37,17 @@ from pathlib import Path
 import pytest
 
 from .model import GDN_SPEC, MAMBA2_SPEC, TinyModelSpec, build_tiny_model
-from .pd import PD_ENV, PDPair, decode, divergence, kv_config, prefill, tokens
+from .pd import (
+    PD_ENV,
+    PDPair,
+    decode,
+    divergence,
+    kv_config,
+    prefill,
+    random_prompt,
+    tokens,
+    untied,
+)
 from .servers import F32_ARGS, VllmServer, free_port, start_server, wait_all_healthy
 from .state_connector import ENV as FLIP_ENV
 from .state_connector import FLIP_MARK
@@ -82,28 +91,11 @@ class StateCase:
         self.spec = SPECS[model]
 
     def prompt(self, length: int, seed: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(1, self.spec.vocab_size) for _ in range(length)]
+        return random_prompt(self.spec.vocab_size, length, seed)
 
     def untied(self, length: int, seed: int) -> tuple[list[int], list[int]]:
-        """A prompt and its unified continuation whose greedy picks are no near ties
-        (random weights give exact ties now and then; equality means nothing there)."""
-        for attempt in range(8):
-            prompt = self.prompt(length, seed + 100_000 * attempt)
-            out = self.unified.complete(
-                prompt,
-                max_tokens=NEW_TOKENS,
-                logprobs=2,
-                return_token_ids=True,
-                return_tokens_as_token_ids=True,
-            )
-            top = out["choices"][0]["logprobs"]["top_logprobs"]
-            if all(
-                len(t) < 2 or abs(sorted(t.values())[-1] - sorted(t.values())[-2]) > 1e-3
-                for t in top
-            ):
-                return prompt, tokens(out)
-        raise AssertionError(f"no untied {length}-token prompt from seed {seed}")
+        """A prompt and its unified continuation with no near-tied greedy pick."""
+        return untied(self.unified, self.spec.vocab_size, length, seed, NEW_TOKENS)
 
     def through_pd(
         self, prefill_prompt: list[int], decode_prompt: list[int], tag: str = ""
