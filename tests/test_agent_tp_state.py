@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,7 +118,12 @@ class _Cache:
 
 
 def _rank(
-    role: Role, heads: HeadLayout, split: StateSplit, rank: int, port: int
+    role: Role,
+    heads: HeadLayout,
+    split: StateSplit,
+    rank: int,
+    port: int,
+    direction: Direction = Direction.PULL,
 ) -> tuple[Agent, _Cache]:
     cache = _Cache(heads, split, rank, fill=role is Role.PRODUCER)
     fingerprint = Fingerprint(
@@ -125,14 +131,14 @@ def _rank(
         dtype="int32",
         kv_cache_dtype="int32",
         attention_backend="t",
-        direction=Direction.PULL,
+        direction=direction,
     )
     agent = Agent(
         AgentConfig(
             engine_id="prefill" if role is Role.PRODUCER else "decode",
             fingerprint=fingerprint,
             role=role,
-            direction=Direction.PULL,
+            direction=direction,
             side_channel_host="127.0.0.1",
             side_channel_port=port,
             tp=TPRank(heads=heads, rank=rank, state=split),
@@ -154,12 +160,17 @@ def agents() -> Iterator[list[Agent]]:
 
 
 def _group(
-    role: Role, heads: HeadLayout, split: StateSplit, agents: list[Agent]
+    role: Role,
+    heads: HeadLayout,
+    split: StateSplit,
+    agents: list[Agent],
+    direction: Direction = Direction.PULL,
 ) -> list[tuple[Agent, _Cache]]:
     for _ in range(20):
         base = ports.free_base_port(heads.tp_size) if role is Role.PRODUCER else 0
         ranks = [
-            _rank(role, heads, split, r, base + r if base else 0) for r in range(heads.tp_size)
+            _rank(role, heads, split, r, base + r if base else 0, direction)
+            for r in range(heads.tp_size)
         ]
         agents += [a for a, _ in ranks]
         try:
@@ -188,17 +199,36 @@ def _hold(producers: list[tuple[Agent, _Cache]], rid: str, ids: list[list[int]])
         (4, 4, 2, 4, 2),
     ],
 )
+@pytest.mark.parametrize("direction", [Direction.PULL, Direction.PUSH], ids=["pull", "push"])
 def test_state_slots_and_kv_heads_move_exactly_across_tp_sizes(
-    agents: list[Agent], kv_heads: int, x_heads: int, groups: int, p_tp: int, d_tp: int
+    agents: list[Agent],
+    kv_heads: int,
+    x_heads: int,
+    groups: int,
+    p_tp: int,
+    d_tp: int,
+    direction: Direction,
 ) -> None:
     split = _split(x_heads, groups)
     p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
     d_heads = p_heads.for_tp_size(d_tp)
-    producers = _group(Role.PRODUCER, p_heads, split, agents)
-    consumers = _group(Role.CONSUMER, d_heads, split, agents)
+    producers = _group(Role.PRODUCER, p_heads, split, agents, direction)
+    consumers = _group(Role.CONSUMER, d_heads, split, agents, direction)
     remote, local = [[3, 6], [5]], [[1, 7], [2]]
-    ticket = _hold(producers, "req-s", remote)
-    transfers = [a.pull(ticket, local) for a, _ in consumers]
+    if direction is Direction.PULL:
+        ticket = _hold(producers, "req-s", remote)
+        transfers = [a.pull(ticket, local) for a, _ in consumers]
+    else:
+        # Decode's ranks register first, then each prefill rank writes what every
+        # consumer rank takes from it: its KV heads and state units there.
+        cap = wire.new_capability()
+        host, port = producers[0][0].address
+        ticket = Ticket.for_push(
+            "prefill", host, port, "req-s", 2 * BS, capability=cap, tp_size=p_tp
+        )
+        transfers = [a.expect_push(ticket, local) for a, _ in consumers]
+        for a, _ in producers:
+            a.hold("req-s", remote, 2 * BS, capability=cap)
     for t in transfers:
         t.wait(5)
         assert t.state is TransferState.DONE, t.error
@@ -212,6 +242,14 @@ def test_state_slots_and_kv_heads_move_exactly_across_tp_sizes(
         for part, slots in cache.state.items():
             assert (slots[2] == cache.want_state[part] + 2 * 5 + 1).all(), part
             assert not np.delete(slots, 2, axis=0).any()
+    # Every producer rank hands the request back once each consumer rank it serves
+    # read (pull) or was written (push).
+    deadline = time.monotonic() + 5
+    held = {i for i in range(len(producers))}
+    while held and time.monotonic() < deadline:
+        held -= {i for i in held if "req-s" in producers[i][0].freed()}
+        time.sleep(0.01)
+    assert not held, f"producer ranks {sorted(held)} still hold the request"
 
 
 def test_state_units_on_a_rank_holding_none_of_the_kv_heads_are_refused_by_name(
@@ -226,5 +264,28 @@ def test_state_units_on_a_rank_holding_none_of_the_kv_heads_are_refused_by_name(
     t = consumer.pull(_hold(producers, "req-r", [[3, 6], [5]]), [[1, 7], [2]])
     with pytest.raises(TransferError, match=r"tp_size=2: .*hold none of its KV heads"):
         t.wait(5)
+    assert t.state is TransferState.FAILED
+    assert not cache.state[KVPart.SSM].any()
+
+
+def test_a_push_whose_state_and_kv_heads_come_from_different_ranks_fails_by_name(
+    agents: list[Agent],
+) -> None:
+    """The push of the refused pairing above: the producer rank refuses to plan the
+    write and the consumer rank's reception fails in time, nothing written."""
+    split = _split(4, 2)
+    p_heads = HeadLayout(num_kv_heads=1, tp_size=2)
+    producers = _group(Role.PRODUCER, p_heads, split, agents, Direction.PUSH)
+    ((consumer, cache),) = _group(
+        Role.CONSUMER, p_heads.for_tp_size(1), split, agents, Direction.PUSH
+    )
+    cap = wire.new_capability()
+    host, port = producers[0][0].address
+    ticket = Ticket.for_push("prefill", host, port, "req-r", 2 * BS, capability=cap, tp_size=2)
+    t = consumer.expect_push(ticket, [[1, 7], [2]])
+    for a, _ in producers:
+        a.hold("req-r", [[3, 6], [5]], 2 * BS, capability=cap)
+    with pytest.raises(TransferError, match=r"hold none of its KV heads"):
+        t.wait(10)
     assert t.state is TransferState.FAILED
     assert not cache.state[KVPart.SSM].any()

@@ -364,19 +364,10 @@ class WorkerSide:
         ):
             tp = agent.config.tp
             theirs = load.remote_params.get("tp_size")
-            if self.config.direction is Direction.PUSH:
-                # The Agent plans state slots across TP sizes for pulls only
-                # (kvxfer.core.state_tp_plan); a push's writes are whole-table plans.
+            if tp is None or tp.state is None:
                 why = (
                     f"tp_size={theirs} (the producer's; this instance runs "
-                    f"{self.tp_size}): a push moves Mamba/GDN state between instances of "
-                    "equal TP size only: pull across TP sizes (RblnNixlPullConnector), "
-                    "or pair equal TP sizes"
-                )
-            elif tp is None or tp.state is None:
-                why = (
-                    f"tp_size={theirs} (the producer's; this instance runs "
-                    f"{self.tp_size}): Mamba/GDN state is pulled across TP sizes only "
+                    f"{self.tp_size}): Mamba/GDN state moves across TP sizes only "
                     "where each rank knows how TP splits its state slots (TPRank.state) "
                     "and its conv state is dim-major (VLLM_SSM_CONV_STATE_LAYOUT=DS on "
                     "both instances); this rank's is not available (the start-up log "

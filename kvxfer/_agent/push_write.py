@@ -37,7 +37,7 @@ from kvxfer.agent_config import PushPost
 from kvxfer.backend import Backend, XferOp
 from kvxfer.core import blocks, wire
 from kvxfer.core.block_lists import ChainPlan
-from kvxfer.core.descriptors import Plan
+from kvxfer.core.descriptors import Plan, Runs
 from kvxfer.core.ratio import UnitPairing
 from kvxfer.errors import KvxferError, TransferError
 from kvxfer.io.serial import SerialWorker
@@ -429,12 +429,17 @@ class PushWriter:
             return
         t0 = time.monotonic()
         # The job's blocks were checked when the engine called (Agent.push, stream).
-        work: Plan | ChainPlan | UnitPairing | blocks.Pairing
+        work: Plan | ChainPlan | Runs | UnitPairing | blocks.Pairing
         if ratio is not None:
             work = ratio.pairing
         else:
-            work = plan or blocks.Pairing(
-                blocks.from_wire(job.local), blocks.from_wire(job.remote), job.tokens
+            work = (
+                plan
+                if isinstance(plan, Runs)
+                else plan
+                or blocks.Pairing(
+                    blocks.from_wire(job.local), blocks.from_wire(job.remote), job.tokens
+                )
             )
         self._runtime.post(transfer, XferOp.WRITE, peer, work, notice)
         if _timeline.isEnabledFor(logging.DEBUG):

@@ -7,6 +7,13 @@ with the sides swapped for a WRITE. The producer's lease ends once all ``readers
 consumer ranks got their writes (:attr:`kvxfer._agent.leases.Lease.all_written`). The
 consumer rank's side (its registrations with each producer rank) is
 :mod:`kvxfer._agent.tp_push_receive`; the two share no code, only the wire messages.
+
+A hybrid model's writes (Mamba2 / Gated DeltaNet state groups beside attention) are
+planned by the consumer rank's :class:`~kvxfer.core.state_tp_plan.HybridTPPlanner`
+restricted to this rank, from the consumer's announced state split
+(``Welcome.tp.state``), and posted as address runs with the sides swapped: each
+consumer rank gets its KV heads and its units of every state slot (conv
+sub-projections, SSM heads) that this rank holds.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import Peer
 from kvxfer.core import blocks, wire
 from kvxfer.core.block_lists import ChainLists, ChainPlan
-from kvxfer.core.descriptors import Plan
+from kvxfer.core.descriptors import Plan, Runs
 from kvxfer.core.heads import TPRank, heads_per_region, source_choices, source_ranks
+from kvxfer.core.state_tp_plan import HybridTPPlanner
 from kvxfer.core.tp_plan import TPPlanner
 from kvxfer.errors import ConfigError, KvxferError
 from kvxfer.types import Direction, Role
@@ -61,6 +69,7 @@ class WritePlanner:
         # Per consumer, incarnation and replica choice: the planner, and this rank's
         # chain lists into that consumer where the backend prepared them.
         self._planners: dict[tuple[object, ...], tuple[TPPlanner, ChainLists | None]] = {}
+        self._hybrid: dict[tuple[object, ...], HybridTPPlanner] = {}
         # One build at a time: a write starting while connect() builds the same planner
         # waits for it instead of building it (and preparing its lists) a second time.
         self._building = threading.Lock()
@@ -140,10 +149,11 @@ class WritePlanner:
         local: tuple[tuple[int, ...], ...],
         remote: tuple[tuple[int, ...], ...],
         tokens: int,
-    ) -> Plan | ChainPlan | None:
+    ) -> Plan | ChainPlan | Runs | None:
         """The plan of one write of ``local`` into the consumer's ``remote`` blocks when
         the consumer's TP size differs from ours (rows of this rank's chain lists where
-        prepared); None when it does not (whole blocks, the ordinary plan).
+        prepared; address runs for a hybrid model's state groups); None when it does
+        not (whole blocks, the ordinary plan).
 
         Raises:
             ConfigError: the registration is for another producer rank, or asks for a
@@ -166,6 +176,9 @@ class WritePlanner:
                 "PushRegister.source", target.source, f"this is producer rank {mine.rank}"
             )
         salt = zlib.crc32(target.request_id.encode())
+        _, exposed = self._local.require_registered()
+        if any(g.is_state for g in exposed.groups):
+            return self._hybrid_runs(peer, theirs, mine, salt, local, remote, tokens)
         sources = source_ranks(theirs.heads, theirs.rank, mine.heads, salt=salt)
         planner, lists = self._planner(peer, theirs, mine, sources, salt)
         if lists is not None:
@@ -178,4 +191,58 @@ class WritePlanner:
             local_ids=read.remote_ids,
             remote_ids=read.local_ids,
             local_blocks=tuple(np.asarray(g, dtype=np.int64) for g in local),
+        )
+
+    def _hybrid_runs(
+        self,
+        peer: Peer,
+        theirs: TPRank,
+        mine: TPRank,
+        salt: int,
+        local: tuple[tuple[int, ...], ...],
+        remote: tuple[tuple[int, ...], ...],
+        tokens: int,
+    ) -> Runs:
+        """This rank's writes of a hybrid model into consumer rank ``theirs``: its KV
+        heads and state units there that this rank holds, as address runs (empty
+        where that consumer rank takes nothing from this rank).
+
+        Raises:
+            ConfigError: the consumer announced no state split, or the pair's state
+                units and KV heads come from different producer ranks.
+            LayoutMismatch, LayoutError: the layouts cannot exchange heads or state.
+        """
+        _, exposed = self._local.require_registered()
+        key = (id(peer), peer.incarnation, salt)
+        with self._lock:
+            planner = self._hybrid.get(key)
+        if planner is None:
+            # Planned as consumer rank ``theirs`` would read from this rank.
+            planner = HybridTPPlanner.build(
+                peer.info.layout,
+                {mine.rank: exposed},
+                options=self._local.config.plan,
+                local_tp=theirs,
+                remote_tp_size=mine.heads.tp_size,
+                salt=salt,
+                only=mine.rank,
+            )
+            with self._lock:
+                if len(self._hybrid) >= _MAX_PLANNERS:
+                    self._hybrid.pop(next(iter(self._hybrid)))
+                self._hybrid[key] = planner
+        parts = planner.plan(blocks.from_wire(remote), blocks.from_wire(local), tokens)
+        empty = np.zeros(0, dtype=np.uint64)
+        zero = np.zeros(0, dtype=np.int64)
+        if not parts:
+            return Runs(empty, empty, empty, zero, zero)
+        (part,) = parts
+        read = part.runs
+        # A WRITE swaps the sides of the consumer's read.
+        return Runs(
+            local_addr=read.remote_addr,
+            remote_addr=read.local_addr,
+            length=read.length,
+            local_device=read.remote_device,
+            remote_device=read.local_device,
         )

@@ -115,16 +115,21 @@ class HybridTPPlanner:
         local_tp: TPRank,
         remote_tp_size: int,
         salt: int = 0,
+        only: int | None = None,
     ) -> HybridTPPlanner:
         """Match KV heads and state units of ``local`` with the producer ranks'.
 
         Args:
             local: the consumer rank's layout (as registered, addresses included).
-            remotes: the layouts of (at least) the producer ranks read.
+            remotes: the layouts of (at least) the producer ranks read; with ``only``,
+                that rank's alone.
             options: the plan options of the attention part.
             local_tp: the consumer's TP identity, with its :attr:`TPRank.state`.
             remote_tp_size: the producer's TP size.
             salt: spreads replicated heads and units (a request's CRC-32).
+            only: plan producer rank ``only``'s part alone (a push: that producer rank
+                writes it, and knows no other rank's layout); its ranks are then
+                ``(only,)``, or none where this consumer rank reads nothing from it.
 
         Raises:
             ConfigError: no state split stated, a TP size it cannot serve, a needed
@@ -159,20 +164,32 @@ class HybridTPPlanner:
                 "KV heads split without replication",
             )
         ranks = tuple(sorted(set(state_ranks) | set(kv_ranks)))
+        if only is not None:
+            ranks = tuple(p for p in ranks if p == only)
+            kv_ranks = tuple(p for p in kv_ranks if p == only)
         missing = [p for p in ranks if p not in remotes]
         if missing:
             raise ConfigError("remote layouts", sorted(remotes), f"need producer ranks {missing}")
+        sources = dict(remotes)
+        if only is not None and only in remotes:
+            # The producer ranks of one instance share one layout but for addresses:
+            # the others stand in for the checks, and their pieces are dropped.
+            sources = {p: remotes.get(p, remotes[only]) for p in state_ranks} | {
+                only: remotes[only]
+            }
         pieces = plan_slots(
             local,
-            remotes,
+            sources,
             split=split,
             local_tp=local_tp.heads.tp_size,
             local_rank=rank,
             remote_tp=remote_tp_size,
             salt=salt,
         )
+        if only is not None:
+            pieces = tuple(p for p in pieces if p.rank == only)
         attention = None
-        if kv_local is not None:
+        if kv_local is not None and kv_ranks:
             kv_remotes = {p: attention_part(remotes[p])[0] for p in kv_ranks}
             per = math.gcd(
                 heads_per_region(kv_local, local_tp.heads, rank),
@@ -190,10 +207,11 @@ class HybridTPPlanner:
                 remote_heads=producer,
                 local_rank=rank,
                 salt=salt,
+                only=None if only is None else kv_ranks,
             )
         return cls(
             local=local,
-            remotes=dict(remotes),
+            remotes=dict(remotes) if only is None else {only: remotes[only]},
             ranks=ranks,
             pieces=pieces,
             _attention=attention,

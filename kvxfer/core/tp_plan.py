@@ -206,9 +206,8 @@ class TPPlanner:
             raise ConfigError(
                 "groups",
                 [g.kind.value for g in local.layout.groups],
-                "Mamba/GDN state groups across TP sizes are pulled as address runs "
-                "(kvxfer.core.state_tp_plan.HybridTPPlanner); a push between TP sizes "
-                "does not move them: pair equal TP sizes, or pull",
+                "Mamba/GDN state groups across TP sizes move as address runs, planned "
+                "by kvxfer.core.state_tp_plan.HybridTPPlanner, not by TPPlanner",
             )
         ranks = needed_ranks(local_heads, local_rank, remote_heads, salt=salt)
         if only is not None:

@@ -1,11 +1,13 @@
-"""Recurrent state pulled across TP sizes on real vLLM engines (issue 53).
+"""Recurrent state pulled and pushed across TP sizes on real vLLM engines (issue 53).
 
 Prefill TP1 -> decode TP2 (``--distributed-executor-backend mp``) with the tiny
 Mamba2 hybrid of :mod:`tests.e2e.model` (``MAMBA2_SPEC``: 8 SSM heads, 2 groups, 2 KV
 heads, float32, so every TP2 rank holds 4 heads, 1 group and 1 KV head), through the
-pull connector. Each decode rank derives how TP splits the state slots from the
-model's config (:mod:`kvxfer.adapters.vllm.state_split`) and reads its heads' and
-group's conv channels and its heads' SSM state out of the prefill's slot
+pull connector and through the push connector (one pair each). Each decode rank
+derives how TP splits the state slots from the model's config
+(:mod:`kvxfer.adapters.vllm.state_split`); pulled, it reads its heads' and group's
+conv channels and its heads' SSM state out of the prefill's slot; pushed, the prefill
+rank plans the same pieces from the split the decode rank announced and writes them
 (:mod:`kvxfer.core.state_tp_plan`). Both instances run with
 ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` (a rank's conv channels are then byte ranges; with
 vLLM's CPU default SD the decode refuses such loads, tests/e2e/test_adapter_state_tp_offline.py).
@@ -15,11 +17,13 @@ instance's for a prompt shorter than a block and one over a block boundary (vLLM
 128-token blocks here); the negative control (one element of the moved SSM state
 corrupted on arrival on each decode rank, :mod:`tests.e2e.state_connector`) changes
 the output. In float32 a TP2 and a TP1 instance of the random-weight model agree with
-no transfer involved (test_pd_tp.py). One pair and one unified instance, a few
+no transfer involved (test_pd_tp.py). Two pairs and one unified instance, a few
 requests: kept short, the suite is long.
 
 A Gated DeltaNet case is not here: the shared ``GDN_SPEC`` has one key and one value
-head, which TP2 cannot split (vLLM refuses it); the derivation is tested offline.
+head, which TP2 cannot split (vLLM refuses it), and vLLM's CPU GDN kernels need
+bfloat16, in which TP1 and TP2 instances of a random-weight model need not agree; the
+derivation is tested offline, the Agent's pieces in tests/test_agent_tp_state.py.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from tests import ports
 
 from .model import MAMBA2_SPEC, build_tiny_model
 from .pd import PD_ENV, PDPair, kv_config
-from .servers import F32_ARGS, start_server, wait_all_healthy
+from .servers import F32_ARGS, VllmServer, start_server, wait_all_healthy
 from .state_connector import ENV as FLIP_ENV
 from .state_connector import FLIP_MARK
 from .test_pd_state import MODULE, StateCase
@@ -51,18 +55,31 @@ LENGTHS = (5, 129)
 
 
 @pytest.fixture(scope="module")
-def state_tp_case(e2e_log_dir: Path) -> Iterator[StateCase]:
-    model_dir = build_tiny_model(MAMBA2_SPEC)
+def unified_mamba2(e2e_log_dir: Path) -> Iterator[VllmServer]:
+    """One unified TP1 instance, the reference of both directions (started here, and
+    waited for beside the first pair)."""
     unified = start_server(
         "unified-state-tp-mamba2",
-        model_dir,
+        build_tiny_model(MAMBA2_SPEC),
         e2e_log_dir,
         block_size=None,
         extra_args=ARGS,
         env=DS_ENV,
         wait=False,
     )
-    servers = [unified]
+    try:
+        yield unified
+    finally:
+        unified.stop()
+
+
+@pytest.fixture(scope="module", params=["pull", "push"])
+def state_tp_case(
+    request: pytest.FixtureRequest, unified_mamba2: VllmServer, e2e_log_dir: Path
+) -> Iterator[StateCase]:
+    direction = request.param
+    model_dir = build_tiny_model(MAMBA2_SPEC)
+    pair: list[VllmServer] = []
     try:
         p_port, d_port = ports.free_base_port(span=1), ports.free_base_port(span=2)
         for role, kv_role, port, tp_args in (
@@ -72,32 +89,36 @@ def state_tp_case(e2e_log_dir: Path) -> Iterator[StateCase]:
             env = {**PD_ENV, **DS_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
             if role == "decode":
                 env[FLIP_ENV] = "1"
-            servers.append(
+            pair.append(
                 start_server(
-                    f"{role}-state-tp-mamba2",
+                    f"{role}-state-tp-mamba2-{direction}",
                     model_dir,
                     e2e_log_dir,
                     block_size=None,
-                    kv_transfer_config=kv_config(kv_role, "pull", kv_connector_module_path=MODULE),
+                    kv_transfer_config=kv_config(
+                        kv_role, direction, kv_connector_module_path=MODULE
+                    ),
                     env=env,
                     extra_args=(*ARGS, *tp_args),
                     wait=False,
                 )
             )
-        wait_all_healthy(servers)
+        wait_all_healthy([unified_mamba2, *pair])
     except BaseException:
-        for s in servers:
+        for s in pair:
             s.stop()
         raise
     try:
-        yield StateCase("mamba2", "pull", unified, PDPair("mamba2-tp", servers[1], servers[2]))
+        yield StateCase(
+            "mamba2", direction, unified_mamba2, PDPair(f"mamba2-tp-{direction}", *pair)
+        )
     finally:
-        for s in servers:
+        for s in pair:
             s.stop()
 
 
 @pytest.mark.timeout(1200)  # three cold starts (one of two workers) on 2 shared cores
-def test_mamba2_state_pulled_tp1_to_tp2_equals_unified(state_tp_case: StateCase) -> None:
+def test_mamba2_state_moved_tp1_to_tp2_equals_unified(state_tp_case: StateCase) -> None:
     case = state_tp_case
     p, d = case.pair.prefill, case.pair.decode
     for server in (p, d):
