@@ -197,6 +197,9 @@ def _hold(producers: list[tuple[Agent, _Cache]], rid: str, ids: list[list[int]])
         (4, 8, 1, 1, 4),  # a single group, replicated on every decode rank
         (4, 8, 1, 4, 1),  # ... read once, from the replica the rule names
         (4, 4, 2, 4, 2),
+        # Fewer SSM heads than KV heads: the state comes from ranks 0 and 2 only, the
+        # KV heads from all four.
+        (4, 2, 1, 4, 1),
     ],
 )
 @pytest.mark.parametrize("direction", [Direction.PULL, Direction.PUSH], ids=["pull", "push"])
@@ -289,3 +292,129 @@ def test_a_push_whose_state_and_kv_heads_come_from_different_ranks_fails_by_name
         t.wait(10)
     assert t.state is TransferState.FAILED
     assert not cache.state[KVPart.SSM].any()
+
+
+# -- the planner itself (no agents) ------------------------------------------------------
+def _layouts(heads: HeadLayout, split: StateSplit) -> tuple[list[_Cache], dict[int, KVLayout]]:
+    caches = [_Cache(heads, split, r, fill=False) for r in range(heads.tp_size)]
+    return caches, {r: c.layout(heads.heads_of(r)) for r, c in enumerate(caches)}
+
+
+def test_the_planner_refuses_by_its_whole_words() -> None:
+    from kvxfer.core.descriptors import PlanOptions
+    from kvxfer.core.state_tp_plan import HybridTPPlanner
+    from kvxfer.errors import ConfigError
+
+    split = _split(8, 2)
+    p_heads = HeadLayout(num_kv_heads=4, tp_size=2)
+    d_heads = p_heads.for_tp_size(1)
+    _pc, producers = _layouts(p_heads, split)
+    _dc, consumers = _layouts(d_heads, split)
+    layout = consumers[0]
+    with pytest.raises(ConfigError) as info:
+        HybridTPPlanner.build(
+            layout,
+            producers,
+            options=PlanOptions(),
+            local_tp=TPRank(heads=d_heads, rank=0),
+            remote_tp_size=2,
+        )
+    assert (info.value.key, info.value.value, info.value.rule) == (
+        "tp.state",
+        None,
+        "a pull of state groups across TP sizes needs how TP splits the state slots (TPRank.state)",
+    )
+    with pytest.raises(ConfigError) as info:
+        HybridTPPlanner.build(
+            layout,
+            {0: producers[0]},
+            options=PlanOptions(),
+            local_tp=TPRank(heads=d_heads, rank=0, state=split),
+            remote_tp_size=2,
+        )
+    assert (info.value.key, info.value.value, info.value.rule) == (
+        "remote layouts",
+        [0],
+        "need producer ranks [1]",
+    )
+    one = HeadLayout(num_kv_heads=1, tp_size=2)
+    _c, two = _layouts(one, _split(4, 2))
+    _c1, single = _layouts(one.for_tp_size(1), _split(4, 2))
+    with pytest.raises(ConfigError) as info:
+        HybridTPPlanner.build(
+            single[0],
+            two,
+            options=PlanOptions(),
+            local_tp=TPRank(heads=one.for_tp_size(1), rank=0, state=_split(4, 2)),
+            remote_tp_size=2,
+        )
+    assert (info.value.key, info.value.value) == ("tp_size", 2)
+    assert info.value.rule == (
+        "consumer rank 0 of tp_size=1 reads state units from producer ranks [1], which "
+        f"hold none of its KV heads ({one.describe()}): pulls whose state and KV heads "
+        "come from different producer ranks are not served; pair TP sizes the model's "
+        "KV heads split without replication"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "x_heads", "groups", "p_tp", "d_tp"),
+    [(4, 8, 1, 4, 1), (4, 2, 1, 4, 1), (4, 8, 2, 1, 2), (4, 4, 2, 4, 2)],
+)
+def test_one_ranks_part_planned_alone_is_that_ranks_part_of_the_whole_plan(
+    kv_heads: int, x_heads: int, groups: int, p_tp: int, d_tp: int
+) -> None:
+    """What a producer rank plans for a push (``only``) is exactly its part of the
+    consumer rank's plan of the whole request, for every salt; the default salt is 0."""
+    from kvxfer.core.descriptors import PlanOptions
+    from kvxfer.core.state_tp_plan import HybridTPPlanner
+
+    split = _split(x_heads, groups)
+    p_heads = HeadLayout(num_kv_heads=kv_heads, tp_size=p_tp)
+    d_heads = p_heads.for_tp_size(d_tp)
+    _pc, producers = _layouts(p_heads, split)
+    _dc, consumers = _layouts(d_heads, split)
+    i64 = np.int64
+    local = (np.array([1, 7], dtype=i64), np.array([2], dtype=i64))
+    remote = (np.array([3, 6], dtype=i64), np.array([5], dtype=i64))
+    for rank in range(d_tp):
+        tp = TPRank(heads=d_heads, rank=rank, state=split)
+        for salt in (0, 1, 2, 3):
+            kw: dict[str, Any] = {"salt": salt} if salt else {}
+            whole = HybridTPPlanner.build(
+                consumers[rank],
+                producers,
+                options=PlanOptions(),
+                local_tp=tp,
+                remote_tp_size=p_tp,
+                **kw,
+            )
+            parts = {rp.rank: rp for rp in whole.plan(local, remote, 2 * BS)}
+            assert set(parts) == set(whole.ranks)
+            for p in range(p_tp):
+                alone = HybridTPPlanner.build(
+                    consumers[rank],
+                    {p: producers[p]},
+                    options=PlanOptions(),
+                    local_tp=tp,
+                    remote_tp_size=p_tp,
+                    only=p,
+                    **kw,
+                )
+                got = alone.plan(local, remote, 2 * BS)
+                assert alone.ranks == ((p,) if p in parts else ())
+                if p not in parts:
+                    assert got == ()
+                    continue
+                (mine,) = got
+                want = parts[p]
+                for field in ("local_addr", "remote_addr", "length"):
+                    assert getattr(mine.runs, field).tolist() == getattr(want.runs, field).tolist()
+                assert [b.tolist() for b in mine.local_blocks] == [
+                    b.tolist() for b in want.local_blocks
+                ]
+                # Merged: no two runs continue each other on both sides.
+                r = mine.runs
+                order = np.argsort(r.local_addr)
+                la, ra, ln = r.local_addr[order], r.remote_addr[order], r.length[order]
+                assert not ((la[:-1] + ln[:-1] == la[1:]) & (ra[:-1] + ln[:-1] == ra[1:])).any()
