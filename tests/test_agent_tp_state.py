@@ -418,3 +418,56 @@ def test_one_ranks_part_planned_alone_is_that_ranks_part_of_the_whole_plan(
                 order = np.argsort(r.local_addr)
                 la, ra, ln = r.local_addr[order], r.remote_addr[order], r.length[order]
                 assert not ((la[:-1] + ln[:-1] == la[1:]) & (ra[:-1] + ln[:-1] == ra[1:])).any()
+
+
+@pytest.mark.parametrize(
+    ("x_heads", "groups", "p_tp", "d_tp", "builds"),
+    [
+        # Nothing replicated on prefill: its one rank builds one planner per decode
+        # rank (2) for all three requests.
+        (8, 2, 1, 2, 2),
+        # One group on every prefill rank: each of the 4 ranks plans each request.
+        (8, 1, 4, 1, 4 * 3),
+    ],
+)
+def test_a_push_builds_its_planner_once_per_decode_rank_unless_replicas_choose(
+    agents: list[Agent],
+    monkeypatch: pytest.MonkeyPatch,
+    x_heads: int,
+    groups: int,
+    p_tp: int,
+    d_tp: int,
+    builds: int,
+) -> None:
+    """The salt (a request's CRC-32) picks among replicas only: where no head or unit
+    is held twice on the prefill side, every request of a pair reuses one planner;
+    where one is, each request plans with its own salt, so that every prefill rank
+    makes the same choice of writer for it."""
+    from kvxfer.core.state_tp_plan import HybridTPPlanner
+
+    built: list[int] = []
+    real = HybridTPPlanner.build.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: Any, *args: Any, **kw: Any) -> Any:
+        built.append(kw.get("only", -1))
+        return real(cls, *args, **kw)
+
+    monkeypatch.setattr(HybridTPPlanner, "build", classmethod(counting))
+    split = _split(x_heads, groups)
+    p_heads = HeadLayout(num_kv_heads=4, tp_size=p_tp)
+    producers = _group(Role.PRODUCER, p_heads, split, agents, Direction.PUSH)
+    consumers = _group(Role.CONSUMER, p_heads.for_tp_size(d_tp), split, agents, Direction.PUSH)
+    host, port = producers[0][0].address
+    for i in range(3):
+        rid, cap = f"req-{i}", wire.new_capability()
+        ticket = Ticket.for_push("prefill", host, port, rid, 2 * BS, capability=cap, tp_size=p_tp)
+        transfers = [a.expect_push(ticket, [[1, 7], [2]]) for a, _ in consumers]
+        for a, _ in producers:
+            a.hold(rid, [[3, 6], [5]], 2 * BS, capability=cap)
+        for t in transfers:
+            t.wait(5)
+            assert t.state is TransferState.DONE, t.error
+        for _, cache in consumers:
+            for part, slots in cache.state.items():
+                assert (slots[2] == cache.want_state[part] + 2 * 5 + 1).all(), part
+    assert len(built) == builds, built

@@ -213,6 +213,14 @@ class WritePlanner:
             LayoutMismatch, LayoutError: the layouts cannot exchange heads or state.
         """
         _, exposed = self._local.require_registered()
+        # The salt picks among replicas only; where this side holds no head or state
+        # unit twice, every request gets the same pieces and one planner serves them
+        # all. Where it matters it stays in the key: every producer rank must choose
+        # a replicated unit's writer alike for each request, or a unit would be
+        # written by none (a planner cached from another request's salt could differ
+        # from the other ranks').
+        if not _replicates(theirs, mine):
+            salt = 0
         key = (id(peer), peer.incarnation, salt)
         with self._lock:
             planner = self._hybrid.get(key)
@@ -246,3 +254,12 @@ class WritePlanner:
             local_device=read.remote_device,
             remote_device=read.local_device,
         )
+
+
+def _replicates(theirs: TPRank, mine: TPRank) -> bool:
+    """Whether producer ranks of ``mine``'s TP size hold a KV head or a state unit of
+    ``theirs``'s split more than once (only then does the salt change who writes it)."""
+    size = mine.heads.tp_size
+    split = theirs.state
+    units = [s.units for s in (*split.conv, *split.ssm)] if split is not None else []
+    return mine.heads.num_kv_heads < size or any(u < size for u in units)

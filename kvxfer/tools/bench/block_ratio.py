@@ -95,7 +95,7 @@ def refusal(args: argparse.Namespace) -> str:
         return "not with --tp (different block sizes are served between equal TP sizes)"
     if args.device is not None:
         return "host memory only (not with --device)"
-    given = [f"--{k.replace('_', '-')}" for k in _FIXED if getattr(args, k)]
+    given = bc.given_options(args, _FIXED)
     if given:
         return (
             f"not with {', '.join(given)}: a ratio case is a pull on ucx of whole blocks, "

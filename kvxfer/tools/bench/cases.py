@@ -386,6 +386,12 @@ def settled(kvxfer_s: Sequence[float], nixl_s: Sequence[float], width: float = 0
     return ci is not None and ci[1] - ci[0] <= width
 
 
+def given_options(args: Any, keys: Sequence[str]) -> list[str]:
+    """The ``--option`` spellings of ``keys`` (argparse destinations) given in ``args``:
+    what a sub-bench that fixes those selectors refuses."""
+    return [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k)]
+
+
 def fmt(v: float | None) -> str:
     """A figure of a report's table: two decimals, "-" where there is none."""
     return "-" if v is None else f"{v:.2f}"

@@ -74,7 +74,7 @@ def refusal(args: argparse.Namespace) -> str:
         return "not with --block-ratios"
     if args.device is not None:
         return "host memory only (staging on a device is not served yet)"
-    given = [f"--{k.replace('_', '-')}" for k in _FIXED if getattr(args, k)]
+    given = bc.given_options(args, _FIXED)
     if given:
         return (
             f"not with {', '.join(given)}: a gathered case is a pull on ucx of whole "
