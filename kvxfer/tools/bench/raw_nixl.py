@@ -63,6 +63,7 @@ class RawNixl:
         # Cleared while kvxfer's transfer of a rep runs (see pause()).
         self._enabled = threading.Event()
         self._enabled.set()
+        self.polls = 0  # background drains so far (a test reads it across a pause)
         self._thread = threading.Thread(target=self._poll, name="raw-nixl-poll", daemon=True)
         self._thread.start()
 
@@ -70,8 +71,14 @@ class RawNixl:
         """Stop the background polls while kvxfer's side of a rep runs: they serve only
         raw NIXL's transfers, and would be load on kvxfer's (two more wakeups a
         millisecond on a small host) that raw NIXL's transfers do not carry, since
-        kvxfer's progress threads idle through those."""
+        kvxfer's progress threads idle through those.
+
+        Once it returns no background poll runs until resume(): a poll already past
+        its wait finishes under the lock taken here, and the poller checks the flag
+        again under that lock before it drains."""
         self._enabled.clear()
+        with self._lock:
+            pass
 
     def resume(self) -> None:
         """Poll in the background again (raw NIXL's side of a rep)."""
@@ -84,7 +91,10 @@ class RawNixl:
             with self._lock:
                 if self._closed:
                     return
+                if not self._enabled.is_set():
+                    continue  # paused between its wait and the lock
                 self._drain_locked()
+                self.polls += 1
             time.sleep(self._interval)
 
     def _drain_locked(self) -> None:
