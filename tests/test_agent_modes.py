@@ -106,11 +106,22 @@ def test_push_stream_writes_closed_blocks_early_and_the_rest_at_the_end() -> Non
             "num_tokens": tokens,
         }
         cons.call("expect_push", stub, local, tokens)
-        time.sleep(0.2)  # the registration reaches the producer before prefill closes blocks
-        prod.call("stream", "s1", remote[:2], 2 * BS)  # two blocks closed by prefill
-        time.sleep(0.3)
-        early = cons.call("token_map", local, remote, SEED)
-        assert all(all(region[0]) and all(region[1]) for region in early), "streamed blocks missing"
+
+        def streamed(early: list[list[list[bool]]]) -> bool:
+            return all(all(region[0]) and all(region[1]) for region in early)
+
+        # Prefill closes two blocks. A stream before the registration reaches the
+        # producer writes nothing (there is no consumer yet), so the engine's next
+        # step streams again (an engine streams at every prefill step); only the
+        # deadline bounds the wait.
+        deadline = time.monotonic() + 30.0
+        while True:
+            prod.call("stream", "s1", remote[:2], 2 * BS)
+            early = cons.call("token_map", local, remote, SEED)
+            if streamed(early) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert streamed(early), "streamed blocks missing 30 s after the first stream"
         assert not any(any(region[4]) for region in early), "tail written before prefill ended"
         prod.call("hold", "s1", remote, tokens)
         result = cons.call("wait", "s1", 30)
