@@ -52,6 +52,9 @@ BASE_ENV: dict[str, str] = {
     # A side-channel round held up this long writes every thread's stack into the log
     # while it lasts (kvxfer.io.control): the evidence when a stall fails a test.
     "KVXFER_STALL_DUMP_S": "3",
+    # Engine processes forked, not spawned (engine_site/sitecustomize.py): ~9 s of a
+    # core less for each; "0" keeps vLLM's CPU choice (spawn).
+    "KVXFER_E2E_FORK": os.environ.get("KVXFER_E2E_FORK", "1"),
 }
 BASE_ARGS: tuple[str, ...] = (
     "--host",
