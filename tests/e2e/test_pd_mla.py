@@ -35,7 +35,9 @@ from .pd import PD_ENV, PDPair, decode, divergence, kv_config, prefill, tokens, 
 from .servers import F32_ARGS, VllmServer, free_port, start_server, wait_all_healthy
 from .state_connector import FLIP_KV_MARK, KV_ENV
 
-pytestmark = [pytest.mark.e2e, pytest.mark.own_servers]
+# e2e_half: with the engine processes forked (tests/e2e/servers.py) the other half is
+# the longer path (15:51 vs 13:04 in a fresh clone); this pair's ~50 s evens them.
+pytestmark = [pytest.mark.e2e, pytest.mark.own_servers, pytest.mark.e2e_half]
 
 #: vLLM's CPU rope kernel mis-rotates MLA's 3-D query (see the module docstring);
 #: ``CPU_MLA`` named, or a host with AMX tiles would get ``AMX_MLA`` (other blocks).
