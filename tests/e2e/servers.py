@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Settings measured to work on this project's CPU-only machines (2 cores, no GPU).
 #: Put on a test server's PYTHONPATH: its sitecustomize lets vLLM's AMX attention
-#: kernel run (see that file).
+#: kernel run, and forks the engine processes (see that file).
 ENGINE_SITE = Path(__file__).resolve().parent / "engine_site"
 BASE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
