@@ -20,15 +20,17 @@ import pytest
 
 from .model import build_tiny_model
 from .pd import PDPair, start_pair
-from .servers import F32_ARGS, VllmServer, start_server, thread_report
+from .servers import F32_ARGS, VllmServer, kvxfer_log_report, start_server, thread_report
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """A failed e2e test's report carries what every live vLLM server's threads did in
-    the second after it failed: a stall (issue 25) shows there as it happens."""
+    """A failed e2e test's report carries every live vLLM server's last warnings and
+    errors (why a request failed) and what its threads did in the second after the
+    test failed: a stall (issue 25) shows there as it happens."""
     report = yield
     if report.failed and call.when in ("setup", "call"):
+        report.sections.append(("vLLM server warnings and errors", kvxfer_log_report()))
         report.sections.append(("vLLM server threads", thread_report()))
     return report
 

@@ -152,6 +152,28 @@ def _history(
     return "\n".join(lines) + "\n"
 
 
+def kvxfer_log_report(per_server: int = 25) -> str:
+    """The last ``per_server`` warning/error lines of every live server's log, and
+    every line naming kvxfer at those levels: what a failed e2e test's report shows
+    first (the whole logs stay under the test's log directory, which CI does not keep)."""
+    lines = []
+    for server in sorted(_LIVE, key=lambda s: s.name):
+        try:
+            text = server.log_path.read_text(errors="replace")
+        except OSError as exc:
+            lines.append(f"== {server.name}: log unreadable: {exc}")
+            continue
+        picked = [
+            ln
+            for ln in text.splitlines()
+            if ("WARNING" in ln or "ERROR" in ln or "Traceback" in ln or "Error:" in ln)
+            and "LD_PRELOAD" not in ln  # vLLM's CPU allocator hint, on every start
+        ]
+        lines.append(f"== {server.name} ({server.log_path}): {len(picked)} warning/error line(s)")
+        lines.extend(ln[:400] for ln in picked[-per_server:])
+    return "\n".join(lines)
+
+
 def thread_report(interval_s: float = 1.0) -> str:
     """What every live server's threads did over ``interval_s``, as text: per server
     how many threads sleep where, then each thread that is not asleep or ran or
