@@ -13,15 +13,15 @@ from kvxfer.core.layout import KVLayout, KVPart, Region
 from kvxfer.core.state_plan import check_state_pair
 from kvxfer.core.state_split import StateSegment, StateSplit
 from kvxfer.errors import ConfigError, KvxferError, LayoutError, LayoutMismatch
-from tests.test_state_tp_properties import _layout
+from tests.state_layouts import state_layout
 
 SPLIT = StateSplit(
     conv=(StateSegment(name="x", units=4, unit_bytes=2),),
     ssm=(StateSegment(name="heads", units=4, unit_bytes=3),),
 )
-TP1 = _layout(SPLIT, 1, 1, 2, 0, base=0)
-TP2 = _layout(SPLIT, 2, 1, 2, 0, base=9_000)
-TWO_LAYERS = _layout(SPLIT, 1, 2, 2, 0, base=0)
+TP1 = state_layout(SPLIT, 1, 1, 2, 0, base=0)
+TP2 = state_layout(SPLIT, 2, 1, 2, 0, base=9_000)
+TWO_LAYERS = state_layout(SPLIT, 1, 2, 2, 0, base=0)
 
 
 def _refusal(
@@ -112,7 +112,7 @@ def test_other_tp_sizes_need_both_splits_each_side_named() -> None:
 
 
 def test_a_region_that_does_not_hold_its_share_is_named_with_its_side() -> None:
-    claimed = _layout(SPLIT, 1, 1, 2, 0, base=9_000)  # a TP1 layout said to be a TP2 rank's
+    claimed = state_layout(SPLIT, 1, 1, 2, 0, base=9_000)  # a TP1 layout said to be a TP2 rank's
     share = (
         "KVLayout.regions[1].block_len=8: layer 1 CONV state of a rank of tp_size=2 "
         "holds 4 bytes per slot (x as the state split says)"

@@ -19,7 +19,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvxfer.core.heads import HeadLayout, source_ranks
-from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, KVPart, Region
+from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, KVPart
 from kvxfer.core.state_plan import (
     check_state_layout,
     check_state_pair,
@@ -29,9 +29,10 @@ from kvxfer.core.state_plan import (
 )
 from kvxfer.core.state_split import StateSegment, StateSplit, unit_ranks, units_of
 from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
+from tests.state_layouts import STATE_PARTS, state_layout
 
 I64 = npt.NDArray[np.int64]
-_PARTS = (KVPart.CONV, KVPart.SSM)
+_PARTS = STATE_PARTS
 _TPS = (1, 2, 3, 4, 6, 8)
 
 
@@ -55,32 +56,6 @@ def _cases(draw: st.DrawFn) -> tuple[StateSplit, int, int, int]:
     conv = tuple(segment(n) for n in draw(st.sampled_from((("x", "B", "C"), ("q", "k", "v")))))
     split = StateSplit(conv=conv, ssm=(segment("heads"),))
     return split, local_tp, remote_tp, draw(st.integers(0, local_tp - 1))
-
-
-def _layout(split: StateSplit, tp: int, layers: int, nb: int, pad: int, base: int) -> KVLayout:
-    """One rank's layout: an attention region, then each state layer's conv and SSM."""
-    regions = [Region(base=base, num_blocks=nb, stride=16, block_len=16, part=KVPart.KV)]
-    at = base + nb * 16
-    for layer in range(layers):
-        for part in _PARTS:
-            n = split.region_bytes(part, tp)
-            regions.append(
-                Region(
-                    base=at,
-                    num_blocks=nb,
-                    stride=n + pad,
-                    block_len=n,
-                    layer=layer + 1,
-                    part=part,
-                    group=1,
-                )
-            )
-            at += nb * (n + pad) + 3
-    return KVLayout(
-        block_size=16,
-        regions=tuple(regions),
-        groups=(Group(kind=GroupKind.FULL), Group(kind=GroupKind.STATE, conv_layout=ConvLayout.DS)),
-    )
 
 
 def _slot_labels(split: StateSplit, tp: int, rank: int, layer: int, part: KVPart) -> I64:
@@ -125,9 +100,9 @@ def test_every_consumer_state_byte_is_written_once_from_the_right_producer_byte(
     data: st.DataObject,
 ) -> None:
     split, local_tp, remote_tp, rank = case
-    local = _layout(split, local_tp, layers, nbs[0], pads[0], base=1000)
+    local = state_layout(split, local_tp, layers, nbs[0], pads[0], base=1000)
     remotes = {
-        p: _layout(split, remote_tp, layers, nbs[1], pads[1], base=50_000 + 7 * p)
+        p: state_layout(split, remote_tp, layers, nbs[1], pads[1], base=50_000 + 7 * p)
         for p in range(remote_tp)
     }
     pieces = plan_slots(
@@ -201,8 +176,8 @@ def test_equal_tp_sizes_read_each_region_whole_from_the_same_rank() -> None:
         ssm=(StateSegment(name="heads", units=8, unit_bytes=4),),
     )
     for tp in (1, 2):
-        local = _layout(split, tp, 1, 2, 0, base=0)
-        remotes = {p: _layout(split, tp, 1, 2, 0, base=10_000) for p in range(tp)}
+        local = state_layout(split, tp, 1, 2, 0, base=0)
+        remotes = {p: state_layout(split, tp, 1, 2, 0, base=10_000) for p in range(tp)}
         for rank in range(tp):
             pieces = plan_slots(
                 local, remotes, split=split, local_tp=tp, local_rank=rank, remote_tp=tp
@@ -227,8 +202,8 @@ def test_tp1_to_tp2_reads_each_segment_slice_of_the_one_producer_slot() -> None:
         ),
         ssm=(StateSegment(name="heads", units=4, unit_bytes=5),),
     )
-    local = _layout(split, 2, 1, 2, 0, base=0)
-    remotes = {0: _layout(split, 1, 1, 2, 0, base=10_000)}
+    local = state_layout(split, 2, 1, 2, 0, base=0)
+    remotes = {0: state_layout(split, 1, 1, 2, 0, base=10_000)}
     pieces = plan_slots(local, remotes, split=split, local_tp=2, local_rank=1, remote_tp=1)
     # conv: x units 2-3 (producer bytes 4..8), then B (8..11) and C (11..14) whole,
     # landing at 0..4, 4..7 and 7..10: contiguous on both sides, one piece; the SSM
@@ -253,7 +228,7 @@ def test_refusals_name_the_key_the_value_and_the_rule() -> None:
     )
     with pytest.raises(ConfigError, match=r"tp_size=4: must divide the 6 CONV 'x' units"):
         split.check(4)
-    layout = _layout(split, 2, 1, 2, 0, base=0)
+    layout = state_layout(split, 2, 1, 2, 0, base=0)
     with pytest.raises(LayoutError, match=r"regions\[1\].block_len=6: layer 1 CONV state"):
         check_state_layout(layout, split, 1, side="local")
     sd = KVLayout(
@@ -274,7 +249,7 @@ def test_the_handshake_check_names_what_keeps_two_state_layouts_apart() -> None:
         conv=(StateSegment(name="x", units=4, unit_bytes=2),),
         ssm=(StateSegment(name="heads", units=4, unit_bytes=3),),
     )
-    one, two = _layout(split, 1, 1, 2, 0, base=0), _layout(split, 2, 1, 2, 0, base=9_000)
+    one, two = state_layout(split, 1, 1, 2, 0, base=0), state_layout(split, 2, 1, 2, 0, base=9_000)
     check_state_pair(one, two, local_split=split, remote_split=split, local_tp=1, remote_tp=2)
     with pytest.raises(ConfigError, match=r"remote tp.state=None: state groups between TP sizes"):
         check_state_pair(one, two, local_split=split, remote_split=None, local_tp=1, remote_tp=2)
