@@ -86,7 +86,7 @@ class Agent:
         self._producer, self._push = parts.producer, parts.push
         self._puller, self._receiver = parts.puller, parts.receiver
         self._receptions, self._registrar = parts.receptions, parts.registrar
-        self._renewer = parts.renewer
+        self._renewer, self._keepalive = parts.renewer, parts.keepalive
 
     # -- registered memory (kept in the parts' shared LocalEnd) -------------------------
     @property
@@ -383,6 +383,8 @@ class Agent:
                 posted; the producer is told to release).
             ConfigError: a ticket ``tp_size`` that cannot split the model's heads.
         """
+        # A kept hold's read starts: no more renewals, and the latest expiry counts.
+        ticket = self._keepalive.take(ticket)
         return self._puller.pull(
             ticket, local_blocks, num_tokens=num_tokens, cached_blocks=cached_blocks
         )
@@ -407,6 +409,28 @@ class Agent:
         it (quick; must not block). False, and nothing sent, once the agent closes."""
         return self._renewer.renew_later(tickets, done)
 
+    def keep_alive(self, tickets: Sequence[Ticket]) -> int:
+        """Keep the producers' holds of ``tickets`` alive until this agent reads them:
+        for requests waiting in the consumer's queue, maybe longer than the lease.
+        Never blocks; returns how many holds were added (one already kept, or a ticket
+        whose ``lease_expiry`` is unset or past, is not).
+
+        The agent renews each hold (:meth:`renew`) from its own timer and io threads,
+        a third of its lease before the guard, so a long engine step cannot starve the
+        renewals. It stops when :meth:`pull` of the same ticket (producer, address and
+        request id) starts, which then checks the latest expiry the producer answered;
+        at :meth:`abort` or :meth:`stop_keep_alive`; when the producer did not renew
+        the hold before it ended (slow answers are retried until then); and after
+        :attr:`AgentConfig.renew_limit_s`. Stopped ones are counted in ``stats()``'s
+        ``renewals_lapsed``.
+        """
+        return self._keepalive.add(tickets)
+
+    def stop_keep_alive(self, ticket: Ticket) -> bool:
+        """Stop renewing ``ticket``'s hold (see :meth:`keep_alive`); whether it was
+        kept. The hold then ends at its expiry, unless it is released first."""
+        return self._keepalive.drop(ticket)
+
     def abort(self, ticket: Ticket, *, wait: bool = False) -> None:
         """Give up a request: this agent's own transfers of it fail at once (FAILED,
         every block invalid, never DONE later: R-SAFE-2), and the producer is told to
@@ -417,6 +441,7 @@ class Agent:
         sizes (a ticket naming producer rank 0 and its ``tp_size``) every producer rank
         this rank reads is told, always from worker threads.
         """
+        self._keepalive.drop(ticket)
         self._puller.abort(ticket, wait=wait)
 
     def expect_push(

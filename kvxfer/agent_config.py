@@ -111,6 +111,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             ``{"rbln_adapter": "emulated"}`` or ``{"transport": "ucx"}``.
         lease_guard_s: A consumer refuses (or invalidates) a pull this close to the
             producer's lease expiry: clock skew between hosts must stay below it.
+        renew_limit_s: The longest a consumer keeps renewing a hold it has not read
+            (:meth:`~kvxfer.agent.Agent.keep_alive`): a request forgotten by its
+            engine pins its producer's blocks no longer than this.
         progress_interval_s: Sleep of the progress thread while transfers are in flight
             (seconds; more than 0, at most 1). A push producer's write is seen done, and
             NIXL sends its notice to the consumer, at the next round after it ended.
@@ -160,6 +163,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
     warm_up_descriptors: int = DEFAULT_WARM_UP_DESCRIPTORS
     lease_guard_s: float = 0.5
+    renew_limit_s: float = 600.0
     backend_extra: dict[str, str] = msgspec.field(default_factory=dict)
     push_post: PushPost = PushPost.AUTO
     tp: TPRank | None = None
@@ -176,7 +180,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("tp", self.tp, "must be a kvxfer.core.heads.TPRank or None")
         if not self.engine_id:
             raise ConfigError("engine_id", self.engine_id, "must be a non-empty string")
-        for key in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
+        for key in ("lease_s", "handshake_timeout_s", "transfer_timeout_s", "renew_limit_s"):
             value = getattr(self, key)
             if not value > 0:
                 raise ConfigError(key, value, "must be a positive number of seconds")
@@ -244,6 +248,9 @@ class AgentStats(msgspec.Struct, kw_only=True):
     #: and of those the ones not renewed (no such hold there, or the Renew failed).
     renewals_sent: int = 0
     renewals_refused: int = 0
+    #: Consumer: kept holds it stopped renewing before their read started (their lease
+    #: ended unrenewed, or ``renew_limit_s`` passed); their loads fail closed.
+    renewals_lapsed: int = 0
     failures: dict[str, int] = msgspec.field(default_factory=dict)
     #: Failed transfers by :class:`~kvxfer.transfer.FailureStage` value (R-SAFE-4).
     failures_by_stage: dict[str, int] = msgspec.field(default_factory=dict)

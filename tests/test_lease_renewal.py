@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvxfer.adapters.vllm.scheduler import MAX_RENEW_S, MIN_RENEW_S, SchedulerSide
+from kvxfer._agent.keepalive import MAX_RENEW_S, MIN_RENEW_S, renew_interval
+from kvxfer.adapters.vllm.scheduler import SchedulerSide
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.core.compat import Fingerprint
@@ -32,7 +33,7 @@ LEASE_S = 0.8
 _names = itertools.count()
 
 
-def _agent(role: Role, cache: HostKVCache) -> Agent:
+def _agent(role: Role, cache: HostKVCache, **config: Any) -> Agent:
     agent = Agent(
         AgentConfig(
             engine_id=f"renew-{role.value}",
@@ -48,6 +49,7 @@ def _agent(role: Role, cache: HostKVCache) -> Agent:
             transfer_timeout_s=5.0,
             lease_s=LEASE_S,
             lease_guard_s=0.1,
+            **config,
         ),
         backend=FakeBackend(BackendOptions(agent_name=f"renew-{next(_names)}")),
     )
@@ -175,32 +177,29 @@ def _scheduler(role: Role = Role.CONSUMER, direction: Direction = Direction.PULL
     return SchedulerSide(engine_id="d-0", role=role, direction=direction, block_size=16)
 
 
-def test_a_waiting_pull_request_renews_every_third_of_its_lease_until_scheduled() -> None:
+def test_a_waiting_pull_request_starts_one_keep_alive_and_none_once_scheduled() -> None:
     s = _scheduler()
-    req = _Request("d-1", _ticket_params(time.time() + 3 * MIN_RENEW_S))
+    req = _Request("d-1", _ticket_params(time.time() + 3))
     s.on_new_request(req)
-    assert s.build_step_plan().renewals == []  # not due yet
-    time.sleep(MIN_RENEW_S * 1.2)
-    (renewal,) = s.build_step_plan().renewals
+    (renewal,) = s.build_step_plan().renewals  # the next step starts its keep-alive
     assert renewal.request_id == "d-1" and renewal.transfer_id == "cmpl-x-0-abcdef12"
     assert renewal.remote_params["remote_host"] == "127.0.0.1"
-    assert s.build_step_plan().renewals == []  # once per interval
-    time.sleep(MIN_RENEW_S * 1.2)
-    assert len(s.build_step_plan().renewals) == 1
-    # Scheduled: its load starts this step, with whatever expiry the renewals won.
-    s.update_state_after_alloc(req, [[5, 6]], 32, 0)
-    time.sleep(MIN_RENEW_S * 1.2)
+    assert s.build_step_plan().renewals == []  # once: the Agent renews from then on
+    # Scheduled in the step it arrived: its load starts at once, nothing to keep alive.
+    now = _Request("d-9", _ticket_params(time.time() + 3))
+    s.on_new_request(now)
+    s.update_state_after_alloc(now, [[5, 6]], 32, 0)
     plan = s.build_step_plan()
     assert plan.renewals == [] and len(plan.loads) == 1
 
 
-def test_renewals_stop_when_the_request_ends_and_start_only_where_they_mean_something() -> None:
+def test_keep_alives_start_only_where_they_mean_something() -> None:
     s = _scheduler()
     aborted = _Request("d-2", _ticket_params(time.time() + 0.6))
     s.on_new_request(aborted)
     s.request_finished(aborted, [[]])
-    time.sleep(MIN_RENEW_S * 1.2)
-    assert s.build_step_plan().renewals == []
+    plan = s.build_step_plan()
+    assert plan.renewals == [] and [r.request_id for r in plan.releases] == ["d-2"]
     for req, side in (
         (_Request("d-3", _ticket_params(time.time() - 1)), s),  # already over
         (_Request("d-4", {**_ticket_params(0), "lease_expiry": None}), s),  # no expiry
@@ -209,10 +208,100 @@ def test_renewals_stop_when_the_request_ends_and_start_only_where_they_mean_some
         (_Request("d-7", _ticket_params(time.time() + 0.6)), _scheduler(direction=Direction.PUSH)),
     ):
         side.on_new_request(req)
-        time.sleep(MIN_RENEW_S * 1.2)
         assert side.build_step_plan().renewals == [], req.request_id
-    # A long lease is not renewed early (every MAX_RENEW_S, a third of the lease at most).
-    long = _scheduler()
-    long.on_new_request(_Request("d-8", _ticket_params(time.time() + 3600)))
-    time.sleep(MIN_RENEW_S * 1.2)
-    assert long.build_step_plan().renewals == [] and MAX_RENEW_S < 3600 / 3
+
+
+# --- the Agent's keep-alive: renewals on the agent's own timer, no caller loop --------
+
+
+def test_renew_interval_is_a_third_of_what_is_left_before_the_guard_within_bounds() -> None:
+    assert renew_interval(100.0, 70.0, 0.0) == pytest.approx(10.0)
+    assert renew_interval(100.0, 94.0, 0.5) == pytest.approx(5.5 / 3)
+    assert renew_interval(100.0, 99.9, 0.5) == MIN_RENEW_S  # past the guard: soon
+    assert renew_interval(10_000.0, 0.0, 0.5) == MAX_RENEW_S
+    prev = 0.0
+    for left in (0.1, 0.7, 1.0, 3.0, 9.0, 29.0, 31.0, 90.0):
+        got = renew_interval(left, 0.0, 0.1)
+        assert MIN_RENEW_S <= got <= MAX_RENEW_S and got >= prev
+        prev = got
+
+
+def test_a_kept_hold_outlives_three_leases_with_no_caller_loop_and_reads_exactly(
+    pair: tuple[Agent, Agent, HostKVCache],
+) -> None:
+    producer, consumer, cache = pair
+    ticket = producer.hold("kept", [1, 2], 32)
+    assert consumer.keep_alive([ticket]) == 1
+    assert consumer.keep_alive([ticket]) == 0  # kept already
+    time.sleep(3 * LEASE_S)  # nothing here renews: the agent's timer does
+    assert producer.holding() == ["kept"]
+    sent = consumer.stats().renewals_sent
+    assert sent >= 3 and producer.stats().leases_renewed >= 3
+    # The ticket's own expiry is long past; the pull takes the renewed one.
+    t = consumer.pull(ticket, [3, 4])
+    t.wait(5)
+    assert t.state is TransferState.DONE, t.error
+    assert cache.mismatches([3, 4], [1, 2], SEED) == 0
+    time.sleep(LEASE_S)
+    stats = consumer.stats()
+    assert stats.renewals_sent == sent  # the pull ended the keep-alive
+    assert stats.renewals_refused == 0 and stats.renewals_lapsed == 0
+
+
+def test_a_stopped_keep_alive_lets_the_hold_expire_and_its_pull_fails_closed(
+    pair: tuple[Agent, Agent, HostKVCache],
+) -> None:
+    producer, consumer, _ = pair
+    ticket = producer.hold("stopped", [1], 16)
+    consumer.keep_alive([ticket])
+    time.sleep(LEASE_S)
+    assert consumer.stop_keep_alive(ticket) and not consumer.stop_keep_alive(ticket)
+    deadline = time.monotonic() + 10 * LEASE_S
+    while "stopped" not in producer.freed():
+        assert time.monotonic() < deadline, "the hold outlived its keep-alive"
+        time.sleep(0.02)
+    t = consumer.pull(ticket, [3])
+    with pytest.raises(TransferError, match="lease on stopped ran out"):
+        t.wait(5)
+    # An abort ends a keep-alive too, and an expired or expiry-less ticket adds none.
+    other = producer.hold("aborted", [2], 16)
+    consumer.keep_alive([other])
+    consumer.abort(other, wait=True)
+    assert not consumer.stop_keep_alive(other)
+    past = msgspec.structs.replace(other, request_id="past", lease_expiry=time.time() - 1)
+    unset = msgspec.structs.replace(other, request_id="unset", lease_expiry=0.0)
+    assert consumer.keep_alive([past, unset]) == 0
+
+
+def test_a_keep_alive_lapses_when_its_producer_is_gone_or_its_limit_passes(
+    pair: tuple[Agent, Agent, HostKVCache],
+) -> None:
+    producer, consumer, _ = pair
+    ticket = producer.hold("orphan", [1], 16)
+    consumer.keep_alive([ticket])
+    producer.close()  # no answers from now on: tried until the lease ends, then dropped
+    deadline = time.monotonic() + 10 * LEASE_S + 10
+    while consumer.stats().renewals_lapsed < 1:
+        assert time.monotonic() < deadline, "a keep-alive of a dead producer never lapsed"
+        time.sleep(0.05)
+    assert not consumer.stop_keep_alive(ticket)
+    assert consumer.stats().renewals_refused >= 1
+
+
+def test_renew_limit_s_bounds_how_long_a_forgotten_hold_is_renewed() -> None:
+    producer = _agent(Role.PRODUCER, HostKVCache(SHAPE, 16, NUM_BLOCKS, fill_seed=SEED))
+    consumer = _agent(Role.CONSUMER, HostKVCache(SHAPE, 16, NUM_BLOCKS), renew_limit_s=LEASE_S)
+    try:
+        producer.serve()
+        ticket = producer.hold("forgotten", [1], 16)
+        consumer.keep_alive([ticket])
+        deadline = time.monotonic() + 10 * LEASE_S
+        while "forgotten" not in producer.freed():
+            assert time.monotonic() < deadline, "renew_limit_s did not end the renewals"
+            time.sleep(0.02)
+        stats = consumer.stats()
+        assert stats.renewals_lapsed == 1 and stats.renewals_sent >= 1
+        assert producer.stats().leases_expired == 1
+    finally:
+        consumer.close()
+        producer.close()

@@ -188,25 +188,14 @@ class ReleaseSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RenewSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Consumer, pull: ask the producer named in ``remote_params`` to keep holding
-    ``transfer_id``; vLLM's request ``request_id`` still waits to be scheduled."""
+    """Consumer, pull: keep the hold of ``transfer_id`` at the producer named in
+    ``remote_params`` alive until its load starts (the worker's Agent renews it on its
+    own timer, :meth:`kvxfer.agent.Agent.keep_alive`); vLLM's request ``request_id``
+    waits to be scheduled. Sent once per request; its load or release ends it."""
 
     request_id: str
     transfer_id: str
     remote_params: dict[str, Any]
-
-
-#: Bounds of the interval between two renewals of one waiting request: a third of
-#: the lease left when it arrived, so two renewals can fail before it runs out.
-MIN_RENEW_S = 0.2
-MAX_RENEW_S = 10.0
-
-
-class _Renewal(msgspec.Struct, kw_only=True):
-    transfer_id: str
-    params: dict[str, Any]
-    interval: float
-    next_at: float  # time.monotonic()
 
 
 class StepPlan(msgspec.Struct, kw_only=True):
@@ -358,9 +347,9 @@ class SchedulerSide:
         self._plan = StepPlan()
         self._consumer: dict[str, _Consumer] = {}
         self._producing: dict[str, RequestLike] = {}  # do_remote_decode, not finished
-        # Consumer, pull: requests waiting to be scheduled whose producer's hold this
-        # instance renews until their load starts (or they end).
-        self._renewing: dict[str, _Renewal] = {}
+        # Consumer, pull: requests waiting to be scheduled whose keep-alive the next
+        # step plan starts (dropped if they are scheduled or end first).
+        self._renewing: dict[str, RenewSpec] = {}
         self._held: dict[str, float] = {}  # producer: request id -> lease expiry (wall)
         # Guard slots of the held requests: the lowest free one is taken, and a slot
         # comes back only when every rank reported the request freed (its word was
@@ -563,7 +552,7 @@ class SchedulerSide:
     def on_new_request(self, request: RequestLike) -> None:
         """Track requests this producer prefills for a remote decode, and, on a pull
         consumer, requests whose producer's hold must outlast their wait in vLLM's
-        queue (renewed every third of the lease left, see :class:`RenewSpec`)."""
+        queue (kept alive until their load starts, see :class:`RenewSpec`)."""
         params = request.kv_transfer_params
         if self.is_consumer and self.direction is Direction.PULL:
             self._track_renewal(request)
@@ -580,27 +569,13 @@ class SchedulerSide:
         expiry = params.get("lease_expiry")
         if isinstance(expiry, bool) or not isinstance(expiry, int | float):
             return  # a ticket without one (an earlier build): nothing to renew by
-        left = float(expiry) - time.time()
-        if not left > 0:
+        if not float(expiry) > time.time():
             return  # already over: its load fails closed (lease_expired)
-        interval = min(max(left / 3, MIN_RENEW_S), MAX_RENEW_S)
-        self._renewing[request.request_id] = _Renewal(
+        self._renewing[request.request_id] = RenewSpec(
+            request_id=request.request_id,
             transfer_id=self.transfer_id(request),
-            params=dict(params),
-            interval=interval,
-            next_at=time.monotonic() + interval,
+            remote_params=dict(params),
         )
-
-    def _due_renewals(self) -> list[RenewSpec]:
-        now = time.monotonic()
-        due = []
-        for rid, r in self._renewing.items():
-            if r.next_at <= now:
-                r.next_at = now + r.interval
-                due.append(
-                    RenewSpec(request_id=rid, transfer_id=r.transfer_id, remote_params=r.params)
-                )
-        return due
 
     # -- step --------------------------------------------------------------------------
     def build_step_plan(
@@ -620,7 +595,9 @@ class SchedulerSide:
                 if req is not None:
                     self._after_forward(req, int(n), block_ids_of)
         if self._renewing:
-            self._plan.renewals.extend(self._due_renewals())
+            # Waiting past this step: their keep-alives start (sent once).
+            self._plan.renewals.extend(self._renewing.values())
+            self._renewing.clear()
         plan, self._plan = self._plan, StepPlan(step=self._plan.step + 1)
         plan.idle = num_scheduled_tokens is not None and not num_scheduled_tokens
         return plan

@@ -101,6 +101,13 @@ SERIES: tuple[Series, ...] = (
         "num_renewals_refused",
     ),
     Series(
+        "vllm:kvxfer_lease_renewals_lapsed",
+        _C,
+        "Consumer, pull: held requests this instance stopped renewing before their load "
+        "(the lease ended unrenewed, or renew_limit_s passed); their loads fail closed.",
+        "num_renewals_lapsed",
+    ),
+    Series(
         "vllm:kvxfer_push_writes",
         _C,
         "Push producer: KV WRITEs completed (push_stream: several per request).",

@@ -26,8 +26,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import msgspec
-
 from kvxfer.adapters.vllm import timeline
 from kvxfer.adapters.vllm.ahead import ConnectAhead
 from kvxfer.adapters.vllm.cache_layout import (
@@ -43,6 +41,7 @@ from kvxfer.agent import Agent
 from kvxfer.core.descriptors import DescriptorTable, PlanOptions
 from kvxfer.core.layout import Group, GroupKind, KVLayout
 from kvxfer.errors import RegistrationError
+from kvxfer.ticket import Ticket
 from kvxfer.transfer import Transfer, TransferState
 from kvxfer.types import Direction, Role
 
@@ -142,10 +141,6 @@ class WorkerSide:
         # (R-SAFE-5): their blocks stay with vLLM until the transfer settles.
         self._failed_early: set[str] = set()
         self._released: set[str] = set()  # loads vLLM ended itself (an abort)
-        # Pull: lease expiries renewed for requests still waiting (transfer id -> wall
-        # clock), written by the agent's io thread, read when their load starts.
-        self._renewed: dict[str, float] = {}
-        self._renewed_lock = threading.Lock()
         # vLLM takes block-level load errors for a single KV cache group only; with
         # several (a hybrid model) a failed load is reported by request id alone.
         self._block_errors = len(layout.groups) == 1
@@ -282,6 +277,9 @@ class WorkerSide:
                 continue
             self._held[hold.lease_id] = hold.request_id
             timeline.mark("p_hold", hold.request_id)
+        if plan.renewals:
+            # Before the loads: a request scheduled in this step ends its keep-alive.
+            self._keep_alive(plan.renewals)
         for load in plan.loads:
             self._start_load(load)
         for rel in plan.releases:
@@ -294,42 +292,26 @@ class WorkerSide:
                 rid for rid, t in self._inflight.items() if t.request_id == rel.transfer_id
             )
             self._release_remote(rel.transfer_id, rel.remote_params, rel.reason)
-            with self._renewed_lock:
-                self._renewed.pop(rel.transfer_id, None)
-        if plan.renewals:
-            self._renew(plan.renewals)
 
-    def _renew(self, renewals: Sequence[RenewSpec]) -> None:
-        """Ask the producers of requests still waiting here to keep their holds (from
-        the agent's io thread); the expiries they answer replace the tickets' when the
-        loads start. A failed renewal only logs: the hold then ends as it would have."""
-        tickets, ids = [], []
+    def _keep_alive(self, renewals: Sequence[RenewSpec]) -> None:
+        """Keep the producers' holds of requests waiting here alive until their loads
+        start (the agent renews them on its own timer, so a long step cannot starve
+        them); their load, or their release, ends it. Never raises: a hold not kept
+        ends at its lease as it would have."""
+        tickets = []
         for r in renewals:
             try:
-                params = r.remote_params
-                tickets.append(
-                    release_ticket(
-                        params, tp_rank=self._paired_rank(params), transfer_id=r.transfer_id
-                    )
-                )
-                ids.append(r.transfer_id)
+                tickets.append(self._hold_ticket(r.transfer_id, r.remote_params))
             except Exception as exc:
                 log.warning("kvxfer: cannot renew %s: %s", r.request_id, exc)
+        if tickets and self.agent.keep_alive(tickets) < len(tickets):
+            # The scheduler sends only holds whose lease still runs: one over by now
+            # waited here long already; its load fails closed (lease_expired).
+            log.warning("kvxfer: %d hold(s) not kept alive: lease over", len(tickets))
 
-        def renewed(expiries: list[float]) -> None:
-            with self._renewed_lock:
-                for tid, expiry in zip(ids, expiries, strict=True):
-                    if expiry > 0:
-                        self._renewed[tid] = max(expiry, self._renewed.get(tid, 0.0))
-            if not all(expiries):
-                log.warning(
-                    "kvxfer: %d of %d producer hold(s) not renewed (gone or unreachable)",
-                    sum(1 for e in expiries if not e),
-                    len(expiries),
-                )
-
-        if tickets:
-            self.agent.renew_later(tickets, renewed)
+    def _hold_ticket(self, transfer_id: str, params: Mapping[str, Any]) -> Ticket:
+        """The ticket naming the producer rank that holds ``transfer_id`` for this rank."""
+        return release_ticket(params, tp_rank=self._paired_rank(params), transfer_id=transfer_id)
 
     def after_forward(self, plan: StepPlan) -> None:
         """Producer, after the step's forward: stage the prompts it completed (host
@@ -383,6 +365,7 @@ class WorkerSide:
             )
         if why is not None:
             log.error("kvxfer: KV load of %s refused: %s", load.request_id, why)
+            self._stop_keep_alive(load)
             self._fail_load(load.request_id, load.local_blocks, why)
             return
         try:
@@ -398,11 +381,6 @@ class WorkerSide:
                 block_size=self.layout.block_size,
                 state=tuple(g.is_state for g in self.layout.groups),
             )
-            with self._renewed_lock:
-                renewed = self._renewed.pop(load.transfer_id, 0.0)
-            if renewed > ticket.lease_expiry > 0:
-                # The request waited here and its producer renewed the hold meanwhile.
-                ticket = msgspec.structs.replace(ticket, lease_expiry=renewed)
             # The ticket's blocks are already cut to the local ones (remote_ticket);
             # cached_blocks says which token positions they hold.
             start = agent.expect_push if self.config.direction is Direction.PUSH else agent.pull
@@ -416,11 +394,19 @@ class WorkerSide:
             )
         except Exception as exc:
             log.error("kvxfer: could not start the load of %s: %s", load.request_id, exc)
+            self._stop_keep_alive(load)
             self._fail_load(load.request_id, load.local_blocks, str(exc))
             return
         self._inflight[load.request_id] = transfer
         if self._consumer:
             transfer.add_done_callback(self._on_landed)
+
+    def _stop_keep_alive(self, load: LoadSpec) -> None:
+        """A load that never reached the agent's pull: its hold is renewed no more."""
+        try:
+            self.agent.stop_keep_alive(self._hold_ticket(load.transfer_id, load.remote_params))
+        except Exception as exc:
+            log.warning("kvxfer: cannot stop renewing %s: %s", load.request_id, exc)
 
     def _fail_load(self, request_id: str, local_blocks: Groups, why: str) -> None:
         self._failed_recving.add(request_id)
@@ -435,9 +421,7 @@ class WorkerSide:
 
     def _release_remote(self, transfer_id: str, params: dict[str, Any], reason: str) -> None:
         try:
-            ticket = release_ticket(
-                params, tp_rank=self._paired_rank(params), transfer_id=transfer_id
-            )
+            ticket = self._hold_ticket(transfer_id, params)
             self.agent.abort(ticket)  # non-blocking: the message goes from a worker thread
         except Exception as exc:
             log.warning("kvxfer: could not release %s on the producer: %s", transfer_id, exc)
@@ -567,6 +551,7 @@ _PRODUCER_COUNTERS = {
     "leases_renewed": "num_leases_renewed",
     "renewals_sent": "num_renewals_sent",
     "renewals_refused": "num_renewals_refused",
+    "renewals_lapsed": "num_renewals_lapsed",
     "handshakes": "num_handshakes",
     # failure accounting (issue 16), both roles
     "notices_failed": "num_failed_notifications",

@@ -16,6 +16,7 @@ from kvxfer._agent.gather_pull import GatherPuller
 from kvxfer._agent.gather_serve import GatherDesk
 from kvxfer._agent.guard import FreeReason
 from kvxfer._agent.holds import HoldDesk
+from kvxfer._agent.keepalive import KeepAlive
 from kvxfer._agent.leases import Lease, LeaseBook
 from kvxfer._agent.local import LocalEnd
 from kvxfer._agent.peers import PeerCache
@@ -86,6 +87,7 @@ class Parts:
         receiver: A consumer's push receptions.
         registrar: Registered memory.
         renewer: A consumer's lease renewals.
+        keepalive: Renews a consumer's holds on a timer until their reads start.
     """
 
     local: LocalEnd
@@ -102,6 +104,7 @@ class Parts:
     receiver: PushReceiver
     registrar: Registrar
     renewer: Renewer
+    keepalive: KeepAlive
 
 
 def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
@@ -159,6 +162,7 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
     # Producers of another TP size: several ranks per request.
     group = ProducerGroup(local, runtime, io, side)
     tp = TPPuller(local, peers, runtime, io, group, lock)
+    renewer = Renewer(side, group, io, stats, lock)
     return Parts(
         local=local,
         lock=lock,
@@ -186,5 +190,6 @@ def assemble(local: LocalEnd, backend: Backend, stats: AgentStats) -> Parts:
         ),
         receiver=PushReceiver(local, runtime, receptions, side, io, group, backend.agent_name),
         registrar=Registrar(local, backend, leases, lock, prefix),
-        renewer=Renewer(side, group, io, stats, lock),
+        renewer=renewer,
+        keepalive=KeepAlive(renewer, io, config.lease_guard_s, config.renew_limit_s, stats, lock),
     )

@@ -533,6 +533,41 @@ def test_release_before_the_transfer_frees_the_producer_at_once() -> None:
         p.close()
 
 
+def test_a_pull_request_waiting_past_the_lease_with_no_steps_is_kept_alive() -> None:
+    """Decode's step loop stalls (one long step) while a P/D request waits: the
+    agent's keep-alive renews the hold anyway, and the load reads it exactly."""
+    lease = 1.5
+    p = _worker("kv_producer", "pull", _caches(fill=True))
+    c = _worker("kv_consumer", "pull", _caches(fill=False))
+    ps = _side(Role.PRODUCER, engine_id=p.agent.config.engine_id, lease_s=lease)
+    cs = _side(Role.CONSUMER, engine_id=c.agent.config.engine_id)
+    info = p.handshake_info()
+    ps.set_endpoint(info["host"], info["port"], [info["incarnation"]])
+    try:
+        prod_req = FakeRequest("p-k", {"do_remote_decode": True}, 40, 40, "FINISHED_STOPPED")
+        _, params = ps.request_finished(prod_req, [[2, 3]])
+        assert params is not None
+        cons_req = FakeRequest("d-k", params, num_prompt_tokens=40)
+        cs.on_new_request(cons_req)
+        _drive(p, c, ps, cs)  # the producer holds; decode's plan starts the keep-alive
+        time.sleep(2.5 * lease)  # no step on either side meanwhile
+        assert p.agent.holding() == ["p-k"]
+        n, _ = cs.get_num_new_matched_tokens(cons_req, 0)
+        cs.update_state_after_alloc(cons_req, [[9, 10]], n, 0)
+        _drive(p, c, ps, cs)
+        acc = _new_acc()
+        _until(lambda: "d-k" in _results(c, acc)["recving"], "load not done")
+        assert not acc["failed"] and not acc["invalid"]
+        for got, want in zip(_blocks(c.tensors, [9, 10]), _blocks(p.tensors, [2, 3])):
+            assert torch.equal(got, want)
+        stats = c.agent.stats()
+        assert stats.renewals_sent >= 3 and stats.renewals_lapsed == 0
+        assert p.agent.stats().leases_expired == 0
+    finally:
+        c.close()
+        p.close()
+
+
 def test_a_load_from_a_vanished_producer_fails_with_its_blocks_invalid() -> None:
     p, c, ps, cs = _pair("pull")
     try:

@@ -1,5 +1,7 @@
 """A decode request that waits in decode's queue longer than the producer's lease still
-gets its KV (issue 54): the pull consumer renews the hold while the request waits.
+gets its KV (issue 54): the pull consumer's agent keeps the hold alive while the
+request waits, renewing it from its own timer (``Agent.keep_alive``), not decode's step
+loop.
 
 Prefill holds each prompt for ``kv_lease_duration: 5`` seconds (3 s left too little
 slack on a CI host at load 8 on 2 cores: one load there failed with HTTP 500, cause
@@ -8,7 +10,7 @@ sequence at a time (``--max-num-seqs 1``) and is kept busy by plain requests que
 ahead of the P/D one, long enough that the P/D request waits over twice the lease.
 Checked: decode's output equals what the same engine computes from the prompt itself
 (the reference); prefill renewed the hold and none of its leases expired; decode sent
-renewals, none refused. Without renewals the same wait fails the load
+renewals, none refused or lapsed. Without renewals the same wait fails the load
 (``tests/test_lease_renewal.py`` shows the expiry and the refusal at the Agent).
 """
 
@@ -128,4 +130,5 @@ def test_a_request_queued_past_twice_the_lease_still_loads_its_kv(lease_pair: PD
     assert p.metric("vllm:kvxfer_leases_expired_total") == 0
     assert d.metric("vllm:kvxfer_lease_renewals_total") > 0
     assert d.metric("vllm:kvxfer_lease_renewals_refused_total") == 0
+    assert d.metric("vllm:kvxfer_lease_renewals_lapsed_total") == 0
     assert d.metric("vllm:kvxfer_failed_transfers_total") == 0
