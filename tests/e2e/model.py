@@ -75,6 +75,9 @@ class TinyModelSpec:
     #: CPU's MLA kernels take only a 512 + 64 latent; no MoE layer).
     arch: str = "qwen2"
     sliding_window: int = 0
+    #: "qwen3_next": its Gated DeltaNet layers' key heads and value heads (as many of
+    #: each; 2 lets TP2 split them).
+    linear_heads: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -84,6 +87,8 @@ class TinyModelSpec:
         fields = dataclasses.asdict(self)
         if self.arch == "qwen2":  # keys of the original builder stay valid
             del fields["arch"], fields["sliding_window"]
+        if self.linear_heads == 1:  # as are the models built before the field
+            del fields["linear_heads"]
         if self.arch == "deepseek_v3":
             fields["mla"] = MLA_DIMS
         blob = json.dumps({"builder": BUILDER_VERSION, **fields}, sort_keys=True).encode()
@@ -247,8 +252,8 @@ def _state_model_and_config(spec: TinyModelSpec, eos_id: int) -> Any:
         # 1 KiB per token, so 128-token blocks, as the Mamba2 model has.
         head_dim=128,
         layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in layers],
-        linear_num_key_heads=1,
-        linear_num_value_heads=1,
+        linear_num_key_heads=spec.linear_heads,
+        linear_num_value_heads=spec.linear_heads,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
@@ -369,6 +374,9 @@ HYBRID_SPEC = TinyModelSpec(arch="gemma3", num_hidden_layers=4, sliding_window=1
 #: DeltaNet) at layers 0 and 2, full attention (2 KV heads of 32) at 1 and 3.
 MAMBA2_SPEC = TinyModelSpec(arch="granite_hybrid", num_hidden_layers=4, dtype="float32")
 GDN_SPEC = TinyModelSpec(arch="qwen3_next", num_hidden_layers=4, dtype="bfloat16")
+#: The GDN hybrid with 2 key and 2 value heads per GDN layer, which TP2 splits
+#: (tests/e2e/test_pd_state_tp_gdn.py).
+GDN_TP_SPEC = dataclasses.replace(GDN_SPEC, linear_heads=2)
 
 #: The MLA model of tests/e2e/test_pd_mla.py: 2 dense DeepSeek-V3 layers, 4 heads of
 #: 32 (no-PE part and V), one 576-element latent per token and layer, float32.

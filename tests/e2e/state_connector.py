@@ -15,6 +15,14 @@ With ``$KVXFER_E2E_FLIP_KV=1`` instead, a load for a request whose id contains
 :data:`FLIP_KV_MARK` gets every element of its first local block of the first
 attention layer negated (vLLM 0.32's CPU caches are block-first).
 
+With ``$KVXFER_E2E_DUMP_STATE`` set to a directory, a request whose id contains
+:data:`DUMP_MARK` has its running state slot saved there, every state layer's conv
+and temporal SSM state (``torch.save`` of ``{layer: (conv, ssm)}``): by the producer
+when it holds the prompt (``<id>.producer.rank<r>.pt``), by each consumer rank when
+the load landed, after any corruption above and before decode's first forward reads
+the slot (``<id>.consumer.rank<r>.pt``). tests/e2e/test_pd_state_tp.py compares them
+byte for byte where output equality proves nothing.
+
 Other requests, and every request without the variables, go through kvxfer's
 connectors unchanged, so one decode instance serves both the equality checks and the
 control.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,12 +41,15 @@ from kvxfer.adapters.vllm import connector as kvxfer_connector
 from kvxfer.adapters.vllm.scheduler import LoadSpec
 
 __all__ = [
+    "DUMP_ENV",
+    "DUMP_MARK",
     "ENV",
     "FLIP_KV_MARK",
     "FLIP_MARK",
     "KV_ENV",
     "RblnNixlPullConnector",
     "RblnNixlPushConnector",
+    "StateDumpConnector",
     "StateFlipConnector",
 ]
 
@@ -47,6 +59,9 @@ FLIP_MARK = "flip-state"
 KV_ENV = "KVXFER_E2E_FLIP_KV"
 #: Marks the requests whose attention KV is corrupted.
 FLIP_KV_MARK = "flip-kv"
+DUMP_ENV = "KVXFER_E2E_DUMP_STATE"
+#: Marks the requests whose state slots are saved.
+DUMP_MARK = "dump-state"
 
 log = logging.getLogger("kvxfer.adapters.vllm")
 
@@ -122,9 +137,74 @@ class StateFlipConnector(kvxfer_connector._RblnNixlBase):
         return results
 
 
-class RblnNixlPullConnector(StateFlipConnector, kvxfer_connector.RblnNixlPullConnector):
-    """kvxfer's pull connector, corrupting one state element of marked loads."""
+class StateDumpConnector(kvxfer_connector._RblnNixlBase):
+    """Mix-in saving marked requests' state slots (see the module docstring)."""
+
+    _dump_dir: Path | None = None
+    _dump_layers: dict[str, tuple[int, Any]]
+    _dump_loads: dict[str, LoadSpec]
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._dump_loads = {}
+        where = os.environ.get(DUMP_ENV)
+        if not where:
+            return
+        context = self._vllm_config.compilation_config.static_forward_context
+        self._dump_layers = {
+            name: (g, context[name].kv_cache)
+            for name in sorted(kv_caches)
+            if (g := int(self._groups.layer_groups.get(name, -1))) >= 0
+            and self._groups.groups[g].is_state
+        }
+        if not self._dump_layers:
+            raise RuntimeError(f"{DUMP_ENV} set but no state layer among {sorted(kv_caches)}")
+        self._dump_dir = Path(where)
+        self._dump_dir.mkdir(parents=True, exist_ok=True)
+        log.warning("kvxfer e2e: saving marked requests' state slots to %s", where)
+
+    def _dump(self, request_id: str, side: str, slots: Any) -> None:
+        assert self._dump_dir is not None
+        slot_of = {name: int(slots[g][0]) for name, (g, _) in self._dump_layers.items()}
+        out = {
+            name: tuple(t[slot_of[name]].clone() for t in states)
+            for name, (_, states) in self._dump_layers.items()
+        }
+        path = self._dump_dir / f"{request_id}.{side}.rank{self._tp_rank}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(out, tmp)
+        tmp.rename(path)  # whole or absent: the test polls for it
+        log.warning("kvxfer e2e: state slots of %s saved to %s", request_id, path)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        if self._dump_dir is None or not isinstance(meta, kvxfer_connector.KvxferConnectorMetadata):
+            return
+        for hold in meta.plan.holds:
+            if DUMP_MARK in hold.request_id:
+                self._dump(hold.request_id, "producer", hold.block_ids)
+        for load in meta.plan.loads:
+            if DUMP_MARK in load.request_id:
+                self._dump_loads[load.request_id] = load
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        failed = set(results.failed_recving or ())
+        for rid in results.finished_recving or ():
+            load = self._dump_loads.pop(rid, None)
+            if load is not None and rid not in failed:
+                self._dump(rid, "consumer", load.local_blocks)
+        return results
 
 
-class RblnNixlPushConnector(StateFlipConnector, kvxfer_connector.RblnNixlPushConnector):
-    """kvxfer's push connector, corrupting one state element of marked loads."""
+class RblnNixlPullConnector(
+    StateDumpConnector, StateFlipConnector, kvxfer_connector.RblnNixlPullConnector
+):
+    """kvxfer's pull connector, corrupting or saving marked loads' state."""
+
+
+class RblnNixlPushConnector(
+    StateDumpConnector, StateFlipConnector, kvxfer_connector.RblnNixlPushConnector
+):
+    """kvxfer's push connector, corrupting or saving marked loads' state."""

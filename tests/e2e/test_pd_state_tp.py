@@ -20,14 +20,13 @@ the output. In float32 a TP2 and a TP1 instance of the random-weight model agree
 no transfer involved (test_pd_tp.py). Two pairs and one unified instance, a few
 requests: kept short, the suite is long.
 
-A Gated DeltaNet case is not here. The shared ``GDN_SPEC`` has one key and one value
-head, which TP2 cannot split; with two of each vLLM runs it at TP2, but its CPU GDN
-kernels need bfloat16, and there TP1 and TP2 unified instances of the random-weight
-model disagree with no transfer involved (2026-12-07: 6 of 12 greedy 16-token
-continuations differ; first-step log-probabilities differ by up to 0.97), more than
-the one-element negative control moves them on some prompts. Output equality proves
-nothing there; a GDN check across TP sizes needs byte digests of the state slots. The
-derivation is tested offline, the Agent's pieces in tests/test_agent_tp_state.py.
+A Gated DeltaNet case is in tests/e2e/test_pd_state_tp_gdn.py, checked byte for byte:
+the shared ``GDN_SPEC`` has one key and one value head, which TP2 cannot split; with
+two of each vLLM runs it at TP2, but its CPU GDN kernels need bfloat16, and there TP1
+and TP2 unified instances of the random-weight model disagree with no transfer
+involved (2026-12-07: 6 of 12 greedy 16-token continuations differ; first-step
+log-probabilities differ by up to 0.97), more than the one-element negative control
+moves them on some prompts, so output equality proves nothing there.
 """
 
 from __future__ import annotations
