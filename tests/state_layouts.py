@@ -1,10 +1,17 @@
-"""Rank layouts with state regions, shared by the state-plan tests
-(tests/test_state_tp_properties.py, tests/test_state_plan_contracts.py)."""
+"""Rank layouts with state regions and the state splits they hold, shared by the
+state-plan tests (tests/test_state_tp_properties.py, tests/test_state_plan_contracts.py,
+tests/test_state_plan_pieces.py)."""
 
 from __future__ import annotations
 
+from hypothesis import assume
+from hypothesis import strategies as st
+
 from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, KVPart, Region
-from kvxfer.core.state_split import StateSplit
+from kvxfer.core.state_split import StateSegment, StateSplit
+
+#: TP sizes the strategies draw from.
+TPS = (1, 2, 3, 4, 6, 8)
 
 #: The state parts, in the order each layer's regions are laid out.
 STATE_PARTS = (KVPart.CONV, KVPart.SSM)
@@ -35,3 +42,25 @@ def state_layout(split: StateSplit, tp: int, layers: int, nb: int, pad: int, bas
         regions=tuple(regions),
         groups=(Group(kind=GroupKind.FULL), Group(kind=GroupKind.STATE, conv_layout=ConvLayout.DS)),
     )
+
+
+def _splits(units: int, tp: int) -> bool:
+    return (units % tp if units >= tp else tp % units) == 0
+
+
+@st.composite
+def state_cases(draw: st.DrawFn) -> tuple[StateSplit, int, int, int]:
+    """A model's state split and two TP sizes it allows (consumer, producer), and a
+    consumer rank."""
+    local_tp, remote_tp = draw(st.sampled_from(TPS)), draw(st.sampled_from(TPS))
+    ok = [u for u in range(1, 25) if _splits(u, local_tp) and _splits(u, remote_tp)]
+    assume(ok)
+
+    def segment(name: str) -> StateSegment:
+        return StateSegment(
+            name=name, units=draw(st.sampled_from(ok)), unit_bytes=draw(st.integers(1, 5))
+        )
+
+    conv = tuple(segment(n) for n in draw(st.sampled_from((("x", "B", "C"), ("q", "k", "v")))))
+    split = StateSplit(conv=conv, ssm=(segment("heads"),))
+    return split, local_tp, remote_tp, draw(st.integers(0, local_tp - 1))

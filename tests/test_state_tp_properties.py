@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.core.heads import HeadLayout, source_ranks
@@ -29,33 +29,10 @@ from kvxfer.core.state_plan import (
 )
 from kvxfer.core.state_split import StateSegment, StateSplit, unit_ranks, units_of
 from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
-from tests.state_layouts import STATE_PARTS, state_layout
+from tests.state_layouts import STATE_PARTS, state_cases, state_layout
 
 I64 = npt.NDArray[np.int64]
 _PARTS = STATE_PARTS
-_TPS = (1, 2, 3, 4, 6, 8)
-
-
-def _splits(units: int, tp: int) -> bool:
-    return (units % tp if units >= tp else tp % units) == 0
-
-
-@st.composite
-def _cases(draw: st.DrawFn) -> tuple[StateSplit, int, int, int]:
-    """A model's state split and two TP sizes it allows (consumer, producer), and a
-    consumer rank."""
-    local_tp, remote_tp = draw(st.sampled_from(_TPS)), draw(st.sampled_from(_TPS))
-    ok = [u for u in range(1, 25) if _splits(u, local_tp) and _splits(u, remote_tp)]
-    assume(ok)
-
-    def segment(name: str) -> StateSegment:
-        return StateSegment(
-            name=name, units=draw(st.sampled_from(ok)), unit_bytes=draw(st.integers(1, 5))
-        )
-
-    conv = tuple(segment(n) for n in draw(st.sampled_from((("x", "B", "C"), ("q", "k", "v")))))
-    split = StateSplit(conv=conv, ssm=(segment("heads"),))
-    return split, local_tp, remote_tp, draw(st.integers(0, local_tp - 1))
 
 
 def _slot_labels(split: StateSplit, tp: int, rank: int, layer: int, part: KVPart) -> I64:
@@ -84,7 +61,7 @@ def _memory(layout: KVLayout, split: StateSplit, tp: int, rank: int) -> tuple[in
 
 
 @given(
-    case=_cases(),
+    case=state_cases(),
     layers=st.integers(1, 2),
     nbs=st.tuples(st.integers(2, 4), st.integers(2, 4)),
     pads=st.tuples(st.integers(0, 3), st.integers(0, 3)),
@@ -145,7 +122,7 @@ def test_every_consumer_state_byte_is_written_once_from_the_right_producer_byte(
     assert (got[want >= 0] == want[want >= 0]).all(), "a byte from the wrong producer byte"
 
 
-@given(case=_cases(), salt=st.integers(0, 7))
+@given(case=state_cases(), salt=st.integers(0, 7))
 def test_a_unit_comes_from_the_replica_kv_heads_would_pick(
     case: tuple[StateSplit, int, int, int], salt: int
 ) -> None:
