@@ -20,7 +20,7 @@ from kvxfer.adapters.vllm.scheduler import SchedulerSide
 from kvxfer.agent import Agent, AgentConfig
 from kvxfer.backend import BackendOptions
 from kvxfer.core.compat import Fingerprint
-from kvxfer.errors import TransferError
+from kvxfer.errors import ConfigError, TransferError
 from kvxfer.testing.fake_backend import FakeBackend
 from kvxfer.testing.kvcache import HostKVCache, ModelShape
 from kvxfer.transfer import TransferState
@@ -305,3 +305,21 @@ def test_renew_limit_s_bounds_how_long_a_forgotten_hold_is_renewed() -> None:
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_renew_limit_s_must_be_a_positive_number_of_seconds(value: float) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^renew_limit_s=.*: must be a positive number of seconds$"
+    ):
+        AgentConfig(
+            engine_id="e",
+            fingerprint=Fingerprint(
+                model="m",
+                dtype="bfloat16",
+                kv_cache_dtype="bfloat16",
+                attention_backend="t",
+                direction=Direction.PULL,
+            ),
+            renew_limit_s=value,
+        )
