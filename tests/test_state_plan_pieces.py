@@ -26,6 +26,7 @@ from kvxfer.core.heads import HeadLayout, source_ranks
 from kvxfer.core.layout import Group, GroupKind, KVLayout, KVPart
 from kvxfer.core.state_plan import (
     StatePiece,
+    check_state_pair,
     join_runs,
     plan_slots,
     slot_runs,
@@ -243,7 +244,7 @@ def test_state_regions_refuse_other_parts_and_a_second_region_per_layer_part() -
 
 @pytest.mark.parametrize("salt", [-1, True, 1.0, "1"])
 def test_a_bad_salt_is_named(salt: object) -> None:
-    with pytest.raises(ConfigError, match=r"salt=.*: must be a non-negative int$"):
+    with pytest.raises(ConfigError, match=f"^salt={salt!r}: must be a non-negative int$"):
         state_source_ranks(SPLIT, 2, 0, 1, salt=salt)  # type: ignore[arg-type]
 
 
@@ -281,3 +282,97 @@ def test_a_replicated_unit_spreads_consumer_ranks_over_its_replicas() -> None:
     for salt, want in ((0, [0, 1, 0, 1]), (1, [1, 0, 1, 0]), (2, [0, 1, 0, 1])):
         got = [state_source_ranks(split, 4, r, 2, salt=salt) for r in range(4)]
         assert got == [(w,) for w in want], salt
+
+
+def test_runs_on_other_remote_devices_never_merge_and_columns_keep_their_dtypes() -> None:
+    a = Runs(
+        np.array([100], dtype=np.uint64),
+        np.array([500], dtype=np.uint64),
+        np.array([10], dtype=np.uint64),
+        np.array([0], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+    )
+    b = Runs(
+        np.array([110], dtype=np.uint64),
+        np.array([510], dtype=np.uint64),
+        np.array([6], dtype=np.uint64),
+        np.array([0], dtype=np.int64),
+        np.array([2], dtype=np.int64),
+    )
+    got = join_runs(a, b)
+    assert got.length.tolist() == [10, 6] and got.remote_device.tolist() == [1, 2]
+    # slot_runs hands the transport unsigned addresses and lengths, signed devices.
+    local = state_layout(SPLIT, 1, 1, 2, 0, base=0)
+    remotes = {0: state_layout(SPLIT, 1, 1, 2, 0, base=10_000)}
+    pieces = plan_slots(local, remotes, split=SPLIT, local_tp=1, local_rank=0, remote_tp=1)
+    (runs,) = slot_runs(pieces, local, remotes, np.array([1]), np.array([0])).values()
+    assert [c.dtype for c in _columns(runs)] == [np.uint64] * 3 + [np.int64] * 2
+
+
+def test_slots_of_a_narrow_integer_type_address_the_right_bytes() -> None:
+    # Slot ids as the engine may hand them (int8 / uint8 arrays): the addresses are
+    # computed in 64 bits, so a slot times a stride of thousands does not wrap.
+    split = StateSplit(
+        conv=(StateSegment(name="x", units=2, unit_bytes=1000),),
+        ssm=(StateSegment(name="heads", units=2, unit_bytes=3000),),
+    )
+    local = state_layout(split, 1, 1, 200, 0, base=0)
+    remotes = {0: state_layout(split, 1, 1, 200, 0, base=10_000_000)}
+    pieces = plan_slots(local, remotes, split=split, local_tp=1, local_rank=0, remote_tp=1)
+    wide = slot_runs(pieces, local, remotes, np.array([100], np.int64), np.array([110], np.int64))
+    for dtype in (np.int8, np.uint8, np.int16):
+        narrow = slot_runs(pieces, local, remotes, np.array([100], dtype), np.array([110], dtype))
+        for w, n in zip(_columns(wide[0]), _columns(narrow[0]), strict=True):
+            assert n.tolist() == w.tolist(), dtype
+
+
+def test_plan_slots_names_the_side_whose_region_does_not_hold_its_share() -> None:
+    tp1 = state_layout(SPLIT, 1, 1, 2, 0, base=0)
+    tp2 = state_layout(SPLIT, 2, 1, 2, 0, base=10_000)
+    share = "KVLayout.regions[1].block_len=2: layer 1 CONV state of a rank of tp_size=1"
+    with pytest.raises(LayoutError, match=f"^local {re.escape(share)}"):
+        plan_slots(tp2, {0: tp1}, split=SPLIT, local_tp=1, local_rank=0, remote_tp=1)
+    with pytest.raises(LayoutError, match=f"^producer rank 0 {re.escape(share)}"):
+        plan_slots(tp1, {0: tp2}, split=SPLIT, local_tp=1, local_rank=0, remote_tp=1)
+    # The refusal lists every segment of the part.
+    three = StateSplit(
+        conv=(
+            StateSegment(name="x", units=2, unit_bytes=2),
+            StateSegment(name="B", units=1, unit_bytes=1),
+            StateSegment(name="C", units=1, unit_bytes=1),
+        ),
+        ssm=SPLIT.ssm,
+    )
+    with pytest.raises(LayoutError, match=re.escape("bytes per slot (x+B+C as the state split")):
+        plan_slots(tp1, {0: tp1}, split=three, local_tp=1, local_rank=0, remote_tp=1)
+
+
+def test_the_salt_defaults_to_zero() -> None:
+    # Replicated units (one unit, two producer ranks holding it): salt 0 and 1 differ.
+    split = StateSplit(
+        conv=(StateSegment(name="B", units=1, unit_bytes=4),),
+        ssm=(StateSegment(name="heads", units=1, unit_bytes=2),),
+    )
+    assert state_source_ranks(split, 2, 1, 2) == state_source_ranks(split, 2, 1, 2, salt=0)
+    assert state_source_ranks(split, 2, 1, 2, salt=1) != state_source_ranks(split, 2, 1, 2)
+    local = state_layout(split, 2, 1, 2, 0, base=0)
+    remotes = {p: state_layout(split, 2, 1, 2, 0, base=10_000 * (p + 1)) for p in range(2)}
+    default = plan_slots(local, remotes, split=split, local_tp=2, local_rank=1, remote_tp=2)
+    zero = plan_slots(local, remotes, split=split, local_tp=2, local_rank=1, remote_tp=2, salt=0)
+    assert default == zero and {p.rank for p in default} == {1}
+
+
+def test_state_on_one_side_only_is_a_mismatch_not_a_pass() -> None:
+    with_state = state_layout(SPLIT, 1, 1, 2, 0, base=0)
+    plain = KVLayout(
+        block_size=16, regions=with_state.regions[:1], groups=(Group(kind=GroupKind.FULL),)
+    )
+    for local, remote, mine in ((with_state, plain, True), (plain, with_state, False)):
+        with pytest.raises(
+            LayoutMismatch,
+            match=f"^KV layout mismatch at layer 1 CONV state region: local={mine} "
+            f"remote={not mine}$",
+        ):
+            check_state_pair(
+                local, remote, local_split=SPLIT, remote_split=SPLIT, local_tp=1, remote_tp=1
+            )

@@ -21,13 +21,14 @@ block boundary. Negative control: the same check over a load whose first SSM ele
 was corrupted on arrival (``KVXFER_E2E_FLIP_STATE``) finds exactly that element
 changed on each rank, so the comparison can fail.
 
-Pull only: a push across TP sizes writes the same pieces from the same state split
-(:mod:`kvxfer.core.state_tp_plan`), which tests/e2e/test_pd_state_tp.py moves both
-ways for Mamba2.
+The default run pulls; ``KVXFER_E2E_STATE_ALL=1`` adds the push (the prefill rank
+writes each decode rank's pieces, planned from the split the decode rank announced),
+which tests/e2e/test_pd_state_tp.py runs by default for Mamba2.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -60,10 +61,26 @@ HEADS, HEAD_K, HEAD_V = GDN_TP_SPEC.linear_heads, 128, 128
 KEY_DIM, VALUE_DIM = HEADS * HEAD_K, HEADS * HEAD_V
 
 
-@pytest.fixture(scope="module")
-def gdn_tp_pair(e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+ALL = os.environ.get("KVXFER_E2E_STATE_ALL") == "1"
+DIRECTIONS = [
+    pytest.param("pull", id="pull"),
+    pytest.param(
+        "push",
+        id="push",
+        marks=()
+        if ALL
+        else pytest.mark.skip(reason="set KVXFER_E2E_STATE_ALL=1 for every state case"),
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=DIRECTIONS)
+def gdn_tp_pair(
+    request: pytest.FixtureRequest, e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    direction = request.param
     model_dir = build_tiny_model(GDN_TP_SPEC)
-    dumps = tmp_path_factory.mktemp("gdn-state-dumps")
+    dumps = tmp_path_factory.mktemp(f"gdn-state-dumps-{direction}")
     pair = []
     try:
         p_port, d_port = ports.free_base_port(span=1), ports.free_base_port(span=2)
@@ -81,11 +98,13 @@ def gdn_tp_pair(e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                 env[FLIP_ENV] = "1"
             pair.append(
                 start_server(
-                    f"{role}-state-tp-gdn",
+                    f"{role}-state-tp-gdn-{direction}",
                     model_dir,
                     e2e_log_dir,
                     block_size=None,
-                    kv_transfer_config=kv_config(kv_role, "pull", kv_connector_module_path=MODULE),
+                    kv_transfer_config=kv_config(
+                        kv_role, direction, kv_connector_module_path=MODULE
+                    ),
                     env=env,
                     extra_args=(*ARGS, *tp_args),
                     wait=False,
@@ -97,7 +116,7 @@ def gdn_tp_pair(e2e_log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             s.stop()
         raise
     try:
-        yield PDPair("gdn-tp-pull", *pair), dumps
+        yield PDPair(f"gdn-tp-{direction}", *pair), dumps
     finally:
         for s in pair:
             s.stop()
@@ -154,7 +173,7 @@ def _through_pd(pair: PDPair, prompt: list[int], tag: str) -> str:
 
 
 @pytest.mark.timeout(1200)  # two cold starts (one of two workers) on 2 shared cores
-def test_gdn_state_pulled_tp1_to_tp2_lands_bit_for_bit_on_every_rank(gdn_tp_pair: Any) -> None:
+def test_gdn_state_moved_tp1_to_tp2_lands_bit_for_bit_on_every_rank(gdn_tp_pair: Any) -> None:
     pair, dumps = gdn_tp_pair
     for server in (pair.prefill, pair.decode):
         assert re.search(
