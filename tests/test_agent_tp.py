@@ -532,3 +532,31 @@ def test_reader_counts_are_bounded_and_ignore_impossible_reports() -> None:
     assert len(counts) == 8
     assert counts.last("r99", 2, 1)  # the newest still completes
     assert not counts.last("r0", 2, 1)  # the oldest was dropped: it never frees early
+
+
+def test_a_kept_hold_across_tp_sizes_is_renewed_on_every_producer_rank(
+    closing: list[Rank],
+) -> None:
+    # Prefill TP2 holds for 1.5 s; a TP1 decode keeps the request waiting 2.5 leases,
+    # calling nothing, then reads both ranks' heads exactly.
+    lease = 1.5
+    p_heads, d_heads = HeadLayout(num_kv_heads=2, tp_size=2), HeadLayout(num_kv_heads=2, tp_size=1)
+    producers, consumers = _producers(p_heads), _consumers(d_heads)
+    closing += producers + consumers
+    cap, guard = wire.new_capability(), (next(_slots), random.randrange(1, 2**56))
+    tickets = [
+        p.agent.hold("kept", [3, 7], 8, capability=cap, guard=guard, lease_s=lease)
+        for p in producers
+    ]
+    ticket = msgspec.structs.replace(tickets[0], incarnations=tuple(t.incarnation for t in tickets))
+    (consumer,) = consumers
+    assert consumer.agent.keep_alive([ticket]) == 1
+    time.sleep(2.5 * lease)
+    assert all(p.agent.holding() == ["kept"] for p in producers)
+    assert all(p.agent.stats().leases_renewed >= 2 for p in producers)
+    t = consumer.agent.pull(ticket, [10, 2])
+    t.wait(5)
+    assert t.state is TransferState.DONE, t.error
+    assert consumer.cache.mismatches([10, 2], [3, 7], SEED) == []
+    stats = consumer.agent.stats()
+    assert stats.renewals_refused == 0 and stats.renewals_lapsed == 0
