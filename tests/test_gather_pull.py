@@ -252,3 +252,54 @@ def test_a_silent_producer_fails_the_gathered_pull_within_its_timeout() -> None:
     finally:
         cons.close()
         prod.close()
+
+
+def test_a_round_is_gathered_outside_the_agent_lock_and_its_slot_outlives_a_hold_ended_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The producer copies a round with the agent lock free (its holds, frees and
+    progress go on); a hold that ends during the copy keeps the slot the round's until
+    the copy ends, so no other round copies into it, and the round is refused."""
+    import threading
+
+    from kvxfer._agent import gather_serve
+
+    started, go = threading.Event(), threading.Event()
+    real = gather_serve.gather_into
+
+    def slow_gather(*args: Any) -> None:
+        started.set()
+        assert go.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(gather_serve, "gather_into", slow_gather)
+    for prod, _cons in _pair(FORCED, None):
+        ticket = prod.agent.hold("slow", [4, 6], BLOCK * 2)
+        slots = prod.agent._local.staging_slots  # type: ignore[attr-defined]
+        stranger = Stranger(*prod.agent.serve(), Direction.PULL)
+        answers: list[wire.Message] = []
+        msg = wire.GatherRound(
+            request_id="slow", capability=ticket.capability, pieces=_pieces(prod, [4, 6])
+        )
+        asker = threading.Thread(target=_ask_into, args=(answers, stranger, msg))
+        try:
+            asker.start()
+            assert started.wait(10)
+            # Mid-copy: the agent's calls go on (the lock is free) ...
+            other = prod.agent.hold("other", [8], BLOCK)
+            assert prod.agent.release("slow") and prod.agent.release(other.request_id)
+            # ... and the ended hold's slot is still the round's.
+            assert slots.free == 1
+            go.set()
+            asker.join(10)
+            (answer,) = answers
+            assert isinstance(answer, wire.Reject) and "ended while" in answer.reason
+            assert slots.free == 2
+            assert prod.agent.stats().gather_served == 0
+        finally:
+            go.set()
+            stranger.close()
+
+
+def _ask_into(answers: list[wire.Message], stranger: Stranger, msg: wire.Message) -> None:
+    answers.append(stranger.request(msg))

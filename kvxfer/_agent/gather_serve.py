@@ -10,6 +10,13 @@ at the consumer's :class:`~kvxfer.core.wire.GatherDone`, whose answer also says 
 the slot was still lent at that generation while the hold stood (the consumer scatters
 only then), or when the hold ends (a tick sweeps the slots of holds gone): no slot
 outlives its hold, so a consumer that died mid-round leaks nothing.
+
+The copy runs outside the agent lock, so a round of many megabytes never stalls the
+producer's holds, frees and progress. That is safe because the slot stays the round's
+until its copy ends (a hold that ends meanwhile leaves its slot to be released then,
+and the round is answered with a refusal), and a consumer scatters a slot only after a
+GatherDone finds the hold still standing: bytes copied from blocks the engine got back
+are never scattered.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class GatherDesk:
         self._leases = leases
         self._lock = lock
         self._lent: dict[str, list[Slot]] = {}  # request id -> its slots lent now
+        self._copying: set[int] = set()  # slots being gathered into now (by index)
+        self._orphaned: set[int] = set()  # of those, the ones whose hold ended meanwhile
         # request id -> (capability, the hold's extents): built once per hold.
         self._extents: dict[str, tuple[str, UIntArray, UIntArray]] = {}
 
@@ -119,14 +128,29 @@ class GatherDesk:
             if slot is None:
                 return wire.GatherSlot(request_id=msg.request_id, busy=True)
             self._lent.setdefault(msg.request_id, []).append(slot)
-            self._stats.gather_served += 1
-            # Gathered under the lock: the hold cannot end (and its blocks go back to
-            # the engine) while its bytes are copied out.
-            try:
-                gather_into(copies, staging.base + slot.offset, slot.nbytes)
-            except Exception:
+            self._copying.add(slot.index)
+        failure: Exception | None = None
+        try:
+            gather_into(copies, staging.base + slot.offset, slot.nbytes)
+        except Exception as exc:
+            failure = exc
+        with self._lock:
+            self._copying.discard(slot.index)
+            ended = slot.index in self._orphaned
+            if ended:
+                self._orphaned.discard(slot.index)
+                slots.release(slot)
+            elif failure is not None:
                 self._give_back(msg.request_id, slot)
-                raise
+            else:
+                self._stats.gather_served += 1
+        if failure is not None:
+            raise failure
+        if ended:
+            return wire.Reject(
+                code=wire.RejectCode.UNKNOWN_REQUEST,
+                reason=f"the hold of {msg.request_id!r} ended while its round was gathered",
+            )
         return wire.GatherSlot(
             request_id=msg.request_id,
             slot=slot.index,
@@ -157,14 +181,17 @@ class GatherDesk:
         )
 
     def _give_back(self, request_id: str, slot: Slot) -> None:
-        """Release ``slot`` (under the lock)."""
+        """Release ``slot`` (under the lock); one still being gathered into is released
+        when its copy ends, so no other round can copy into it meanwhile."""
         slots = self._local.staging_slots
         lent = self._lent.get(request_id, [])
         if slot in lent:
             lent.remove(slot)
         if not lent:
             self._lent.pop(request_id, None)
-        if slots is not None:
+        if slot.index in self._copying:
+            self._orphaned.add(slot.index)
+        elif slots is not None:
             slots.release(slot)
 
     def forget(self, request_id: str) -> None:
