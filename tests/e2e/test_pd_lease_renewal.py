@@ -3,11 +3,12 @@ gets its KV (issue 54): the pull consumer's agent keeps the hold alive while the
 request waits, renewing it from its own timer (``Agent.keep_alive``), not decode's step
 loop.
 
-Prefill holds each prompt for ``kv_lease_duration: 5`` seconds (3 s left too little
-slack on a CI host at load 8 on 2 cores: one load there failed with HTTP 500, cause
-not logged; failure reports now carry the servers' warnings). Decode runs one
+Prefill holds each prompt for ``kv_lease_duration: 5`` seconds (a CI host at load 8
+on 2 cores once failed a 3 s one with HTTP 500, while decode still renewed from its
+step loop; failure reports now carry the servers' warnings). Decode runs one
 sequence at a time (``--max-num-seqs 1``) and is kept busy by plain requests queued
-ahead of the P/D one, long enough that the P/D request waits over twice the lease.
+ahead of the P/D one, which the test hangs up (vLLM aborts them) once the P/D request
+has waited two and a half leases.
 Checked: decode's output equals what the same engine computes from the prompt itself
 (the reference); prefill renewed the hold and none of its leases expired; decode sent
 renewals, none refused or lapsed. Without renewals the same wait fails the load
@@ -17,8 +18,11 @@ renewals, none refused or lapsed. Without renewals the same wait fails the load
 from __future__ import annotations
 
 import concurrent.futures
-import math
+import contextlib
+import http.client
+import json
 import random
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,14 +32,16 @@ import pytest
 
 from .model import TinyModelSpec, build_tiny_model
 from .pd import PD_ENV, PDPair, decode, kv_config, prefill, tokens
-from .servers import free_port, start_server, wait_all_healthy
+from .servers import VllmServer, free_port, start_server, wait_all_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_servers]
 
 LEASE_S = 5.0
+#: How long the P/D request waits in decode's queue, in leases.
+WAIT_LEASES = 2.5
 NEW_TOKENS = 8
-#: Tokens each blocking request decodes (within the test bed's max model length).
-BLOCKER_TOKENS = 400
+#: Tokens each blocking request decodes at most (within the test bed's max model length).
+BLOCKER_TOKENS = 480
 
 
 @pytest.fixture(scope="module")
@@ -70,61 +76,76 @@ def lease_pair(e2e_log_dir: Path) -> Iterator[PDPair]:
         pair.stop()
 
 
-def _queued_pd_request(
-    pair: PDPair, prompt: list[int], blocker: list[int], count: int
-) -> tuple[list[int], float]:
+class _Blocker:
+    """A plain request on decode that keeps its one sequence slot busy until
+    :meth:`abort` hangs up (vLLM aborts a completion whose client disconnected)."""
+
+    def __init__(self, server: VllmServer, prompt: list[int]) -> None:
+        self.conn = http.client.HTTPConnection(server.host, server.port, timeout=300)
+        body = server.completion_body(prompt, max_tokens=BLOCKER_TOKENS, logprobs=None)
+        self.conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.conn.sock is not None:
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+
+
+def _queued_pd_request(pair: PDPair, prompt: list[int], count: int) -> tuple[list[int], float]:
     """Prefill ``prompt``, queue ``count`` blockers on decode, then ask decode for the
-    P/D request behind them: its tokens and how long after prefill's hold it answered."""
+    P/D request behind them; hang the blockers up once it waited :data:`WAIT_LEASES`
+    leases. Its tokens and how long after prefill's hold it answered."""
     p, d = pair.prefill, pair.decode
     rid = f"e2e-lease-{uuid.uuid4().hex[:12]}"
     # Prefill first, so that the hold starts before the blockers: the time prefill
     # takes under load cannot eat into their head start.
     params = prefill(p, prompt, rid)
     held = time.time()
-    with concurrent.futures.ThreadPoolExecutor(count) as pool:
-        queued = [
-            pool.submit(d.complete, blocker, max_tokens=BLOCKER_TOKENS, logprobs=None, timeout=300)
-            for _ in range(count)
-        ]
+    rng = random.Random(rid)
+    blockers = [_Blocker(d, [rng.randrange(1, 500) for _ in range(20)]) for _ in range(count)]
+    try:
         time.sleep(0.5)  # the blockers reach decode's queue first
-        # Queued behind the blockers on a loaded host: far longer than a plain request.
-        got = decode(d, prompt, params, request_id=rid, max_tokens=NEW_TOKENS, timeout=300)
-        waited = time.time() - held
-        for f in queued:
-            f.result()
-    return got, waited
+
+        def answered() -> tuple[list[int], float]:
+            got = decode(d, prompt, params, request_id=rid, max_tokens=NEW_TOKENS, timeout=300)
+            return got, time.time() - held
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(answered)
+            time.sleep(max(0.0, held + WAIT_LEASES * LEASE_S - time.time()))
+            for b in blockers:
+                b.abort()  # decode schedules the P/D request next
+            return answer.result()
+    finally:
+        for b in blockers:
+            b.abort()
 
 
 @pytest.mark.timeout(600)
 def test_a_request_queued_past_twice_the_lease_still_loads_its_kv(lease_pair: PDPair) -> None:
     p, d = lease_pair.prefill, lease_pair.decode
     rng = random.Random(54)
-    blocker = [rng.randrange(1, 500) for _ in range(20)]
-    # The faster of two runs: a blocker timed while the host was busy would size too
-    # few of them for a quieter host later.
-    ones = []
-    for _ in range(2):
-        start = time.monotonic()
-        d.complete(blocker, max_tokens=BLOCKER_TOKENS, logprobs=None, timeout=300)
-        ones.append(time.monotonic() - start)
-    # Enough blockers ahead that the P/D request waits 3 leases (one runs at a time).
-    count = max(2, math.ceil(3 * LEASE_S / min(ones)) + 1)
     renewed_before = p.metric("vllm:kvxfer_leases_renewed_total")
     waits = []
-    # The wait is this test's precondition, not what it checks: where the host's speed
-    # changed under it and the request did not wait two leases, it goes once more (a
-    # new prompt, so decode's prefix cache holds none of it) with twice the blockers.
+    # Blockers enough to keep decode busy past the wait on any host (one runs at a
+    # time, each up to BLOCKER_TOKENS steps); the wait is this test's precondition, not
+    # what it checks: where they all ended first it goes once more (a new prompt, so
+    # decode's prefix cache holds none of it) with three times as many.
+    count = 12
     for _ in range(2):
         prompt = [rng.randrange(1, 500) for _ in range(70)]
         ref = tokens(
             d.complete(prompt, max_tokens=NEW_TOKENS, logprobs=None, return_token_ids=True)
         )
-        got, waited = _queued_pd_request(lease_pair, prompt, blocker, count)
+        got, waited = _queued_pd_request(lease_pair, prompt, count)
         waits.append((count, round(waited, 1)))
         assert got == ref, "decode did not load the held KV"
         if waited > 2 * LEASE_S:
             break
-        count *= 2
+        count *= 3
     assert waited > 2 * LEASE_S, f"the request never waited two leases: (blockers, s) {waits}"
     assert p.metric("vllm:kvxfer_leases_renewed_total") > renewed_before
     assert p.metric("vllm:kvxfer_leases_expired_total") == 0
