@@ -161,8 +161,15 @@ def test_a_ticket_across_tp_sizes_names_rank_0_and_every_incarnation() -> None:
 def test_release_ticket_names_the_producer_rank() -> None:
     t = release_ticket(_params(), tp_rank=1, transfer_id="t-9")
     assert (t.port, t.request_id, t.block_ids) == (5601, "t-9", ((),))
-    # The lease's expiry too: a consumer keeps this ticket's hold alive until then.
-    assert t.lease_expiry == _params()["lease_expiry"] > 0
+    # With expiry, the lease's too (a keep-alive renews from it); an abort never reads
+    # it, so a malformed one cannot keep the producer from hearing of the abort.
+    assert t.lease_expiry == 0.0
+    kept = release_ticket(_params(), tp_rank=1, transfer_id="t-9", expiry=True)
+    assert kept.lease_expiry == _params()["lease_expiry"] > 0
+    bad = _params(lease_expiry="soon")
+    assert release_ticket(bad, tp_rank=0, transfer_id="t").lease_expiry == 0.0
+    with pytest.raises(ConfigError, match="lease_expiry"):
+        release_ticket(bad, tp_rank=0, transfer_id="t", expiry=True)
     with pytest.raises(ConfigError, match="remote_port"):
         release_ticket(_params(remote_port=None), tp_rank=0, transfer_id="t")
 
@@ -314,6 +321,7 @@ def test_tickets_survive_float64_json_round_trips(
             block_ids=((),),
             num_tokens=0,
             incarnation=0,
+            lease_expiry=0.0,
             guard_slot=-1,
             generation=0,
         )

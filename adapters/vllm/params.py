@@ -539,15 +539,18 @@ def _capability(params: Mapping[str, Any]) -> str:
     return value
 
 
-def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str) -> Ticket:
+def release_ticket(
+    params: Mapping[str, Any], *, tp_rank: int, transfer_id: str, expiry: bool = False
+) -> Ticket:
     """The ticket a consumer aborts to tell rank ``tp_rank`` of the producer to free
-    ``transfer_id`` now, or renews to keep it (it names the producer and the lease's
-    expiry, no blocks). Across TP sizes pass ``tp_rank=0``: the ticket then carries the
-    producer's ``tp_size`` and ``Agent.abort`` tells every producer rank this decode
-    rank reads.
+    ``transfer_id`` now (it names the producer, no blocks), or, with ``expiry``, keeps
+    alive (it also carries the lease's ``lease_expiry``). Across TP sizes pass
+    ``tp_rank=0``: the ticket then carries the producer's ``tp_size`` and
+    ``Agent.abort`` tells every producer rank this decode rank reads.
 
     Raises:
-        ConfigError: the producer's address keys missing or malformed.
+        ConfigError: the producer's address keys missing or malformed, or (with
+            ``expiry``) ``lease_expiry`` malformed; an abort never reads it.
     """
     engine_id, host, port = _address(params, tp_rank)
     return Ticket(
@@ -557,7 +560,7 @@ def release_ticket(params: Mapping[str, Any], *, tp_rank: int, transfer_id: str)
         request_id=transfer_id,
         block_ids=((),),
         num_tokens=0,
-        lease_expiry=_float(params, "lease_expiry"),
+        lease_expiry=_float(params, "lease_expiry") if expiry else 0.0,
         tp_size=_int(params, "tp_size", 1, minimum=1),
         incarnations=_incarnations(params),
         capability=_capability(params),

@@ -301,7 +301,7 @@ class WorkerSide:
         tickets = []
         for r in renewals:
             try:
-                tickets.append(self._hold_ticket(r.transfer_id, r.remote_params))
+                tickets.append(self._hold_ticket(r.transfer_id, r.remote_params, expiry=True))
             except Exception as exc:
                 log.warning("kvxfer: cannot renew %s: %s", r.request_id, exc)
         if tickets and self.agent.keep_alive(tickets) < len(tickets):
@@ -309,9 +309,14 @@ class WorkerSide:
             # waited here long already; its load fails closed (lease_expired).
             log.warning("kvxfer: %d hold(s) not kept alive: lease over", len(tickets))
 
-    def _hold_ticket(self, transfer_id: str, params: Mapping[str, Any]) -> Ticket:
-        """The ticket naming the producer rank that holds ``transfer_id`` for this rank."""
-        return release_ticket(params, tp_rank=self._paired_rank(params), transfer_id=transfer_id)
+    def _hold_ticket(
+        self, transfer_id: str, params: Mapping[str, Any], *, expiry: bool = False
+    ) -> Ticket:
+        """The ticket naming the producer rank that holds ``transfer_id`` for this rank
+        (with the lease's expiry, for a keep-alive)."""
+        return release_ticket(
+            params, tp_rank=self._paired_rank(params), transfer_id=transfer_id, expiry=expiry
+        )
 
     def after_forward(self, plan: StepPlan) -> None:
         """Producer, after the step's forward: stage the prompts it completed (host
