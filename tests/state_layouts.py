@@ -8,6 +8,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from kvxfer.core.layout import ConvLayout, Group, GroupKind, KVLayout, KVPart, Region
+from kvxfer.core.state_plan import StatePiece, plan_slots
 from kvxfer.core.state_split import StateSegment, StateSplit
 
 #: TP sizes the strategies draw from.
@@ -64,3 +65,32 @@ def state_cases(draw: st.DrawFn) -> tuple[StateSplit, int, int, int]:
     conv = tuple(segment(n) for n in draw(st.sampled_from((("x", "B", "C"), ("q", "k", "v")))))
     split = StateSplit(conv=conv, ssm=(segment("heads"),))
     return split, local_tp, remote_tp, draw(st.integers(0, local_tp - 1))
+
+
+def planned(
+    case: tuple[StateSplit, int, int, int],
+    *,
+    layers: int,
+    nbs: tuple[int, int],
+    pads: tuple[int, int],
+    salt: int,
+    spacing: int,
+) -> tuple[tuple[StatePiece, ...], KVLayout, dict[int, KVLayout]]:
+    """A case's consumer layout, its producer ranks' layouts (``spacing`` bytes apart)
+    and the consumer rank's :func:`plan_slots` pieces."""
+    split, local_tp, remote_tp, rank = case
+    local = state_layout(split, local_tp, layers, nbs[0], pads[0], base=1000)
+    remotes = {
+        p: state_layout(split, remote_tp, layers, nbs[1], pads[1], base=50_000 + spacing * p)
+        for p in range(remote_tp)
+    }
+    pieces = plan_slots(
+        local,
+        remotes,
+        split=split,
+        local_tp=local_tp,
+        local_rank=rank,
+        remote_tp=remote_tp,
+        salt=salt,
+    )
+    return pieces, local, remotes

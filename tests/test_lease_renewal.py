@@ -30,6 +30,13 @@ SHAPE = ModelShape(name="renew", layers=2, kv_heads=1, head_dim=8)
 NUM_BLOCKS = 8
 SEED = 11
 LEASE_S = 0.8
+FINGERPRINT = Fingerprint(
+    model="m",
+    dtype="bfloat16",
+    kv_cache_dtype="bfloat16",
+    attention_backend="t",
+    direction=Direction.PULL,
+)
 _names = itertools.count()
 
 
@@ -37,13 +44,7 @@ def _agent(role: Role, cache: HostKVCache, **config: Any) -> Agent:
     agent = Agent(
         AgentConfig(
             engine_id=f"renew-{role.value}",
-            fingerprint=Fingerprint(
-                model="m",
-                dtype="bfloat16",
-                kv_cache_dtype="bfloat16",
-                attention_backend="t",
-                direction=Direction.PULL,
-            ),
+            fingerprint=FINGERPRINT,
             role=role,
             direction=Direction.PULL,
             transfer_timeout_s=5.0,
@@ -314,12 +315,6 @@ def test_renew_limit_s_must_be_a_positive_number_of_seconds(value: float) -> Non
     ):
         AgentConfig(
             engine_id="e",
-            fingerprint=Fingerprint(
-                model="m",
-                dtype="bfloat16",
-                kv_cache_dtype="bfloat16",
-                attention_backend="t",
-                direction=Direction.PULL,
-            ),
+            fingerprint=FINGERPRINT,
             renew_limit_s=value,
         )

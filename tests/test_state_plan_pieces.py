@@ -35,28 +35,13 @@ from kvxfer.core.state_plan import (
 )
 from kvxfer.core.state_split import StateSegment, StateSplit, units_of
 from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch, PlanError
-from tests.state_layouts import state_cases, state_layout
+from tests.state_layouts import planned, state_cases, state_layout
 
 
 def _plan(
-    case: tuple[StateSplit, int, int, int], salt: int = 0, layers: int = 2
+    case: tuple[StateSplit, int, int, int], salt: int = 0
 ) -> tuple[tuple[StatePiece, ...], KVLayout, dict[int, KVLayout]]:
-    split, local_tp, remote_tp, rank = case
-    local = state_layout(split, local_tp, layers, 3, 1, base=1000)
-    remotes = {
-        p: state_layout(split, remote_tp, layers, 3, 2, base=50_000 + 1000 * p)
-        for p in range(remote_tp)
-    }
-    pieces = plan_slots(
-        local,
-        remotes,
-        split=split,
-        local_tp=local_tp,
-        local_rank=rank,
-        remote_tp=remote_tp,
-        salt=salt,
-    )
-    return pieces, local, remotes
+    return planned(case, layers=2, nbs=(3, 3), pads=(1, 2), salt=salt, spacing=1000)
 
 
 @given(case=state_cases(), salt=st.integers(0, 9))

@@ -29,7 +29,7 @@ from kvxfer.core.state_plan import (
 )
 from kvxfer.core.state_split import StateSegment, StateSplit, unit_ranks, units_of
 from kvxfer.errors import ConfigError, LayoutError, LayoutMismatch
-from tests.state_layouts import STATE_PARTS, state_cases, state_layout
+from tests.state_layouts import STATE_PARTS, planned, state_cases, state_layout
 
 I64 = npt.NDArray[np.int64]
 _PARTS = STATE_PARTS
@@ -77,20 +77,7 @@ def test_every_consumer_state_byte_is_written_once_from_the_right_producer_byte(
     data: st.DataObject,
 ) -> None:
     split, local_tp, remote_tp, rank = case
-    local = state_layout(split, local_tp, layers, nbs[0], pads[0], base=1000)
-    remotes = {
-        p: state_layout(split, remote_tp, layers, nbs[1], pads[1], base=50_000 + 7 * p)
-        for p in range(remote_tp)
-    }
-    pieces = plan_slots(
-        local,
-        remotes,
-        split=split,
-        local_tp=local_tp,
-        local_rank=rank,
-        remote_tp=remote_tp,
-        salt=salt,
-    )
+    pieces, local, remotes = planned(case, layers=layers, nbs=nbs, pads=pads, salt=salt, spacing=7)
     assert sorted({p.rank for p in pieces}) == list(
         state_source_ranks(split, local_tp, rank, remote_tp, salt=salt)
     )

@@ -304,10 +304,15 @@ class WorkerSide:
                 tickets.append(self._hold_ticket(r.transfer_id, r.remote_params, expiry=True))
             except Exception as exc:
                 log.warning("kvxfer: cannot renew %s: %s", r.request_id, exc)
-        if tickets and self.agent.keep_alive(tickets) < len(tickets):
-            # The scheduler sends only holds whose lease still runs: one over by now
-            # waited here long already; its load fails closed (lease_expired).
-            log.warning("kvxfer: %d hold(s) not kept alive: lease over", len(tickets))
+        added = self.agent.keep_alive(tickets) if tickets else 0
+        if added < len(tickets):
+            # The scheduler sends each waiting request once, and only while its lease
+            # runs: one not added ended meanwhile; its load fails closed (lease_expired).
+            log.warning(
+                "kvxfer: %d of %d hold(s) not kept alive: lease over or kept already",
+                len(tickets) - added,
+                len(tickets),
+            )
 
     def _hold_ticket(
         self, transfer_id: str, params: Mapping[str, Any], *, expiry: bool = False
